@@ -1,0 +1,1 @@
+"""Context-manager and summariser plugins (see ``plugins.registry``)."""

@@ -1,0 +1,213 @@
+"""Plugin contracts: context managers and summarisers (DESIGN §3).
+
+A context manager owns the recency policy: ``manage_history`` gets the
+committed history as turns (with their token counts and chained content
+hashes) and returns the history to send, and optionally one summary message
+that the pipeline places right after the system band. A summariser only turns
+turns into text; the summarising manager owns keep_turns and hysteresis, and
+the summary cache (``SummaryStore``) owns reuse, single flight and cost.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from proxy.budget import TrimmerParams
+
+if TYPE_CHECKING:
+    from proxy.budget import Budget
+    from proxy.messages import Message
+    from proxy.tokens import TokenCounter
+
+
+class Params(BaseModel):
+    """Base of every plugin's params model: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What an engine returns for one summariser call."""
+
+    text: str
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Engine(Protocol):
+    """The seam to a model: the proxy's own upstream routes in the server, a fake in tests."""
+
+    async def complete(
+        self, model: str, messages: list[Message], *, max_tokens: int, timeout: float, purpose: str
+    ) -> Completion: ...
+
+
+@dataclass(frozen=True)
+class SummaryScope:
+    """Who may share a summary: tenant + summariser settings (model, instructions, prompt version)."""
+
+    tenant: str
+    settings_id: str
+
+
+@dataclass(frozen=True)
+class CachedSummary:
+    covered_turns: int
+    chain: str
+    text: str
+    tokens: int
+
+
+class SummaryStore(Protocol):
+    """The summary cache seam (``proxy.summaries.SummaryService`` in the proxy)."""
+
+    async def lookup(self, scope: SummaryScope, chain: Sequence[str]) -> CachedSummary | None:
+        """The cached summary of the longest known prefix of this history, or None (constant cache ops)."""
+
+    async def obtain(
+        self,
+        scope: SummaryScope,
+        chain: Sequence[str],
+        cut: int,
+        turns: Sequence[Sequence[Message]],
+        previous: CachedSummary | None,
+        summarize: SummarizeFn,
+    ) -> tuple[CachedSummary, bool]:
+        """A summary of ``turns[:cut]``, and whether this call made it (False: it came from the cache).
+
+        Made at most once across requests and replicas (single flight), incrementally from
+        ``previous`` plus the newly aged turns. Raises ``SummaryUnavailable`` when the summariser
+        fails or is backing off after a failure.
+        """
+
+
+class SummaryUnavailable(Exception):
+    """The summariser failed (error, timeout, empty answer) or is in back-off."""
+
+
+class SummarizeFn(Protocol):
+    async def __call__(self, previous: str | None, turns: Sequence[Sequence[Message]]) -> Completion: ...
+
+
+@dataclass
+class Services:
+    """What the pipeline lends a plugin for one request (all optional: the CLI may run offline)."""
+
+    engine: Engine | None = None
+    summaries: SummaryStore | None = None
+    tenant: str = "default"
+    model: str = ""
+    summarizer_model: str | None = None
+    summary_tokens: int = 1024
+    summarizer_timeout: float = 60.0
+    summarizer_window: int = 128_000
+    counter: TokenCounter | None = None
+
+
+@dataclass
+class HistoryView:
+    """The committed history of one request, as the pipeline prepared it."""
+
+    turns: list[list[Message]]
+    message_tokens: list[list[int]]
+    turn_tokens: list[int]
+    chain: list[str]
+    pinned_tokens: int
+    budget: Budget
+    counter: TokenCounter
+    services: Services
+
+    def payload_tokens(self, start: int = 0, extra: int = 0) -> int:
+        """Tokens of the request if it kept turns[start:] plus ``extra`` (a summary)."""
+        return self.pinned_tokens + extra + sum(self.turn_tokens[start:])
+
+
+@dataclass
+class HistoryResult:
+    """What ``manage_history`` returns."""
+
+    turns: list[list[Message]]
+    summary: Message | None = None
+    turns_summarised: int = 0
+    turns_dropped: int = 0
+    summary_status: str = "none"
+    removed: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def unchanged(cls, view: HistoryView) -> HistoryResult:
+        return cls(turns=view.turns)
+
+
+class ContextManager(ABC):
+    """A context-manager plugin (registry type ``context_manager``)."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[Params]]
+
+    def __init__(self, params: Params, summarizer: Summarizer | None = None) -> None:
+        self.params = params
+        self.summarizer = summarizer
+
+    @abstractmethod
+    async def manage_history(self, view: HistoryView) -> HistoryResult:
+        """Return the history to send for this request."""
+
+    def limits(self) -> dict[str, Any]:
+        """Numbers a request override may only lower (keep_turns, max_messages, ...)."""
+        return {}
+
+    @property
+    def hysteresis_ratio(self) -> float:
+        return float(getattr(self.params, "hysteresis_ratio", 0.1))
+
+    @property
+    def summary_threshold(self) -> int:
+        return int(getattr(self.params, "summary_threshold", 0))
+
+    @property
+    def working_memory_messages(self) -> int | None:
+        value = getattr(self.params, "working_memory_messages", None)
+        return int(value) if value is not None else None
+
+    @property
+    def trimmer(self) -> TrimmerParams | None:
+        return getattr(self.params, "trimmer", None)
+
+
+class Summarizer(ABC):
+    """A summariser plugin (registry type ``summarizer``); only bound on ``summarising``."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[Params]]
+
+    def __init__(self, params: Params) -> None:
+        self.params = params
+
+    def settings_id(self, services: Services) -> str:
+        """Identifies what the summary depends on besides the turns (model, instructions, prompt version)."""
+        return self.name
+
+    def bind(self, services: Services) -> SummarizeFn | None:
+        """A summarise function for this request, or None to drop older turns instead."""
+        return None
+
+
+def stable_cut(excess: int, step: int, limit: int) -> int:
+    """How many leading items to cut: ``excess`` rounded up to a multiple of ``step`` (at most ``limit``).
+
+    Cutting on a fixed grid counted from the start of the conversation keeps the
+    forwarded prefix identical between consecutive requests until the next grid
+    line is crossed, so providers' prompt caches keep hitting.
+    """
+    if excess <= 0:
+        return 0
+    step = max(1, step)
+    return min(limit, -(-excess // step) * step)

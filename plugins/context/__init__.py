@@ -1,0 +1,1 @@
+"""Context managers: one plugin per file."""

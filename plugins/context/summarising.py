@@ -1,0 +1,124 @@
+"""``summarising`` (default): older turns replaced by one cached, reused summary (DESIGN §3).
+
+Under the summary threshold T nothing changes. Over it, the last ``keep_turns``
+user turns stay verbatim and older turns go to the summariser. A cached summary
+of a prefix of this history is reused while the payload built from it stays
+within the hard budget B; past B a new one is made incrementally (previous
+summary + the newly aged turns), cutting so the result leaves one hysteresis
+step of headroom, so summariser calls grow with conversation growth, not with
+request count. With the ``drop`` summariser (or no engine) older turns are
+dropped instead, on a prefix-stable grid.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import Field
+
+from plugins.base import (
+    CachedSummary,
+    ContextManager,
+    HistoryResult,
+    HistoryView,
+    Params,
+    SummaryScope,
+    SummaryUnavailable,
+    stable_cut,
+)
+from proxy.budget import TrimmerParams
+from proxy.messages import Message
+
+
+class SummarisingParams(Params):
+    keep_turns: int = Field(10, ge=0, description="Recent user turns kept verbatim (aliases window_size, max_turns).")
+    hysteresis_ratio: float = Field(0.1, ge=0.0, le=1.0, description="T = B/(1+ratio); reuse until B.")
+    summary_threshold: int = Field(0, ge=0, description="Explicit T in tokens; 0 derives it from B.")
+    summarizer: Any = Field("llm", description="Summariser binding: llm (default) or drop.")
+    working_memory_messages: int | None = Field(20, ge=1, description="Cap on in-turn working-memory rows.")
+    cut_step: int | None = Field(None, ge=1, description="Turns dropped at once on the drop path "
+                                 "(default ceil(keep_turns/4)).")
+    trimmer: TrimmerParams | None = None
+
+
+def summary_message(summary: CachedSummary) -> Message:
+    return {
+        "role": "system",
+        "content": f"[Conversation summary — {summary.covered_turns} earlier turns]\n{summary.text}",
+    }
+
+
+class Summarising(ContextManager):
+    name = "summarising"
+    Params = SummarisingParams
+
+    async def manage_history(self, view: HistoryView) -> HistoryResult:
+        budget = view.budget
+        n = len(view.turns)
+        if n == 0 or view.payload_tokens() <= budget.threshold:
+            return HistoryResult.unchanged(view)
+        services = view.services
+        summarize = None
+        if self.summarizer is not None and services.summaries is not None:
+            summarize = self.summarizer.bind(services)
+        if summarize is None or self.summarizer is None or services.summaries is None:
+            return self._drop(view)
+        scope = SummaryScope(services.tenant, self.summarizer.settings_id(services))
+        found = await services.summaries.lookup(scope, view.chain)
+        if found is not None and view.payload_tokens(
+            found.covered_turns, self._summary_tokens(view, found)
+        ) <= budget.hard_budget:
+            return self._with(view, found, "reused")
+        cut = self._cut(view, services.summary_tokens)
+        if cut == 0 or (found is not None and cut <= found.covered_turns):
+            return self._with(view, found, "reused") if found is not None else HistoryResult.unchanged(view)
+        try:
+            made, fresh = await services.summaries.obtain(scope, view.chain, cut, view.turns, found, summarize)
+        except SummaryUnavailable as exc:
+            return HistoryResult(turns=view.turns, summary_status="failed", notes=[str(exc)])
+        return self._with(view, made, "created" if fresh else "reused")
+
+    def _cut(self, view: HistoryView, summary_tokens: int) -> int:
+        """Summarise all but the last keep_turns turns, and more if the rest would leave no headroom."""
+        params: Any = self.params
+        n = len(view.turns)
+        budget = view.budget
+        target = min(budget.threshold, budget.hard_budget - budget.step)
+        cut = max(0, n - params.keep_turns)
+        while cut < n and view.payload_tokens(cut, summary_tokens) > target:
+            cut += 1
+        return cut
+
+    def _summary_tokens(self, view: HistoryView, summary: CachedSummary) -> int:
+        return view.counter.message(summary_message(summary))
+
+    def _with(self, view: HistoryView, summary: CachedSummary, status: str) -> HistoryResult:
+        k = summary.covered_turns
+        message = summary_message(summary)
+        replaced = sum(view.turn_tokens[:k])
+        return HistoryResult(
+            turns=view.turns[k:],
+            summary=message,
+            turns_summarised=k,
+            summary_status=status,
+            removed={"summarised": max(0, replaced - view.counter.message(message))},
+        )
+
+    def _drop(self, view: HistoryView) -> HistoryResult:
+        params: Any = self.params
+        keep = params.keep_turns
+        step = params.cut_step or max(1, math.ceil(max(keep, 1) / 4))
+        cut = stable_cut(len(view.turns) - keep, step, len(view.turns))
+        if cut == 0:
+            return HistoryResult.unchanged(view)
+        return HistoryResult(
+            turns=view.turns[cut:],
+            turns_dropped=cut,
+            removed={"windowed": sum(view.turn_tokens[:cut])},
+        )
+
+    def limits(self) -> dict[str, Any]:
+        return {"keep_turns": self.params.keep_turns}  # type: ignore[attr-defined]
+
+

@@ -1,0 +1,1 @@
+"""Summarisers: one plugin per file."""

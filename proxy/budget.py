@@ -1,0 +1,89 @@
+"""The token budget of one request (DESIGN §3 "Budget and hysteresis")."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_WINDOW = 128_000
+DEFAULT_RESERVE = 4_096
+
+
+class TrimmerParams(BaseModel):
+    """How the hard budget is derived (``trimmer:`` at top level or inside a context manager's params)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int | None = Field(
+        None, ge=1, description="Explicit input ceiling (alias token_budget); capped by the tenant's cap."
+    )
+    reserve_tokens: int | None = Field(
+        None, ge=0, description="Completion reserve; default: the request's max_(completion_)tokens, "
+        "else the model's max output tokens."
+    )
+    safety_margin_ratio: float = Field(
+        0.1, description="Fraction of the window held back for estimate error (clamped to [0, 0.5])."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: object) -> object:
+        if isinstance(data, dict) and "token_budget" in data:
+            data = dict(data)
+            budget = data.pop("token_budget")
+            data.setdefault("max_tokens", budget)
+        return data
+
+    def merged_over(self, base: TrimmerParams | None) -> TrimmerParams:
+        """These params, with fields left unset taken from ``base``."""
+        if base is None:
+            return self
+        values = base.model_dump()
+        values.update(self.model_dump(exclude_unset=True))
+        return TrimmerParams(**values)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """window, reserve and margin give the hard budget B; T is the summary threshold."""
+
+    window: int
+    reserve: int
+    margin: int
+    hard_budget: int
+    threshold: int
+    hysteresis_ratio: float
+
+    @property
+    def step(self) -> int:
+        """Tokens of growth absorbed between two compactions: the grid of prefix-stable cuts."""
+        return max(1, math.ceil(self.hysteresis_ratio * self.hard_budget))
+
+
+def compute_budget(
+    *,
+    window: int,
+    request_max_tokens: int | None,
+    model_max_output: int | None,
+    trimmer: TrimmerParams,
+    tenant_cap: int | None,
+    hysteresis_ratio: float = 0.1,
+    summary_threshold: int = 0,
+) -> Budget:
+    if trimmer.reserve_tokens is not None:
+        reserve = trimmer.reserve_tokens
+    elif request_max_tokens is not None:
+        reserve = request_max_tokens
+    else:
+        reserve = model_max_output if model_max_output is not None else DEFAULT_RESERVE
+    ratio = min(0.5, max(0.0, trimmer.safety_margin_ratio))
+    margin = math.ceil(ratio * window)
+    hard = trimmer.max_tokens if trimmer.max_tokens is not None else window - reserve - margin
+    if tenant_cap is not None:
+        hard = min(hard, tenant_cap)
+    hard = max(0, hard)
+    ratio_h = max(0.0, hysteresis_ratio)
+    threshold = summary_threshold if summary_threshold > 0 else int(hard / (1 + ratio_h))
+    return Budget(window, reserve, margin, hard, min(threshold, hard), ratio_h)

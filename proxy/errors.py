@@ -1,0 +1,174 @@
+"""Errors ctxproxy raises, and their one mapping to OpenAI's error shape.
+
+::
+
+    CtxProxyError                      every error a client may see
+    ├── BadRequest (400)               invalid_request_error
+    │   ├── InvalidJSON                code=invalid_json
+    │   ├── PayloadError               the ProviderPayloadError: code names the check
+    │   ├── ContextLengthExceeded      code=context_length_exceeded
+    │   └── OutputLimitExceeded        code=max_tokens_exceeded (tenant policy: refuse)
+    ├── BodyTooLarge (413)             code=request_too_large
+    ├── AuthenticationError (401)      code=invalid_api_key
+    ├── ModelNotFound (404)            code=model_not_found
+    ├── NotFound (404)                 code=not_found
+    └── UpstreamError                  the provider side
+        ├── UpstreamUnreachable (502)  code=upstream_unreachable
+        ├── UpstreamTimeout (504)      code=upstream_timeout
+        ├── SummarizerFailed (502)     code=summarizer_failed (on_summarizer_error: fail)
+        └── UpstreamStatus (relayed)   the provider's status and normalised body
+
+    ConfigError                        startup / validate only, never sent to a client
+
+``to_openai`` is the only place an error becomes a response body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CtxProxyError(Exception):
+    """Base of every client-visible error."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_openai(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class BadRequest(CtxProxyError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class InvalidJSON(BadRequest):
+    code = "invalid_json"
+
+
+class PayloadError(BadRequest):
+    """A payload that would be rejected by the provider (DESIGN §5)."""
+
+    code = "invalid_payload"
+
+
+class ContextLengthExceeded(BadRequest):
+    code = "context_length_exceeded"
+
+
+class OutputLimitExceeded(BadRequest):
+    code = "max_tokens_exceeded"
+
+
+class BodyTooLarge(CtxProxyError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class AuthenticationError(CtxProxyError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(CtxProxyError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class NotFound(CtxProxyError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class UpstreamError(CtxProxyError):
+    status = 502
+    type = "upstream_error"
+    code = "upstream_error"
+
+
+class UpstreamUnreachable(UpstreamError):
+    code = "upstream_unreachable"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+
+
+class SummarizerFailed(UpstreamError):
+    code = "summarizer_failed"
+
+
+class UpstreamStatus(UpstreamError):
+    """An upstream 4xx/5xx, relayed with its status and an OpenAI-shaped body."""
+
+    def __init__(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        err = body.get("error") if isinstance(body.get("error"), dict) else {}
+        super().__init__(str(err.get("message") or f"upstream answered {status}"))
+        self.status = status
+        self.body = body
+        self.headers = headers or {}
+
+    def to_openai(self) -> dict[str, Any]:
+        return self.body
+
+
+class ConfigError(Exception):
+    """An invalid configuration: one line per problem, each naming its key path."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def normalise_error_body(status: int, payload: Any) -> dict[str, Any]:
+    """Turn any provider error payload into OpenAI's shape (e.g. Gemini's ``[{"error": ...}]``)."""
+    if isinstance(payload, list) and payload:
+        payload = payload[0]
+    if isinstance(payload, dict):
+        err = payload.get("error")
+        if isinstance(err, dict):
+            message = err.get("message") or err.get("status") or f"upstream answered {status}"
+            code = err.get("code")
+            return error_body(
+                str(message),
+                str(err.get("type") or err.get("status") or _type_for(status)),
+                err.get("param") if isinstance(err.get("param"), str) else None,
+                str(code) if code is not None else None,
+            )
+        if isinstance(err, str):
+            return error_body(err, _type_for(status), None, None)
+        for key in ("message", "detail", "msg"):
+            if isinstance(payload.get(key), str):
+                return error_body(payload[key], _type_for(status), None, None)
+    if isinstance(payload, str) and payload.strip():
+        return error_body(payload.strip()[:2000], _type_for(status), None, None)
+    return error_body(f"upstream answered {status}", _type_for(status), None, None)
+
+
+def _type_for(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 429:
+        return "rate_limit_error"
+    if 400 <= status < 500:
+        return "invalid_request_error"
+    return "upstream_error"

@@ -1,0 +1,290 @@
+"""The context pipeline (DESIGN §1-5), from a parsed request body to the messages to forward.
+
+repair pairing → split into bands → manage_history (context-manager plugin)
+→ working-memory cap → token trim (pin tail) → payload check → fit check.
+
+Pairing is repaired first, on the client's messages, so every later step works
+on whole tool groups and the forwarded payload is always paired; the payload
+check then verifies the result. Everything here is synchronous except the one
+await on ``manage_history`` (the summariser), so the same code runs in the
+server, in ``ctxproxy assemble`` and in the explain endpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from plugins.base import HistoryView, Services
+from proxy.budget import Budget, compute_budget
+from proxy.errors import BadRequest, ContextLengthExceeded, OutputLimitExceeded, PayloadError
+from proxy.messages import Bands, Message, split_bands, split_turns, tool_groups
+from proxy.pairing import check, check_shape, repair
+from proxy.policy import ModelRoute, Policy
+from proxy.tokens import REPLY_PRIMING, TokenCounter, digest
+
+
+@dataclass
+class Report:
+    """What the pipeline did, for headers, logs, metrics, ``assemble`` and explain."""
+
+    model: str
+    tenant: str
+    context_manager: str
+    tokens_before: int = 0
+    tokens_after: int = 0
+    window: int = 0
+    reserve: int = 0
+    margin: int = 0
+    hard_budget: int = 0
+    threshold: int = 0
+    turns_total: int = 0
+    turns_kept: int = 0
+    turns_summarised: int = 0
+    turns_dropped: int = 0
+    wm_rows_dropped: int = 0
+    groups_trimmed: int = 0
+    repairs: dict[str, int] = field(default_factory=dict)
+    removed: dict[str, int] = field(default_factory=dict)
+    summary: str = "none"
+    max_tokens_clamped: bool = False
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Assembly:
+    """The result: messages to forward, whether anything changed, and the report."""
+
+    messages: list[Message]
+    changed: bool
+    report: Report
+    body_changes: dict[str, Any] = field(default_factory=dict)
+
+
+def request_max_tokens(body: dict[str, Any]) -> tuple[str | None, int | None]:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadRequest(f"'{key}' must be a positive integer", param=key, code="invalid_max_tokens")
+        return key, value
+    return None, None
+
+
+def chain_hashes(turns: list[list[Message]], keys: dict[int, bytes]) -> list[str]:
+    """chain[i] identifies turns[0..i]: each turn's message digests hashed onto the previous link."""
+    out: list[str] = []
+    link = b""
+    for turn in turns:
+        h = hashlib.blake2b(link, digest_size=16)
+        for message in turn:
+            h.update(keys[id(message)])
+        link = h.digest()
+        out.append(link.hex())
+    return out
+
+
+@dataclass
+class Prepared:
+    """The policy-independent, CPU-heavy first step: shape check, pairing repair, hashing, counting.
+
+    It is synchronous and touches nothing shared but the counter's LRU, so the
+    server runs it in a worker thread for large bodies (tiktoken releases the GIL).
+    """
+
+    messages: list[Message]
+    repaired: list[Message]
+    repairs: Counter[str]
+    keys: dict[int, bytes]
+    tokens: dict[int, int]
+    fixed: int
+
+
+def prepare(body: dict[str, Any], counter: TokenCounter) -> Prepared:
+    messages = body.get("messages")
+    check_shape(messages)
+    assert isinstance(messages, list)
+    repaired, repairs = repair(messages)
+    keys = {id(m): digest(m) for m in repaired}
+    counts = counter.messages(repaired, [keys[id(m)] for m in repaired])
+    tokens = {id(m): n for m, n in zip(repaired, counts)}
+    fixed = REPLY_PRIMING + counter.tools(body.get("tools")) + counter.tools(body.get("functions"))
+    return Prepared(messages, repaired, repairs, keys, tokens, fixed)
+
+
+async def assemble(
+    body: dict[str, Any],
+    *,
+    route: ModelRoute,
+    policy: Policy,
+    counter: TokenCounter,
+    services: Services,
+    prepared: Prepared | None = None,
+) -> Assembly:
+    """Run the whole pipeline on one chat-completions body (raises a CtxProxyError to refuse)."""
+    report = Report(model=route.name, tenant=policy.tenant, context_manager=policy.binding.type,
+                    warnings=list(policy.warnings))
+    body_changes: dict[str, Any] = {}
+    if prepared is None:
+        prepared = prepare(body, counter)
+    messages, repaired, repairs = prepared.messages, prepared.repaired, prepared.repairs
+    keys, tokens, fixed = prepared.keys, prepared.tokens, prepared.fixed
+
+    key, max_tokens = request_max_tokens(body)
+    if policy.max_output_tokens is not None and max_tokens is not None and max_tokens > policy.max_output_tokens:
+        if policy.max_output_policy == "refuse":
+            raise OutputLimitExceeded(
+                f"'{key}' is {max_tokens}; this key allows at most {policy.max_output_tokens}", param=key)
+        assert key is not None
+        body_changes[key] = max_tokens = policy.max_output_tokens
+        report.max_tokens_clamped = True
+
+    report.repairs = dict(repairs)
+    if repairs and policy.pairing == "strict":
+        raise PayloadError(
+            "tool-call pairing is invalid (" + ", ".join(f"{k}={v}" for k, v in sorted(repairs.items()))
+            + ") and this policy is pairing: strict", param="messages", code="invalid_tool_pairing")
+
+    total = fixed + sum(tokens.values())
+    report.tokens_before = total
+
+    budget = _budget(route, policy, max_tokens)
+    report.window, report.reserve, report.margin = budget.window, budget.reserve, budget.margin
+    report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
+
+    bands = split_bands(repaired)
+    turns = split_turns(bands.history)
+    report.turns_total = report.turns_kept = sum(1 for t in turns if t and t[0].get("role") == "user")
+    if total <= budget.threshold:
+        report.tokens_after = total
+        _fits(total, budget)
+        if repairs:
+            check(repaired)
+        return Assembly(repaired, bool(repairs) or bool(body_changes), report, body_changes)
+
+    def toks(ms: list[Message]) -> int:
+        return sum(tokens[id(m)] for m in ms)
+
+    pinned = fixed + toks(bands.system) + toks(bands.working_memory)
+    if bands.current is not None:
+        pinned += tokens[id(bands.current)]
+    message_tokens = [[tokens[id(m)] for m in t] for t in turns]
+    view = HistoryView(
+        turns=turns,
+        message_tokens=message_tokens,
+        turn_tokens=[sum(t) for t in message_tokens],
+        chain=chain_hashes(turns, keys),
+        pinned_tokens=pinned,
+        budget=budget,
+        counter=counter,
+        services=services,
+    )
+    result = await policy.manager.manage_history(view)
+    report.summary = result.summary_status
+    report.turns_summarised = result.turns_summarised
+    report.turns_dropped = result.turns_dropped
+    removed: Counter[str] = Counter(result.removed)
+    if result.summary is not None:
+        tokens[id(result.summary)] = counter.message(result.summary)
+    history = [m for t in result.turns for m in t]
+    for m in history:
+        if id(m) not in tokens:  # a plugin may return messages of its own
+            tokens[id(m)] = counter.message(m)
+
+    wm = bands.working_memory
+    cap = policy.manager.working_memory_messages
+    if cap is not None and len(wm) > cap:
+        groups = tool_groups(wm)
+        while len(groups) > 1 and sum(map(len, groups)) > cap:
+            dropped = groups.pop(0)
+            report.wm_rows_dropped += len(dropped)
+            removed["wm_capped"] += toks(dropped)
+        wm = [m for g in groups for m in g]
+
+    head = list(bands.system) + ([result.summary] if result.summary is not None else [])
+    tail = ([bands.current] if bands.current is not None else [])
+    size = fixed + toks(head) + toks(history) + toks(tail) + toks(wm)
+    history, wm, size = _trim(history, wm, size, budget, toks, report, removed)
+
+    final = Bands(bands.system, history, bands.current, wm).flatten(result.summary)
+    report.removed = {k: v for k, v in removed.items() if v}
+    report.tokens_after = size
+    report.turns_kept = sum(1 for m in history if m.get("role") == "user")
+    _fits(size, budget)
+    check(final)
+    changed = len(final) != len(messages) or any(a is not b for a, b in zip(final, messages))
+    return Assembly(final, changed or bool(body_changes), report, body_changes)
+
+
+def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None) -> Budget:
+    manager = policy.manager
+    budget = compute_budget(
+        window=route.window,
+        request_max_tokens=max_tokens,
+        model_max_output=route.max_output,
+        trimmer=policy.trimmer,
+        tenant_cap=policy.max_context_tokens,
+        hysteresis_ratio=manager.hysteresis_ratio,
+        summary_threshold=manager.summary_threshold,
+    )
+    if policy.budget_cap is not None and policy.budget_cap < budget.hard_budget:
+        budget = compute_budget(
+            window=route.window, request_max_tokens=max_tokens, model_max_output=route.max_output,
+            trimmer=policy.trimmer, tenant_cap=policy.budget_cap,
+            hysteresis_ratio=manager.hysteresis_ratio, summary_threshold=manager.summary_threshold,
+        )
+    return budget
+
+
+def _trim(
+    history: list[Message],
+    wm: list[Message],
+    size: int,
+    budget: Budget,
+    toks: Any,
+    report: Report,
+    removed: Counter[str],
+) -> tuple[list[Message], list[Message], int]:
+    """Drop the oldest history groups (on the prefix-stable grid), then WM groups but never the last."""
+    if size <= budget.hard_budget:
+        return history, wm, size
+    need = size - budget.hard_budget
+    goal = -(-need // budget.step) * budget.step
+    groups = tool_groups(history)
+    dropped = 0
+    cut = 0
+    while cut < len(groups) and dropped < goal:
+        dropped += toks(groups[cut])
+        cut += 1
+    if cut:
+        report.groups_trimmed += cut
+        removed["trimmed"] += dropped
+        history = [m for g in groups[cut:] for m in g]
+        size -= dropped
+    if size > budget.hard_budget:
+        wm_groups = tool_groups(wm)
+        while len(wm_groups) > 1 and size > budget.hard_budget:
+            g = wm_groups.pop(0)
+            n = toks(g)
+            size -= n
+            removed["trimmed"] += n
+            report.wm_rows_dropped += len(g)
+        wm = [m for g in wm_groups for m in g]
+    return history, wm, size
+
+
+def _fits(size: int, budget: Budget) -> None:
+    if size > budget.hard_budget:
+        raise ContextLengthExceeded(
+            f"This request needs {size} input tokens after context management, but the budget is "
+            f"{budget.hard_budget} (window {budget.window} - completion reserve {budget.reserve} - "
+            f"safety margin {budget.margin}). The system messages, the current user turn and the last "
+            "tool round cannot be dropped; shorten them or lower max_tokens.",
+            param="messages",
+        )

@@ -1,0 +1,208 @@
+"""Per-request policy: tenant, model route, and the context manager after any override.
+
+Precedence: the tenant's policy, then the request's override (header
+``x-ctxproxy-context-manager``), then the org default. With tenants configured
+an override may only tighten (same or smaller limits); a malformed or loosening
+override is ignored and a warning says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from plugins.base import ContextManager
+from plugins.registry import Binding, BindingError
+from proxy.budget import DEFAULT_WINDOW, TrimmerParams
+from proxy.errors import ModelNotFound
+from proxy.modelinfo import ModelMap
+from proxy.settings import Config, Tenant
+from proxy.tokens import encoding_for
+
+log = logging.getLogger("ctxproxy")
+
+# Params an override may change, and only downwards.
+TIGHTENING = ("keep_turns", "max_messages", "working_memory_messages", "summary_threshold")
+# Changing the manager type is allowed only to one that keeps no more than the base.
+TYPE_CHANGES = {("summarising", "sliding-window")}
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """Where a model name goes, and its limits."""
+
+    name: str
+    upstream: str
+    upstream_model: str
+    provider: str
+    window: int
+    max_output: int | None
+    encoding: str
+    configured: bool
+
+
+@dataclass
+class Policy:
+    """The effective policy of one request."""
+
+    tenant: str
+    binding: Binding
+    manager: ContextManager
+    trimmer: TrimmerParams
+    pairing: str
+    max_context_tokens: int | None
+    max_output_tokens: int | None
+    max_output_policy: str
+    allowed_models: list[str] | None
+    summarizer_model: str | None
+    on_summarizer_error: str
+    budget_cap: int | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def describe(self) -> dict[str, Any]:
+        """What GET /v1/ctxproxy/policy shows (never keys)."""
+        return {
+            "tenant": self.tenant,
+            "context_manager": {
+                "type": self.binding.type,
+                "params": self.binding.params.model_dump(mode="json", exclude_none=True),
+                **({"summarizer": self.binding.summarizer.type} if self.binding.summarizer else {}),
+            },
+            "trimmer": self.trimmer.model_dump(mode="json", exclude_none=True),
+            "pairing": self.pairing,
+            "max_context_tokens": self.max_context_tokens,
+            "max_output_tokens": self.max_output_tokens,
+            "max_output_policy": self.max_output_policy,
+            "models": self.allowed_models,
+            "summarizer_model": self.summarizer_model,
+            "on_summarizer_error": self.on_summarizer_error,
+        }
+
+
+class Routes:
+    """Resolves model names to routes (the app owns one per config)."""
+
+    def __init__(self, config: Config, model_map: ModelMap) -> None:
+        self.config = config
+        self.model_map = model_map
+        self._warned: set[str] = set()
+
+    def resolve(self, name: str) -> ModelRoute:
+        cfg = self.config
+        m = cfg.model(name)
+        if m is None and not cfg.settings.allow_unknown_models:
+            raise ModelNotFound(f"The model {name!r} does not exist or you do not have access to it.", param="model")
+        upstream_model = m.upstream_model if m else name
+        info = self.model_map.get(upstream_model) or self.model_map.get(name)
+        window = m.context_window if m and m.context_window else None
+        if window is None and info is not None:
+            window = info.max_input_tokens
+        if window is None:
+            window = DEFAULT_WINDOW
+            if name not in self._warned:
+                self._warned.add(name)
+                log.warning("model %r has no known context window; assuming %d tokens", name, DEFAULT_WINDOW)
+        max_output = m.max_output_tokens if m and m.max_output_tokens else (info.max_output_tokens if info else None)
+        return ModelRoute(
+            name=name,
+            upstream=(m.upstream if m and m.upstream else cfg.default_upstream),
+            upstream_model=upstream_model,
+            provider=m.provider if m else "openai",
+            window=window,
+            max_output=max_output,
+            encoding=encoding_for(upstream_model, m.tokenizer if m else None),
+            configured=m is not None,
+        )
+
+
+def policy_for(config: Config, tenant: Tenant | None, model: str, override: str | None) -> Policy:
+    """The effective policy for one request (raises ModelNotFound for a model the tenant may not use)."""
+    s = config.settings
+    ts = tenant.settings if tenant else None
+    if ts is not None and ts.models is not None and model not in ts.models:
+        raise ModelNotFound(f"The model {model!r} does not exist or you do not have access to it.", param="model")
+    base = tenant.context_manager if tenant and tenant.context_manager else config.context_manager
+    binding, budget_cap, warnings = base, None, []
+    if override:
+        try:
+            binding, budget_cap = _override(config, base, override, strict=bool(config.tenants))
+        except OverrideRejected as exc:
+            warnings.append(f"x-ctxproxy-context-manager ignored: {_ascii(str(exc))}")
+    manager: ContextManager = binding.create()
+    base_trimmer = base.create().trimmer if binding is not base else manager.trimmer
+    trimmer = (base_trimmer or TrimmerParams()).merged_over(s.trimmer)
+    return Policy(
+        tenant=tenant.name if tenant else "default",
+        binding=binding,
+        manager=manager,
+        trimmer=trimmer,
+        pairing=(ts.pairing if ts and ts.pairing else s.pairing),
+        max_context_tokens=ts.max_context_tokens if ts else None,
+        max_output_tokens=ts.max_output_tokens if ts else None,
+        max_output_policy=ts.max_output_policy if ts else "clamp",
+        allowed_models=ts.models if ts else None,
+        summarizer_model=(ts.summarizer_model if ts and ts.summarizer_model else s.summarizer_model),
+        on_summarizer_error=s.on_summarizer_error,
+        budget_cap=budget_cap,
+        warnings=warnings,
+    )
+
+
+class OverrideRejected(Exception):
+    pass
+
+
+def _override(config: Config, base: Binding, header: str, strict: bool) -> tuple[Binding, int | None]:
+    """The binding a request asked for, and a cap on B from its ``trimmer.max_tokens``."""
+    value: Any = header.strip()
+    if value.startswith("{"):
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            raise OverrideRejected("not valid JSON") from None
+    if isinstance(value, dict) and value.get("ref") is not None:
+        raise OverrideRejected("ref plugins cannot be chosen per request")
+    try:
+        chosen = config.registry.resolve("context_manager", value, "x-ctxproxy-context-manager")
+    except BindingError as exc:
+        raise OverrideRejected(str(exc)) from None
+    trimmer = chosen.params.model_dump(exclude_unset=True).get("trimmer") or {}
+    cap = trimmer.get("max_tokens")
+    if strict:
+        problem = _loosens(base, chosen)
+        if problem:
+            raise OverrideRejected(f"it would loosen the policy ({problem})")
+    return chosen, cap
+
+
+def _loosens(base: Binding, chosen: Binding) -> str | None:
+    """Why ``chosen`` keeps more than ``base`` allows, or None when it only tightens."""
+    if chosen.type != base.type and (base.type, chosen.type) not in TYPE_CHANGES:
+        return f"{base.type} cannot become {chosen.type}"
+    old = base.params.model_dump()
+    new = chosen.params.model_dump()
+    for key, value in chosen.params.model_dump(exclude_unset=True).items():
+        if key == "trimmer":
+            if set(value or {}) - {"max_tokens"}:
+                return "only trimmer.max_tokens may be set per request"
+        elif key in TIGHTENING:
+            if key == "summary_threshold" and not old.get(key):
+                continue
+            if old.get(key) is not None and (value is None or value > old[key]):
+                return f"{key} {value} > {old[key]}"
+        elif chosen.type == base.type and value != old.get(key):
+            return f"{key} cannot be changed per request"
+    if chosen.type != base.type and old.get("keep_turns") is not None and new["keep_turns"] > old["keep_turns"]:
+        return f"keep_turns {new['keep_turns']} > {old['keep_turns']}"
+    if base.summarizer is not None and chosen.summarizer is not None and chosen.summarizer.type != base.summarizer.type:
+        if chosen.summarizer.type != "drop":
+            return "the summariser cannot be changed per request"
+    return None
+
+
+def _ascii(text: str) -> str:
+    """Header values must be latin-1; keep warnings plain ASCII."""
+    return text.encode("ascii", "replace").decode("ascii")[:300]

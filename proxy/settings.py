@@ -1,0 +1,351 @@
+"""The configuration file: pydantic models for every key, and ``load_config``.
+
+``load_config`` reads YAML, substitutes ``${VAR}`` / ``${VAR:-default}`` from the
+environment, validates every key (unknown keys are errors), resolves every
+plugin binding, and raises ``ConfigError`` with one line per problem, each
+naming its key path. ``ctxproxy validate`` and ``ctxproxy serve`` both call it,
+before any port is bound. After load, nothing reads raw config dicts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from plugins.registry import Binding, BindingError, Registry, default_registry
+from proxy.budget import TrimmerParams
+from proxy.errors import ConfigError
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(Strict):
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8080, ge=0, le=65535, description="Port to bind.")
+    workers: int = Field(1, ge=1, le=64, description="Worker processes sharing the port (SO_REUSEPORT).")
+    max_body_mb: float = Field(64, gt=0, description="Largest request body accepted (413 above).")
+    connect_timeout: float = Field(10, gt=0, description="Seconds to connect to an upstream (504 after).")
+    first_byte_timeout: float = Field(300, gt=0, description="Seconds to wait for the upstream's headers.")
+    idle_timeout: float = Field(300, gt=0, description="Seconds allowed between two chunks of a response.")
+    drain_timeout: float = Field(30, ge=0, description="Seconds in-flight requests get to finish on SIGTERM.")
+    offload_bytes: int = Field(262_144, ge=0, description="Bodies larger than this are assembled off the event loop.")
+
+
+class UpstreamSettings(Strict):
+    base_url: str = Field(..., description="OpenAI-compatible base URL, e.g. https://api.openai.com/v1.")
+    api_key: str | None = Field(None, description="Key sent upstream; empty = forward the client's (no tenants).")
+    headers: dict[str, str] = Field(default_factory=dict, description="Extra headers sent upstream.")
+    max_connections: int = Field(256, ge=1, description="Pooled connections to this upstream.")
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"must be an http(s) URL, got {value!r}")
+        return value.rstrip("/")
+
+    @field_validator("api_key")
+    @classmethod
+    def _empty_key(cls, value: str | None) -> str | None:
+        return value or None
+
+
+class ModelSettings(Strict):
+    name: str = Field(..., min_length=1, description="The model name clients send.")
+    upstream: str | None = Field(None, description="Upstream to use (default: the default upstream).")
+    model: str | None = Field(None, description="Model name sent upstream (default: name).")
+    provider: Literal["openai", "litellm"] = Field(
+        "openai", description="openai = pass-through to an OpenAI-compatible upstream; litellm = litellm.acompletion."
+    )
+    context_window: int | None = Field(None, ge=1, description="Input window (default: litellm's model map).")
+    max_output_tokens: int | None = Field(None, ge=1, description="Model's max output (default: litellm's map).")
+    tokenizer: str | None = Field(None, description="tiktoken encoding name (default by model family).")
+
+    @property
+    def upstream_model(self) -> str:
+        return self.model or self.name
+
+
+class CacheSettings(Strict):
+    backend: Literal["disk", "redis", "memory"] = "disk"
+    path: str = Field("~/.cache/ctxproxy", description="diskcache directory (created 0700).")
+    url: str | None = Field(None, description="redis://host:port/db for backend: redis.")
+    ttl_seconds: float | None = Field(7 * 24 * 3600, gt=0, description="Summary lifetime.")
+    size_limit_mb: int = Field(1024, ge=1, description="diskcache size limit.")
+
+    @model_validator(mode="after")
+    def _redis_url(self) -> CacheSettings:
+        if self.backend == "redis" and not self.url:
+            raise ValueError("backend redis needs cache.url (redis://host:port/db)")
+        return self
+
+
+class SummarizerSettings(Strict):
+    timeout_seconds: float = Field(60, gt=0, description="Deadline for one summariser call.")
+    max_summary_tokens: int = Field(1024, ge=64, description="Answer cap of a summariser call.")
+    retry_backoff_seconds: float = Field(10, ge=0, description="First back-off after a failure (doubles).")
+    max_backoff_seconds: float = Field(300, ge=0, description="Longest back-off.")
+    lock_wait_seconds: float = Field(90, ge=0, description="How long a request waits for another's summary.")
+
+
+class CompactionSettings(Strict):
+    strategy: Literal["keep_recent", "sliding_window", "summarize"]
+    max_messages: int | None = None
+    window_size: int | None = None
+    summary_threshold: int | None = None
+    keep_turns: int | None = None
+
+
+class WorkingMemorySettings(Strict):
+    persistent: bool | None = None
+    compaction: CompactionSettings | None = None
+
+
+class TenantSettings(Strict):
+    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    keys: list[str] = Field(..., min_length=1, description="Proxy keys: plain, or sha256:<hex>.")
+    context_manager: Any = None
+    max_context_tokens: int | None = Field(None, ge=1, description="Hard cap on forwarded input tokens.")
+    max_output_tokens: int | None = Field(None, ge=1, description="Cap on max_tokens/max_completion_tokens.")
+    max_output_policy: Literal["clamp", "refuse"] = Field(
+        "clamp", description="Requests above max_output_tokens are clamped, or refused."
+    )
+    models: list[str] | None = Field(None, description="Allowed model names (omit = all).")
+    summarizer_model: str | None = None
+    pairing: Literal["repair", "strict"] | None = None
+
+    @field_validator("keys")
+    @classmethod
+    def _keys(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            if not key:
+                raise ValueError("a key is empty (is its environment variable set?)")
+            if key.startswith("sha256:") and not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", key):
+                raise ValueError("sha256 keys are written sha256:<64 hex digits>")
+        return keys
+
+
+class AdminSettings(Strict):
+    keys: list[str] = Field(default_factory=list, description="Keys for /admin/* (plain or sha256:<hex>).")
+
+
+class LoggingSettings(Strict):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    requests: bool = Field(True, description="One JSON line per request.")
+
+
+class Settings(Strict):
+    server: ServerSettings = Field(default_factory=ServerSettings)  # type: ignore[arg-type]
+    upstreams: dict[str, UpstreamSettings] = Field(..., min_length=1)
+    default_upstream: str | None = Field(None, description="Name of the default upstream (default: the first).")
+    models: list[ModelSettings] = Field(default_factory=list)
+    allow_unknown_models: bool = True
+    context_manager: Any = None
+    working_memory: WorkingMemorySettings | None = None
+    trimmer: TrimmerParams | None = None
+    pairing: Literal["repair", "strict"] = "repair"
+    summarizer_model: str | None = None
+    summarizer: SummarizerSettings = Field(default_factory=SummarizerSettings)  # type: ignore[arg-type]
+    on_summarizer_error: Literal["serve", "fail"] = "serve"
+    cache: CacheSettings = Field(default_factory=CacheSettings)  # type: ignore[arg-type]
+    tenants: list[TenantSettings] = Field(default_factory=list)
+    admin: AdminSettings = Field(default_factory=AdminSettings)
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)  # type: ignore[arg-type]
+
+    @model_validator(mode="after")
+    def _references(self) -> Settings:
+        names = [m.name for m in self.models]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"models: duplicate name(s) {sorted(dup)}")
+        if self.default_upstream is not None and self.default_upstream not in self.upstreams:
+            raise ValueError(f"default_upstream: no upstream named {self.default_upstream!r}")
+        for i, m in enumerate(self.models):
+            if m.upstream is not None and m.upstream not in self.upstreams:
+                raise ValueError(f"models[{i}].upstream: no upstream named {m.upstream!r}")
+        tenant_names = [t.name for t in self.tenants]
+        if len(set(tenant_names)) != len(tenant_names):
+            raise ValueError("tenants: duplicate tenant names")
+        return self
+
+
+@dataclass
+class Tenant:
+    """A tenant after load: its settings and resolved context-manager binding."""
+
+    settings: TenantSettings
+    context_manager: Binding | None
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+
+@dataclass
+class Config:
+    """A validated, resolved configuration."""
+
+    settings: Settings
+    context_manager: Binding
+    tenants: list[Tenant]
+    registry: Registry
+    source: str = "<memory>"
+    keys: dict[str, Tenant] = field(default_factory=dict)  # sha256 hex of key -> tenant
+    admin_keys: frozenset[str] = frozenset()
+
+    @property
+    def default_upstream(self) -> str:
+        return self.settings.default_upstream or next(iter(self.settings.upstreams))
+
+    def model(self, name: str) -> ModelSettings | None:
+        for m in self.settings.models:
+            if m.name == name:
+                return m
+        return None
+
+    def tenant_for_key(self, key: str) -> Tenant | None:
+        return self.keys.get(hash_key(key))
+
+    def is_admin_key(self, key: str) -> bool:
+        return hash_key(key) in self.admin_keys
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _key_hash(key: str) -> str:
+    return key[len("sha256:") :].lower() if key.startswith("sha256:") else hash_key(key)
+
+
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def interpolate(node: Any, env: dict[str, str], path: str, problems: list[str]) -> Any:
+    """Substitute ``${VAR}`` and ``${VAR:-default}`` in every string of a YAML tree."""
+    if isinstance(node, dict):
+        return {k: interpolate(v, env, _join(path, str(k)), problems) for k, v in node.items()}
+    if isinstance(node, list):
+        return [interpolate(v, env, f"{path}[{i}]", problems) for i, v in enumerate(node)]
+    if isinstance(node, str) and "${" in node:
+
+        def sub(match: re.Match[str]) -> str:
+            name, default = match.group(1), match.group(2)
+            if name in env:
+                return env[name]
+            if default is not None:
+                return default
+            problems.append(f"{path}: environment variable {name} is not set (write ${{{name}:-default}})")
+            return ""
+
+        return _ENV.sub(sub, node)
+    return node
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out = f"{out}[{part}]" if isinstance(part, int) else _join(out, str(part))
+    return out
+
+
+def compaction_binding(wm: WorkingMemorySettings | None) -> dict[str, Any] | None:
+    """``working_memory.compaction`` sugar -> a context_manager binding."""
+    if wm is None or wm.compaction is None:
+        return None
+    c = wm.compaction
+    if c.strategy == "keep_recent":
+        return {"type": "stack", "params": {"max_messages": c.max_messages} if c.max_messages else {}}
+    if c.strategy == "sliding_window":
+        return {"type": "sliding-window", "params": {"window_size": c.window_size} if c.window_size else {}}
+    params: dict[str, Any] = {}
+    if c.summary_threshold is not None:
+        params["summary_threshold"] = c.summary_threshold
+    if c.keep_turns is not None:
+        params["keep_turns"] = c.keep_turns
+    return {"type": "summarising", "params": params}
+
+
+def load_config(
+    source: str | Path | dict[str, Any],
+    env: dict[str, str] | None = None,
+    registry: Registry | None = None,
+) -> Config:
+    """Read, substitute, validate and resolve a config file (or an already-parsed mapping)."""
+    env = dict(os.environ) if env is None else env
+    registry = registry or default_registry()
+    problems: list[str] = []
+    name = "<memory>"
+    if isinstance(source, dict):
+        raw: Any = source
+    else:
+        name = str(source)
+        try:
+            text = Path(source).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError([f"{name}: cannot read: {exc.strerror or exc}"]) from None
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            raise ConfigError([f"{name}: not valid YAML{where}: {getattr(exc, 'problem', exc)}"]) from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{name}: the top level must be a mapping, got {type(raw).__name__}"])
+    raw = interpolate(raw, env, "", problems)
+    try:
+        settings = Settings.model_validate(raw)
+    except ValidationError as exc:
+        for err in exc.errors():
+            path = _loc(tuple(err["loc"])) or "(top level)"
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{path}: {msg}")
+        raise ConfigError(problems) from None
+    if problems:
+        raise ConfigError(problems)
+
+    def resolve(value: Any, path: str) -> Binding | None:
+        try:
+            return registry.resolve("context_manager", value, path)
+        except BindingError as exc:
+            problems.extend(f"{p}: {m}" for p, m in exc.problems)
+            return None
+
+    if settings.context_manager is not None:
+        top = resolve(settings.context_manager, "context_manager")
+    else:
+        sugar = compaction_binding(settings.working_memory)
+        top = resolve(sugar or "summarising", "working_memory.compaction" if sugar else "context_manager")
+    tenants = []
+    keys: dict[str, Tenant] = {}
+    for i, ts in enumerate(settings.tenants):
+        binding = resolve(ts.context_manager, f"tenants[{i}].context_manager") if ts.context_manager else None
+        tenant = Tenant(ts, binding)
+        tenants.append(tenant)
+        for key in ts.keys:
+            h = _key_hash(key)
+            if h in keys:
+                problems.append(f"tenants[{i}].keys: a key is also used by tenant {keys[h].name!r}")
+            keys[h] = tenant
+        for m in ts.models or []:
+            if not settings.allow_unknown_models and all(x.name != m for x in settings.models):
+                problems.append(f"tenants[{i}].models: {m!r} is not a configured model")
+    if problems or top is None:
+        raise ConfigError(problems or ["context_manager: could not be resolved"])
+    admin = frozenset(_key_hash(k) for k in settings.admin.keys)
+    return Config(settings, top, tenants, registry, name, keys, admin)

@@ -1,0 +1,223 @@
+"""Token counting with the model's tiktoken encoding and OpenAI's per-message formula.
+
+Per message: 3 tokens, plus the tokens of every string field (``role``,
+``content``, ``tool_call_id``, ``refusal``, ...), plus 1 for ``name``. Content
+parts count their text; an image part costs a fixed ``IMAGE_TOKENS_LOW`` (85)
+with ``detail: low`` and ``IMAGE_TOKENS`` (765, a 1024x1024 high-detail image)
+otherwise; other part kinds count their JSON. Each tool call counts its
+function name and arguments plus ``TOOL_CALL_OVERHEAD``. A request adds 3
+priming tokens and the JSON of its ``tools`` schemas.
+
+Counts per message are cached by content digest in a bounded LRU, so a growing
+conversation only encodes its new messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import OrderedDict
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from proxy.messages import Message
+
+TOKENS_PER_MESSAGE = 3
+TOKENS_PER_NAME = 1
+REPLY_PRIMING = 3
+IMAGE_TOKENS = 765
+IMAGE_TOKENS_LOW = 85
+TOOL_CALL_OVERHEAD = 3
+
+O200K = "o200k_base"
+CL100K = "cl100k_base"
+_O200K_PREFIXES = ("gpt-4o", "gpt-4.1", "gpt-4.5", "gpt-5", "o1", "o3", "o4", "chatgpt-4o", "gpt-oss")
+_CL100K_PREFIXES = ("gpt-4", "gpt-3.5", "gpt-35", "text-embedding")
+
+
+def encoding_for(model: str, override: str | None = None) -> str:
+    """o200k_base for gpt-4o / gpt-4.1 / o-series / gpt-5; cl100k_base for gpt-4 / gpt-3.5; else o200k_base."""
+    if override:
+        return override
+    name = model.rsplit("/", 1)[-1].lower()
+    if name.startswith(_O200K_PREFIXES):
+        return O200K
+    if name.startswith(_CL100K_PREFIXES):
+        return CL100K
+    return O200K
+
+
+def use_bundled_encodings() -> None:
+    """Point tiktoken at the encodings litellm ships, so nothing is fetched at run time."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    if os.environ.get("TIKTOKEN_CACHE_DIR"):
+        return
+    spec = find_spec("litellm")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    folder = Path(next(iter(spec.submodule_search_locations))) / "litellm_core_utils" / "tokenizers"
+    if folder.is_dir():
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(folder)
+
+
+def digest(message: Message) -> bytes:
+    """A content digest of one message (its JSON as sent, key order included)."""
+    try:
+        raw = orjson.dumps(message)
+    except TypeError:
+        raw = repr(message).encode()
+    return hashlib.blake2b(raw, digest_size=16).digest()
+
+
+class TokenCounter:
+    """Counts tokens for one encoding, caching per-message counts by digest (bounded LRU)."""
+
+    def __init__(self, encoding: str, cache_size: int = 100_000) -> None:
+        import tiktoken
+
+        use_bundled_encodings()
+        self.encoding_name = encoding
+        self._enc = tiktoken.get_encoding(encoding)
+        self._cache: OrderedDict[bytes, int] = OrderedDict()
+        self._cache_size = cache_size
+        self._small: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def text(self, text: str) -> int:
+        if len(text) <= 16:
+            n = self._small.get(text)
+            if n is None:
+                n = len(self._enc.encode_ordinary(text))
+                if len(self._small) < 4096:
+                    self._small[text] = n
+            return n
+        return len(self._enc.encode_ordinary(text))
+
+    def message(self, message: Message, key: bytes | None = None, batch: dict[str, int] | None = None) -> int:
+        if key is None:
+            key = digest(message)
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
+        n = self._count(message, batch)
+        with self._lock:
+            self._cache[key] = n
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return n
+
+    def messages(self, messages: list[Message], keys: list[bytes] | None = None) -> list[int]:
+        """Counts for many messages; uncached texts are encoded in one batch across threads."""
+        if keys is None:
+            keys = [digest(m) for m in messages]
+        out = [0] * len(messages)
+        missing: list[int] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                cached = self._cache.get(key)
+                if cached is None:
+                    missing.append(i)
+                else:
+                    self._cache.move_to_end(key)
+                    out[i] = cached
+        batch = self._batch([messages[i] for i in missing]) if len(missing) > 16 else None
+        for i in missing:
+            out[i] = self.message(messages[i], keys[i], batch)
+        return out
+
+    def _batch(self, messages: list[Message]) -> dict[str, int] | None:
+        """Encode the long texts of many messages in one threaded batch (tiktoken releases the GIL)."""
+        texts = [t for m in messages for t in _texts(m) if len(t) > 256]
+        if not texts:
+            return None
+        lengths = [len(toks) for toks in self._enc.encode_ordinary_batch(texts, num_threads=2)]
+        return dict(zip(texts, lengths))
+
+    def _long(self, text: str, batch: dict[str, int] | None) -> int:
+        if batch is not None:
+            n = batch.get(text)
+            if n is not None:
+                return n
+        return self.text(text)
+
+    def _count(self, message: Message, batch: dict[str, int] | None = None) -> int:
+        n = TOKENS_PER_MESSAGE
+        for key, value in message.items():
+            if isinstance(value, str):
+                n += self._long(value, batch)
+                if key == "name":
+                    n += TOKENS_PER_NAME
+            elif key == "content" and isinstance(value, list):
+                n += self._parts(value, batch)
+            elif key == "tool_calls" and isinstance(value, list):
+                for call in value:
+                    fn = call.get("function") if isinstance(call, dict) else None
+                    if isinstance(fn, dict):
+                        n += TOOL_CALL_OVERHEAD
+                        for part in (fn.get("name"), fn.get("arguments")):
+                            if isinstance(part, str):
+                                n += self._long(part, batch)
+            elif key == "function_call" and isinstance(value, dict):
+                for part in (value.get("name"), value.get("arguments")):
+                    if isinstance(part, str):
+                        n += self.text(part)
+        return n
+
+    def _parts(self, parts: list[Any], batch: dict[str, int] | None) -> int:
+        n = 0
+        for part in parts:
+            if not isinstance(part, dict):
+                continue
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                n += self._long(part["text"], batch)
+            elif kind == "image_url":
+                image = part.get("image_url")
+                low = isinstance(image, dict) and image.get("detail") == "low"
+                n += IMAGE_TOKENS_LOW if low else IMAGE_TOKENS
+            else:
+                n += self.text(orjson.dumps(part).decode())
+        return n
+
+    def tools(self, tools: Any) -> int:
+        """The request's tool schemas (``tools`` / legacy ``functions``), counted as their JSON."""
+        if not tools:
+            return 0
+        try:
+            return self.text(orjson.dumps(tools).decode())
+        except TypeError:
+            return 0
+
+
+def _texts(message: Message) -> list[str]:
+    out = [v for v in message.values() if isinstance(v, str)]
+    content = message.get("content")
+    if isinstance(content, list):
+        out.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                out.append(fn["arguments"])
+    return out
+
+
+class Tokenizers:
+    """One TokenCounter per encoding, created on first use (the app owns one instance)."""
+
+    def __init__(self, cache_size: int = 100_000) -> None:
+        self._counters: dict[str, TokenCounter] = {}
+        self._cache_size = cache_size
+
+    def get(self, encoding: str) -> TokenCounter:
+        counter = self._counters.get(encoding)
+        if counter is None:
+            counter = self._counters[encoding] = TokenCounter(encoding, self._cache_size)
+        return counter

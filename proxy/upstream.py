@@ -1,0 +1,175 @@
+"""The one seam to providers: pooled aiohttp sessions, headers, timeouts and error mapping.
+
+OpenAI-compatible upstreams get one pooled ``aiohttp.ClientSession`` per base
+URL. Every failure below HTTP becomes an ``UpstreamError`` (502 unreachable,
+504 timeout); an upstream 4xx/5xx becomes ``UpstreamStatus`` with an
+OpenAI-shaped body. The summariser's engine goes through the same routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+from multidict import CIMultiDict
+
+from plugins.base import Completion
+from proxy.errors import UpstreamStatus, UpstreamTimeout, UpstreamUnreachable, normalise_error_body
+from proxy.messages import Message
+from proxy.settings import ServerSettings, UpstreamSettings
+
+if TYPE_CHECKING:
+    from proxy.runtime import Runtime
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
+    "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "content-encoding",
+    "forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip", "cookie",
+})
+CLIENT_CREDENTIALS = frozenset({"authorization", "api-key", "x-api-key", "openai-organization", "openai-project"})
+RESPONSE_DROP = HOP_BY_HOP | {"date", "server", "set-cookie", "x-request-id"}
+
+
+class UpstreamPool:
+    """One pooled client session per upstream base URL (the app owns one pool)."""
+
+    def __init__(self, server: ServerSettings) -> None:
+        self.server = server
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+
+    def session(self, upstream: UpstreamSettings) -> aiohttp.ClientSession:
+        session = self._sessions.get(upstream.base_url)
+        if session is None or session.closed:
+            connector = aiohttp.TCPConnector(limit=upstream.max_connections, ttl_dns_cache=300,
+                                             enable_cleanup_closed=True)
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.server.connect_timeout)
+            session = aiohttp.ClientSession(
+                connector=connector, timeout=timeout, auto_decompress=True, skip_auto_headers=("User-Agent",),
+                json_serialize=lambda obj: orjson.dumps(obj).decode(),
+            )
+            self._sessions[upstream.base_url] = session
+        return session
+
+    async def close(self) -> None:
+        sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            await session.close()
+
+
+def upstream_headers(
+    client_headers: Mapping[str, str], upstream: UpstreamSettings, *, forward_client_auth: bool, request_id: str
+) -> CIMultiDict[str]:
+    """Headers sent upstream: the client's, less hop-by-hop, proxy-only and (unless allowed) credentials."""
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in client_headers.items():
+        lower = name.lower()
+        if lower in HOP_BY_HOP or lower.startswith("x-ctxproxy-") or lower == "x-request-id":
+            continue
+        if lower in CLIENT_CREDENTIALS and not forward_client_auth:
+            continue
+        out.add(name, value)
+    for name, value in upstream.headers.items():
+        out[name] = value
+    if upstream.api_key:
+        out["Authorization"] = f"Bearer {upstream.api_key}"
+    out["X-Request-Id"] = request_id
+    return out
+
+
+def response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
+    """Upstream response headers worth relaying (rate limits, Retry-After, processing time, ...)."""
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in upstream.items():
+        if name.lower() not in RESPONSE_DROP:
+            out.add(name, value)
+    return out
+
+
+async def open_request(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    *,
+    data: bytes | None,
+    headers: Mapping[str, str],
+    first_byte_timeout: float,
+) -> aiohttp.ClientResponse:
+    """Send a request and wait for the response headers, mapping transport failures to 502/504."""
+    try:
+        return await asyncio.wait_for(
+            session.request(method, url, data=data, headers=headers, allow_redirects=False),
+            timeout=first_byte_timeout,
+        )
+    except asyncio.TimeoutError:
+        raise UpstreamTimeout("The upstream did not answer in time.") from None
+    except aiohttp.ServerTimeoutError:
+        raise UpstreamTimeout("Connecting to the upstream timed out.") from None
+    except (aiohttp.ClientConnectionError, OSError) as exc:
+        raise UpstreamUnreachable(f"The upstream is unreachable ({type(exc).__name__}).") from None
+
+
+async def read_error(response: aiohttp.ClientResponse, idle_timeout: float) -> UpstreamStatus:
+    """An upstream 4xx/5xx as an UpstreamStatus with an OpenAI-shaped body."""
+    try:
+        raw = await asyncio.wait_for(response.read(), timeout=idle_timeout)
+    except (asyncio.TimeoutError, aiohttp.ClientError):
+        raw = b""
+    finally:
+        response.release()
+    try:
+        payload: Any = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        payload = raw.decode("utf-8", "replace")
+    return UpstreamStatus(response.status, normalise_error_body(response.status, payload),
+                          dict(response_headers(response.headers)))
+
+
+class UpstreamEngine:
+    """The summariser's engine: a non-streaming chat call through the proxy's own routes."""
+
+    def __init__(self, runtime: Runtime, pool: UpstreamPool) -> None:
+        self.runtime = runtime
+        self.pool = pool
+
+    async def complete(
+        self, model: str, messages: list[Message], *, max_tokens: int, timeout: float, purpose: str
+    ) -> Completion:
+        route = self.runtime.route(model)
+        body: dict[str, Any] = {"model": route.upstream_model, "messages": messages, "max_tokens": max_tokens,
+                                "temperature": 0}
+        if route.provider == "litellm":
+            from proxy.litellm_route import complete_once
+
+            upstream = self.runtime.config.settings.upstreams.get(route.upstream)
+            return await asyncio.wait_for(complete_once(route, body, upstream), timeout=timeout)
+        upstream = self.runtime.config.settings.upstreams[route.upstream]
+        headers = upstream_headers({"Content-Type": "application/json", "x-ctxproxy-purpose": purpose}, upstream,
+                                   forward_client_auth=False, request_id=f"ctxproxy-{purpose}")
+        headers["x-ctxproxy-purpose"] = purpose
+        session = self.pool.session(upstream)
+
+        async def call() -> Completion:
+            response = await open_request(session, "POST", upstream.base_url + "/chat/completions",
+                                          data=orjson.dumps(body), headers=headers, first_byte_timeout=timeout)
+            if response.status >= 400:
+                raise await read_error(response, timeout)
+            async with response:
+                payload = orjson.loads(await response.read())
+            return completion_from(payload, route.name)
+
+        return await asyncio.wait_for(call(), timeout=timeout)
+
+
+def completion_from(payload: Any, model: str) -> Completion:
+    text = ""
+    try:
+        content = payload["choices"][0]["message"].get("content")
+        text = content if isinstance(content, str) else ""
+    except (KeyError, IndexError, TypeError, AttributeError):
+        text = ""
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    usage = usage if isinstance(usage, dict) else {}
+    return Completion(text, model, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
