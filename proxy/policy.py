@@ -118,11 +118,11 @@ class Routes:
         )
 
 
-def policy_for(config: Config, tenant: Tenant | None, model: str, override: str | None) -> Policy:
+def policy_for(config: Config, tenant: Tenant | None, model: str | None, override: str | None) -> Policy:
     """The effective policy for one request (raises ModelNotFound for a model the tenant may not use)."""
     s = config.settings
     ts = tenant.settings if tenant else None
-    if ts is not None and ts.models is not None and model not in ts.models:
+    if ts is not None and ts.models is not None and model is not None and model not in ts.models:
         raise ModelNotFound(f"The model {model!r} does not exist or you do not have access to it.", param="model")
     base = tenant.context_manager if tenant and tenant.context_manager else config.context_manager
     binding, budget_cap, warnings = base, None, []

@@ -44,7 +44,12 @@ class Shared:
     summaries: SummaryService
 
 
-def open_shared(config: Config, observer: Observer | None = None, cache: Cache | None = None) -> Shared:
+def open_shared(
+    config: Config,
+    observer: Observer | None = None,
+    cache: Cache | None = None,
+    model_map: ModelMap | None = None,
+) -> Shared:
     s = config.settings
     if cache is None:
         cache = open_cache(
@@ -64,7 +69,7 @@ def open_shared(config: Config, observer: Observer | None = None, cache: Cache |
         backoff_max=s.summarizer.max_backoff_seconds,
         on_call=observer.summary_call if observer else None,
     )
-    return Shared(Tokenizers(), ModelMap(), cache, summaries)
+    return Shared(Tokenizers(), model_map or ModelMap(), cache, summaries)
 
 
 class Runtime:
@@ -80,7 +85,7 @@ class Runtime:
     def route(self, model: str) -> ModelRoute:
         return self.routes.resolve(model)
 
-    def policy(self, tenant: Tenant | None, model: str, override: str | None) -> Policy:
+    def policy(self, tenant: Tenant | None, model: str | None, override: str | None) -> Policy:
         return policy_for(self.config, tenant, model, override)
 
     def services(self, route: ModelRoute, policy: Policy) -> Services:

@@ -1,0 +1,72 @@
+"""One structured JSON line per request (logger ``ctxproxy.requests``).
+
+Fields: request id, tenant, model, status, tokens in/out, what was removed and
+how, summary status, repairs, overhead and upstream latency. Keys and prompt
+text are never part of a record.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.pipeline import Report
+
+log = logging.getLogger("ctxproxy.requests")
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    started: float
+    tenant: str = "default"
+    model: str | None = None
+    status: int = 0
+    error: str | None = None
+    report: Report | None = None
+    overhead: float | None = None
+    upstream: float | None = None
+    ttft: float | None = None
+    usage: dict[str, Any] | None = None
+
+    def fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "event": "request",
+            "request_id": self.request_id,
+            "tenant": self.tenant,
+            "model": self.model,
+            "status": self.status,
+        }
+        if self.error:
+            out["error"] = self.error
+        r = self.report
+        if r is not None:
+            out.update(
+                tokens_in=r.tokens_before,
+                tokens_out=r.tokens_after,
+                hard_budget=r.hard_budget,
+                removed=r.removed,
+                summary=r.summary,
+                turns_summarised=r.turns_summarised,
+                turns_dropped=r.turns_dropped,
+                repairs=r.repairs,
+                context_manager=r.context_manager,
+            )
+            if r.warnings:
+                out["warnings"] = len(r.warnings)
+        if self.overhead is not None:
+            out["overhead_ms"] = round(self.overhead * 1000, 3)
+        if self.upstream is not None:
+            out["upstream_ms"] = round(self.upstream * 1000, 3)
+        if self.ttft is not None:
+            out["ttft_ms"] = round(self.ttft * 1000, 3)
+        if self.usage:
+            out["usage"] = {k: v for k, v in self.usage.items() if isinstance(v, int)}
+        return out
+
+    def log(self) -> None:
+        if log.isEnabledFor(logging.INFO):
+            log.info(orjson.dumps(self.fields()).decode())

@@ -1,0 +1,97 @@
+"""Running the app: one process, or several workers sharing one port; signals and drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from aiohttp import web
+
+from proxy.settings import Config
+
+log = logging.getLogger("ctxproxy")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr,
+                        format="%(message)s" if level != "DEBUG" else "%(levelname)s %(name)s %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def serve(config: Config, *, host: str | None = None, port: int | None = None, workers: int | None = None) -> int:
+    s = config.settings.server
+    host = host or s.host
+    port = s.port if port is None else port
+    workers = workers or s.workers
+    setup_logging(config.settings.logging.level)
+    if workers > 1 and os.environ.get("CTXPROXY_WORKER") is None:
+        return _supervise(config, host, port, workers)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is optional
+        pass
+    asyncio.run(_run(config, host, port, reuse_port=workers > 1))
+    return 0
+
+
+async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> None:
+    from proxy.app import STATE, create_app
+
+    app = create_app(config, config_path=None if config.source == "<memory>" else config.source)
+    state = app[STATE]
+    drain = config.settings.server.drain_timeout
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=2048)
+    await site.start()
+    bound = _bound_port(site) or port
+    print(f"ctxproxy listening on http://{host}:{bound} (pid {os.getpid()})", file=sys.stderr, flush=True)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, state.reload)
+    await stop.wait()
+    state.draining = True
+    log.info("draining: no new connections; in-flight requests get up to %ss", drain)
+    await runner.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout
+    log.info("stopped")
+
+
+def _bound_port(site: web.TCPSite) -> int | None:
+    server: Any = getattr(site, "_server", None)
+    sockets = getattr(server, "sockets", None) or []
+    for sock in sockets:
+        return int(sock.getsockname()[1])
+    return None
+
+
+def _supervise(config: Config, host: str, port: int, workers: int) -> int:
+    """Start N workers on one port (SO_REUSEPORT) with a shared metrics directory; relay signals."""
+    if port == 0:
+        print("--workers needs a fixed port", file=sys.stderr)
+        return 2
+    metrics_dir = tempfile.mkdtemp(prefix="ctxproxy-metrics-")
+    env = dict(os.environ, CTXPROXY_WORKER="1", PROMETHEUS_MULTIPROC_DIR=metrics_dir)
+    cmd = [sys.executable, "-m", "proxy.cli", "serve", "--config", config.source, "--host", host,
+           "--port", str(port), "--workers", str(workers)]
+    children = [subprocess.Popen(cmd, env=env) for _ in range(workers)]
+
+    def relay(signum: int, _frame: Any) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, relay)
+    codes = [child.wait() for child in children]
+    return max(codes, default=0)

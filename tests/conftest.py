@@ -1,0 +1,84 @@
+"""Fixtures: a fake upstream on 127.0.0.1:0 and the proxy app started on 127.0.0.1:0."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from proxy.tokens import use_bundled_encodings
+from tests.fake_upstream import FakeUpstream
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+os.environ.setdefault("LITELLM_TELEMETRY", "False")
+use_bundled_encodings()
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    app: web.Application
+    runner: web.AppRunner
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    @property
+    def state(self) -> Any:
+        from proxy.app import STATE
+
+        return self.app[STATE]
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[FakeUpstream]:
+    fake = await FakeUpstream().start()
+    yield fake
+    await fake.stop()
+
+
+def base_config(upstream_url: str, **extra: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "upstreams": {"fake": {"base_url": upstream_url, "api_key": "sk-upstream-secret"}},
+        "models": [{"name": "gpt-4o-mini", "context_window": 128000, "max_output_tokens": 16384}],
+        "cache": {"backend": "memory"},
+        "summarizer": {"retry_backoff_seconds": 0},
+        "logging": {"level": "INFO"},
+    }
+    config.update(extra)
+    return config
+
+
+StartProxy = Callable[..., Awaitable[RunningProxy]]
+
+
+@pytest.fixture
+async def start_proxy() -> AsyncIterator[StartProxy]:
+    from proxy.app import create_app
+    from proxy.settings import load_config
+
+    runners: list[web.AppRunner] = []
+
+    async def start(config: dict[str, Any] | Any, **kwargs: Any) -> RunningProxy:
+        cfg = load_config(config) if isinstance(config, dict) else config
+        app = create_app(cfg, **kwargs)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return RunningProxy(f"http://127.0.0.1:{port}", app, runner)
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
