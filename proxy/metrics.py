@@ -1,0 +1,226 @@
+"""Prometheus metrics: what the proxy removed, what it cost, what it saved, and how fast it was.
+
+One ``Metrics`` instance owns its own ``CollectorRegistry`` (the global
+``REGISTRY`` is never touched) and is the ``Observer`` the runtime reports
+summariser calls and cache errors to; the request handler calls ``assembled``,
+``finished``, ``payload_error`` and ``prefix``.
+
+Label values come only from bounded sets, never from a key, a user id or
+prompt text: a tenant is a configured tenant name ("default" when no tenants
+are configured) or "other"; a model is a configured model name, an exact name
+from litellm's model map (a few thousand entries), or "other". Other labels
+are fixed vocabularies, except payload error codes, which must look like
+``^[a-z_]{1,40}$`` and are capped at 50 distinct codes per process.
+
+Multiprocess mode (several worker processes behind one port): the parent sets
+``PROMETHEUS_MULTIPROC_DIR`` to an empty directory *before* any worker imports
+``prometheus_client`` (the library picks its value store at import time), and
+each worker builds ``Metrics(..., multiprocess_dir=that_dir)``. Every metric
+then writes its samples to per-process mmap files in that directory, and
+``render()`` builds a fresh registry with a ``MultiProcessCollector`` that sums
+counters and histograms over all processes, dead ones included. The directory
+must be wiped when the server (not a worker) starts. Constructing ``Metrics``
+with ``multiprocess_dir`` while the environment variable is missing or points
+elsewhere raises ``RuntimeError`` rather than silently exporting one worker's
+numbers. Caveats: in this mode ``_created`` samples are not exported, and two
+live ``Metrics`` instances in one process would share (and overwrite) the same
+series, so a process keeps one instance and calls ``set_labels`` on reload.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import values as prom_values
+from prometheus_client.multiprocess import MultiProcessCollector
+
+if TYPE_CHECKING:
+    from plugins.base import Completion
+    from proxy.modelinfo import ModelMap
+    from proxy.pipeline import Report
+
+OTHER = "other"
+REMOVED_HOW = frozenset({"summarised", "windowed", "trimmed", "wm_capped"})
+SUMMARY_RESULTS = frozenset({"created", "reused", "failed"})
+REPAIR_KINDS = frozenset({
+    "orphan_result", "duplicate_result", "moved_result", "missing_result", "unanswered_calls", "empty_assistant",
+})
+CACHE_OPERATIONS = frozenset({"get", "set", "lock", "ping"})
+ERROR_CODE = re.compile(r"[a-z_]{1,40}")
+MAX_ERROR_CODES = 50
+
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+UPSTREAM_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0)
+
+TM = ("tenant", "model")
+
+
+class Metrics:
+    def __init__(
+        self,
+        tenants: Iterable[str],
+        models: Iterable[str],
+        model_map: ModelMap,
+        *,
+        multiprocess_dir: str | None = None,
+    ) -> None:
+        if multiprocess_dir is not None:
+            _check_multiprocess(multiprocess_dir)
+        self.multiprocess_dir = multiprocess_dir
+        self.model_map = model_map
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._tenants: frozenset[str] = frozenset()
+        self._models: frozenset[str] = frozenset()
+        self._error_codes: set[str] = set()
+        self.set_labels(tenants, models)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...]) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry)
+
+        def histogram(name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, registry=self.registry, buckets=buckets)
+
+        self.requests = counter("ctxproxy_requests", "Chat-completions requests by HTTP status.", (*TM, "status"))
+        self.tokens_received = counter("ctxproxy_tokens_received", "Prompt tokens the clients sent.", TM)
+        self.tokens_forwarded = counter("ctxproxy_tokens_forwarded", "Prompt tokens forwarded upstream.", TM)
+        self.tokens_removed = counter("ctxproxy_tokens_removed", "Prompt tokens removed, by how.", (*TM, "how"))
+        self.summaries = counter("ctxproxy_summaries", "Requests that used a summary, by result.", ("tenant", "result"))
+        self.summarizer_tokens = counter(
+            "ctxproxy_summarizer_tokens", "Tokens spent by the summariser.", (*TM, "kind"))
+        self.summarizer_cost = counter(
+            "ctxproxy_summarizer_cost_usd", "Summariser cost in USD (litellm prices).", TM)
+        self.savings = counter(
+            "ctxproxy_estimated_savings_usd", "Input price of the request's model times tokens removed.", TM)
+        self.repairs = counter("ctxproxy_repairs", "Tool-call pairing repairs, by kind.", ("kind",))
+        self.payload_errors = counter("ctxproxy_payload_errors", "Requests refused as invalid, by code.", ("code",))
+        self.cached_tokens = counter(
+            "ctxproxy_provider_cached_tokens", "Prompt tokens the provider served from its prompt cache.", TM)
+        self.cache_errors = counter("ctxproxy_cache_errors", "Summary-cache errors, by operation.", ("operation",))
+        self.prefix_stable = counter(
+            "ctxproxy_prefix_stable", "Whether the forwarded prefix matched the previous request's.", (*TM, "result"))
+        self.overhead = histogram(
+            "ctxproxy_overhead_seconds", "Time the proxy adds before forwarding.", (), OVERHEAD_BUCKETS)
+        self.upstream = histogram(
+            "ctxproxy_upstream_seconds", "Upstream response time (whole response).", TM, UPSTREAM_BUCKETS)
+        self.ttft = histogram("ctxproxy_upstream_ttft_seconds", "Upstream time to first token.", TM, TTFT_BUCKETS)
+
+    # -- labels ---------------------------------------------------------------------------------------
+
+    def set_labels(self, tenants: Iterable[str], models: Iterable[str]) -> None:
+        """Replace the allowed tenant and model names (on config reload)."""
+        self._tenants = frozenset(tenants) or frozenset({"default"})
+        self._models = frozenset(models)
+
+    def tenant_label(self, tenant: str) -> str:
+        return tenant if tenant in self._tenants else OTHER
+
+    def model_label(self, model: str) -> str:
+        if model in self._models or self._in_model_map(model):
+            return model
+        return OTHER
+
+    def _in_model_map(self, model: str) -> bool:
+        """An exact model-map name: ``ModelMap.get`` also resolves ``anything/<name>``, which is unbounded."""
+        if not model or self.model_map.get(model) is None:
+            return False
+        return "/" not in model or self.model_map.get(model.split("/", 1)[1]) is None
+
+    # -- events ---------------------------------------------------------------------------------------
+
+    def summary_call(self, tenant: str, completion: Completion) -> None:
+        """One summariser call (Observer)."""
+        t, m = self.tenant_label(tenant), self.model_label(completion.model)
+        self.summarizer_tokens.labels(t, m, "prompt").inc(max(0, completion.prompt_tokens))
+        self.summarizer_tokens.labels(t, m, "completion").inc(max(0, completion.completion_tokens))
+        cost = self.model_map.cost(completion.model, completion.prompt_tokens, completion.completion_tokens)
+        self.summarizer_cost.labels(t, m).inc(max(0.0, cost))
+
+    def cache_error(self, operation: str, exc: BaseException) -> None:
+        """One summary-cache error (Observer); the exception is not recorded."""
+        self.cache_errors.labels(operation if operation in CACHE_OPERATIONS else OTHER).inc()
+
+    def assembled(self, tenant: str, model: str, report: Report) -> None:
+        """What the pipeline did to one request."""
+        t, m = self.tenant_label(tenant), self.model_label(model)
+        self.tokens_received.labels(t, m).inc(max(0, report.tokens_before))
+        self.tokens_forwarded.labels(t, m).inc(max(0, report.tokens_after))
+        removed = 0
+        for how, n in report.removed.items():
+            if n > 0:
+                self.tokens_removed.labels(t, m, how if how in REMOVED_HOW else OTHER).inc(n)
+                removed += n
+        if report.summary != "none":
+            self.summaries.labels(t, report.summary if report.summary in SUMMARY_RESULTS else OTHER).inc()
+        for kind, n in report.repairs.items():
+            if n > 0:
+                self.repairs.labels(kind if kind in REPAIR_KINDS else OTHER).inc(n)
+        if removed:
+            self.savings.labels(t, m).inc(removed * self.model_map.input_price(model))
+
+    def finished(
+        self,
+        tenant: str,
+        model: str,
+        status: int,
+        *,
+        overhead: float | None,
+        upstream: float | None,
+        ttft: float | None,
+        usage: dict[str, Any] | None,
+    ) -> None:
+        """One finished request: status, timings, and the provider's usage block if any."""
+        t, m = self.tenant_label(tenant), self.model_label(model)
+        self.requests.labels(t, m, str(status) if 100 <= status <= 599 else OTHER).inc()
+        if overhead is not None:
+            self.overhead.observe(max(0.0, overhead))
+        if upstream is not None:
+            self.upstream.labels(t, m).observe(max(0.0, upstream))
+        if ttft is not None:
+            self.ttft.labels(t, m).observe(max(0.0, ttft))
+        cached = _cached_tokens(usage)
+        if cached:
+            self.cached_tokens.labels(t, m).inc(cached)
+
+    def payload_error(self, code: str) -> None:
+        """One request refused as invalid; ``code`` is the error's machine-readable code."""
+        if ERROR_CODE.fullmatch(code) and (code in self._error_codes or len(self._error_codes) < MAX_ERROR_CODES):
+            self._error_codes.add(code)
+        else:
+            code = OTHER
+        self.payload_errors.labels(code).inc()
+
+    def prefix(self, tenant: str, model: str, stable: bool) -> None:
+        """Whether the forwarded prefix was unchanged since this conversation's previous request."""
+        self.prefix_stable.labels(
+            self.tenant_label(tenant), self.model_label(model), "stable" if stable else "shifted").inc()
+
+    # -- exposition -----------------------------------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition body and its content type (summed over all workers in multiprocess mode)."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def _cached_tokens(usage: dict[str, Any] | None) -> int:
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _check_multiprocess(path: str) -> None:
+    env = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not os.path.isdir(path):
+        raise RuntimeError(f"metrics multiprocess directory {path!r} does not exist")
+    if env is None or not os.path.isdir(env) or not os.path.samefile(env, path):
+        raise RuntimeError(f"multiprocess metrics need PROMETHEUS_MULTIPROC_DIR={path!r} in the environment")
+    if prom_values.ValueClass is prom_values.MutexValue:
+        raise RuntimeError("PROMETHEUS_MULTIPROC_DIR must be set before prometheus_client is first imported")
