@@ -32,7 +32,7 @@ from proxy.pipeline import Assembly
 from proxy.policy import ModelRoute
 from proxy.requestlog import RequestRecord
 from proxy.settings import Tenant
-from proxy.streaming import SSE_HEADERS, StreamWatcher, relay_stream
+from proxy.streaming import SSE_HEADERS, STREAM_ERROR, StreamWatcher, relay_stream
 from proxy.upstream import open_request, read_error, response_headers, upstream_headers
 
 log = logging.getLogger("ctxproxy")
@@ -40,6 +40,8 @@ log = logging.getLogger("ctxproxy")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 OVERRIDE_HEADER = "x-ctxproxy-context-manager"
+# headers every answer to this request carries, errors included (x-request-id, x-ctxproxy-*)
+RESPONSE_HEADERS = web.RequestKey("response_headers", CIMultiDict)
 
 
 def _state(request: web.Request) -> Any:
@@ -68,7 +70,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except CtxProxyError as exc:
-        return error_response(exc, request.get("response_headers"))
+        return error_response(exc, request.get(RESPONSE_HEADERS))
     except web.HTTPRequestEntityTooLarge:
         return error_response(BodyTooLarge("The request body is larger than this proxy accepts."))
     except web.HTTPException as exc:
@@ -152,7 +154,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     runtime = state.runtime  # in-flight requests keep the policy they started with
     started = time.perf_counter()
     rid = request_id(request)
-    request["response_headers"] = {"x-request-id": rid}
+    request[RESPONSE_HEADERS] = CIMultiDict({"x-request-id": rid})
     record = RequestRecord(request_id=rid, started=started)
     status = 500
     try:
@@ -174,7 +176,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         record.overhead = overhead
         headers: CIMultiDict[str] = CIMultiDict(report_headers(assembly, overhead))
         headers["x-request-id"] = rid
-        request["response_headers"] = headers
+        request[RESPONSE_HEADERS] = headers
         if route.provider == "litellm":
             response = await _litellm(request, route, body, assembly, headers, record)
         else:
@@ -192,8 +194,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         record.status = status
-        if request.get("stream_error"):
-            record.error = request["stream_error"]
+        if STREAM_ERROR in request:
+            record.error = request[STREAM_ERROR]
         state.metrics.finished(record.tenant, record.model or "other", status, overhead=record.overhead,
                                upstream=record.upstream, ttft=record.ttft, usage=record.usage)
         if state.config.settings.logging.requests:
@@ -278,7 +280,7 @@ async def _litellm(
             watcher.feed(event)
             await response.write(event)
     except CtxProxyError as exc:
-        request["stream_error"] = exc.code
+        request[STREAM_ERROR] = exc.code or "stream_error"
         await response.write(b"data: " + orjson.dumps(exc.to_openai()) + b"\n\n")
     finally:
         record.upstream = time.perf_counter() - sent

@@ -20,6 +20,8 @@ from multidict import CIMultiDict
 from proxy.errors import CtxProxyError, UpstreamTimeout, UpstreamUnreachable
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# set when a stream failed after it started (the response status is already sent)
+STREAM_ERROR = web.RequestKey("stream_error", str)
 
 
 class StreamWatcher:
@@ -90,7 +92,7 @@ async def relay_stream(
             watcher.feed(chunk)
             await response.write(chunk)
         if error is not None:
-            request["stream_error"] = error.code
+            request[STREAM_ERROR] = error.code or "stream_error"
             await response.write(error_event(error))
         clean = error is None
         await response.write_eof()

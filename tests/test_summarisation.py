@@ -1,0 +1,198 @@
+"""Summarisation through the proxy: reuse, hysteresis, single flight, tenants, failure, persistence."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import base_config
+
+MODEL = "small-model"
+WINDOW = 8000
+
+
+def config(upstream_url: str, **extra: Any) -> dict[str, Any]:
+    cfg = base_config(
+        upstream_url,
+        models=[{"name": MODEL, "context_window": WINDOW, "max_output_tokens": 1000},
+                {"name": "gpt-4o-mini", "context_window": 128000, "max_output_tokens": 16384}],
+        summarizer_model="gpt-4o-mini",
+        context_manager={"type": "summarising", "params": {"keep_turns": 4}},
+        summarizer={"retry_backoff_seconds": 0, "timeout_seconds": 2, "max_summary_tokens": 300},
+    )
+    cfg.update(extra)
+    return cfg
+
+
+TOOL_TEXT = (
+    "Flight UA{n} from SFO to JFK departs 08:{m:02d}, seat 14C, booking ref ZX{n}Q, fare class Y, "
+    "price 412.{m:02d} USD; baggage allowance one checked bag 23 kg; status confirmed. "
+)
+
+
+def turn(i: int) -> list[dict[str, Any]]:
+    call_id = f"call_{i}"
+    return [
+        {"role": "user", "content": f"Turn {i}: please check booking ZX{i}Q and tell me the seat and the price."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "get_booking",
+                                                             "arguments": f'{{"ref": "ZX{i}Q"}}'}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": TOOL_TEXT.format(n=i, m=i % 60) * 4},
+        {"role": "assistant", "content": f"Booking ZX{i}Q: seat 14C, price 412.{i % 60:02d} USD."},
+    ]
+
+
+def conversation(turns: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a travel agent assistant."}]
+    for i in range(turns - 1):
+        messages += turn(i)
+    messages.append({"role": "user", "content": f"Turn {turns - 1}: anything else I should know?"})
+    return messages
+
+
+async def post(session: aiohttp.ClientSession, url: str, messages: list[dict[str, Any]],
+               key: str = "sk-client") -> tuple[int, dict[str, str], Any]:
+    async with session.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages},
+                            headers={"Authorization": f"Bearer {key}"}) as r:
+        return r.status, dict(r.headers), await r.json()
+
+
+async def test_growing_conversation_summaries_grow_with_conversation_not_requests(upstream, start_proxy):
+    proxy = await start_proxy(config(upstream.base_url))
+    statuses = []
+    async with aiohttp.ClientSession() as s:
+        for n in range(1, 61):
+            status, headers, _ = await post(s, proxy.url, conversation(n))
+            assert status == 200
+            statuses.append(headers["x-ctxproxy-summary"])
+    report = proxy.state.runtime.config  # noqa: F841 - keeps the proxy referenced
+    budget = int(headers["x-ctxproxy-tokens-out"])
+    calls = len(upstream.summaries)
+    hard = WINDOW - 1000 - math.ceil(0.1 * WINDOW)
+    # growth: tokens of the conversation from the first summary to the end
+    from proxy.tokens import TokenCounter
+
+    counter = TokenCounter("o200k_base")
+    first = statuses.index("created")
+    size = lambda n: sum(counter.messages(conversation(n)))  # noqa: E731
+    growth = size(60) - size(first + 1)
+    bound = math.ceil(growth / (0.1 * hard)) + 1
+    print(f"\n60-turn run: {len(statuses)} requests, {calls} summariser calls (bound {bound}), "
+          f"statuses {dict((k, statuses.count(k)) for k in set(statuses))}")
+    assert 1 <= calls <= bound
+    assert budget <= hard
+    for rec in upstream.chat:
+        from proxy.pairing import check
+
+        check(rec.body["messages"])
+
+
+async def test_concurrent_identical_requests_make_one_summary(upstream, start_proxy):
+    proxy = await start_proxy(config(upstream.base_url))
+    async with aiohttp.ClientSession() as s:
+        results = await asyncio.gather(*(post(s, proxy.url, conversation(40)) for _ in range(20)))
+    assert [r[0] for r in results] == [200] * 20
+    assert len(upstream.summaries) == 1
+    assert sorted(r[1]["x-ctxproxy-summary"] for r in results).count("created") == 1
+
+
+async def test_two_tenants_never_share_a_summary(upstream, start_proxy):
+    tenants = [{"name": "a", "keys": ["key-a"]}, {"name": "b", "keys": ["key-b"]}]
+    proxy = await start_proxy(config(upstream.base_url, tenants=tenants))
+    async with aiohttp.ClientSession() as s:
+        for key in ("key-a", "key-b", "key-a", "key-b"):
+            status, _, _ = await post(s, proxy.url, conversation(40), key)
+            assert status == 200
+    assert len(upstream.summaries) == 2
+
+
+async def test_restart_on_the_same_cache_directory_reuses_the_summary(upstream, start_proxy, tmp_path):
+    cfg = config(upstream.base_url, cache={"backend": "disk", "path": str(tmp_path / "cache")})
+    first = await start_proxy(cfg)
+    async with aiohttp.ClientSession() as s:
+        status, headers, _ = await post(s, first.url, conversation(40))
+        assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+        await first.runner.cleanup()
+        second = await start_proxy(cfg)
+        status, headers, _ = await post(s, second.url, conversation(40))
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "reused")
+    assert len(upstream.summaries) == 1
+
+
+@pytest.mark.parametrize("mode", ["status", "hang", "empty"])
+async def test_failing_summariser_still_serves_within_budget(upstream, start_proxy, mode):
+    proxy = await start_proxy(config(upstream.base_url))
+    upstream.summary_mode = mode
+    hard = WINDOW - 1000 - math.ceil(0.1 * WINDOW)
+    async with aiohttp.ClientSession() as s:
+        status, headers, _ = await post(s, proxy.url, conversation(40))
+        assert status == 200
+        assert headers["x-ctxproxy-summary"] == "failed"
+        assert int(headers["x-ctxproxy-tokens-out"]) <= hard
+        forwarded = upstream.chat[-1].body["messages"]
+        # the trimmer alone fitted it: it dropped only what the budget required
+        assert len(forwarded) > 4 * 4
+        upstream.summary_mode = "ok"
+        status, headers, _ = await post(s, proxy.url, conversation(40))
+        assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+
+
+async def test_on_summarizer_error_fail_answers_502(upstream, start_proxy):
+    proxy = await start_proxy(config(upstream.base_url, on_summarizer_error="fail"))
+    upstream.summary_mode = "status"
+    async with aiohttp.ClientSession() as s:
+        status, _, body = await post(s, proxy.url, conversation(40))
+    assert status == 502
+    assert body["error"]["code"] == "summarizer_failed"
+    assert upstream.chat == []
+
+
+async def test_summary_message_and_summariser_call(upstream, start_proxy):
+    proxy = await start_proxy(config(upstream.base_url))
+    async with aiohttp.ClientSession() as s:
+        status, _, _ = await post(s, proxy.url, conversation(40))
+    assert status == 200
+    call = upstream.summaries[0]
+    assert call.headers["x-ctxproxy-purpose"] == "summarize"
+    assert call.headers["Authorization"] == "Bearer sk-upstream-secret"
+    assert call.body["model"] == "gpt-4o-mini"
+    prompt = call.body["messages"][0]["content"]
+    assert "ids" in prompt and "paths" in prompt
+    forwarded = upstream.chat[-1].body["messages"]
+    assert forwarded[0]["role"] == "system" and forwarded[0]["content"] == "You are a travel agent assistant."
+    assert forwarded[1]["role"] == "system"
+    assert forwarded[1]["content"].startswith("[Conversation summary — ")
+    assert upstream.summary_text in forwarded[1]["content"]
+
+
+async def test_aged_part_larger_than_the_summarisers_window_is_folded_in_chunks(upstream, start_proxy):
+    proxy = await start_proxy(config(upstream.base_url, summarizer_model=MODEL))  # an 8k summariser window
+    async with aiohttp.ClientSession() as s:
+        status, headers, _ = await post(s, proxy.url, conversation(40))
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+    assert len(upstream.summaries) >= 2
+    first, *rest = [c.body["messages"][1]["content"] for c in upstream.summaries]
+    assert not first.startswith("Previous summary")
+    assert all(r.startswith("Previous summary:\n" + upstream.summary_text) for r in rest)
+    # every chunk fits the summariser's own window
+    from proxy.tokens import TokenCounter
+
+    counter = TokenCounter("o200k_base")
+    assert all(sum(counter.messages(c.body["messages"])) + 300 <= WINDOW for c in upstream.summaries)
+
+
+async def test_incremental_summary_uses_the_previous_one(upstream, start_proxy):
+    proxy = await start_proxy(config(upstream.base_url))
+    async with aiohttp.ClientSession() as s:
+        for n in range(20, 61):
+            status, _, _ = await post(s, proxy.url, conversation(n))
+            assert status == 200
+    assert len(upstream.summaries) >= 2
+    later = upstream.summaries[-1].body["messages"][1]["content"]
+    assert later.startswith("Previous summary:\n" + upstream.summary_text)
+    # the newly aged turns only, not the whole history again
+    assert "Turn 0:" not in later
