@@ -15,6 +15,7 @@ from proxy.cache import Cache
 from proxy.errors import ConfigError
 from proxy.metrics import Metrics
 from proxy.modelinfo import ModelMap
+from proxy.prefix import PrefixTracker
 from proxy.runtime import Runtime, Shared, open_shared
 from proxy.settings import Config, load_config
 from proxy.upstream import UpstreamEngine, UpstreamPool
@@ -33,10 +34,9 @@ class State:
     pool: UpstreamPool
     metrics: Metrics
     config_path: str | None
-    inflight: int = 0
+    prefix: PrefixTracker = field(default_factory=PrefixTracker)
     draining: bool = False
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def config(self) -> Config:
@@ -83,7 +83,6 @@ def create_app(config: Config, *, config_path: str | None = None, cache: Cache |
     runtime = Runtime(config, shared)
     runtime.engine = UpstreamEngine(runtime, pool)
     state = State(runtime, shared, pool, metrics, config_path)
-    state.idle.set()
 
     app = web.Application(
         client_max_size=int(s.server.max_body_mb * MB) + 1,

@@ -171,6 +171,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         record.report = assembly.report
         record.model = route.name
         state.metrics.assembled(record.tenant, route.name, assembly.report)
+        stable = state.prefix.observe(assembly.received, assembly.messages, assembly.keys)
+        if stable is not None:
+            state.metrics.prefix(record.tenant, route.name, stable)
         data = forward_body(raw, body, assembly, route)
         overhead = time.perf_counter() - started
         record.overhead = overhead

@@ -64,6 +64,8 @@ class Assembly:
     changed: bool
     report: Report
     body_changes: dict[str, Any] = field(default_factory=dict)
+    keys: dict[int, bytes] = field(default_factory=dict)  # id(message) -> content digest
+    received: list[Message] = field(default_factory=list)
 
 
 def request_max_tokens(body: dict[str, Any]) -> tuple[str | None, int | None]:
@@ -166,7 +168,7 @@ async def assemble(
         _fits(total, budget)
         if repairs:
             check(repaired)
-        return Assembly(repaired, bool(repairs) or bool(body_changes), report, body_changes)
+        return Assembly(repaired, bool(repairs) or bool(body_changes), report, body_changes, keys, messages)
 
     def toks(ms: list[Message]) -> int:
         return sum(tokens[id(m)] for m in ms)
@@ -219,7 +221,7 @@ async def assemble(
     _fits(size, budget)
     check(final)
     changed = len(final) != len(messages) or any(a is not b for a, b in zip(final, messages))
-    return Assembly(final, changed or bool(body_changes), report, body_changes)
+    return Assembly(final, changed or bool(body_changes), report, body_changes, keys, messages)
 
 
 def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None) -> Budget:
