@@ -11,8 +11,9 @@ the summary cache (``SummaryStore``) owns reuse, single flight and cost.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
@@ -118,11 +119,16 @@ class HistoryView:
     turns: list[list[Message]]
     message_tokens: list[list[int]]
     turn_tokens: list[int]
-    chain: list[str]
+    chain_fn: Callable[[], list[str]]
     pinned_tokens: int
     budget: Budget
     counter: TokenCounter
     services: Services
+
+    @cached_property
+    def chain(self) -> list[str]:
+        """chain[i] is a stable hash of turns[0..i] (computed on first use: only the summary cache needs it)."""
+        return self.chain_fn()
 
     def payload_tokens(self, start: int = 0, extra: int = 0) -> int:
         """Tokens of the request if it kept turns[start:] plus ``extra`` (a summary)."""

@@ -44,11 +44,11 @@ def split_bands(messages: list[Message]) -> Bands:
     """Split a (repaired) message list into its four bands."""
     n = len(messages)
     start = 0
-    while start < n and role_of(messages[start]) in SYSTEM_ROLES:
+    while start < n and messages[start].get("role") in SYSTEM_ROLES:
         start += 1
     last_user = -1
     for i in range(n - 1, start - 1, -1):
-        if role_of(messages[i]) == "user":
+        if messages[i].get("role") == "user":
             last_user = i
             break
     if last_user < 0:
@@ -59,11 +59,13 @@ def split_bands(messages: list[Message]) -> Bands:
 def split_turns(history: list[Message]) -> list[list[Message]]:
     """A turn starts at a user message; anything before the first one is a preamble turn."""
     turns: list[list[Message]] = []
+    current: list[Message] | None = None
     for message in history:
-        if role_of(message) == "user" or not turns:
-            turns.append([message])
+        if current is None or message.get("role") == "user":
+            current = [message]
+            turns.append(current)
         else:
-            turns[-1].append(message)
+            current.append(message)
     return turns
 
 

@@ -132,25 +132,96 @@ def check_shape(messages: Any) -> None:
         raise PayloadError("'messages' must contain at least one message", param="messages",
                            code="empty_messages")
     for i, message in enumerate(messages):
-        param = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise PayloadError(f"{param} must be an object", param=param, code="invalid_message")
-        role = message.get("role")
-        if role not in KNOWN_ROLES:
-            raise PayloadError(f"{param}.role must be one of {sorted(KNOWN_ROLES)}, got {_short(role)}",
-                               param=f"{param}.role", code="invalid_role")
-        _check_content(message, param, role)
+        _check_one(message, i)
+
+
+def scan(messages: Any) -> bool:
+    """One fast pass: raise PayloadError for a malformed message; return whether pairing is valid.
+
+    This runs on every request, so the common case (string contents, well-formed
+    tool calls) costs a few dict lookups per message; anything unusual falls back
+    to ``check_shape`` for a precise error.
+    """
+    if type(messages) is not list or not messages:
+        check_shape(messages)
+    pending: set[str] | None = None
+    valid = True
+    for i, m in enumerate(messages):
+        if type(m) is not dict:
+            check_shape(messages)
+        role = m.get("role")
+        content = m.get("content")
+        if role == "tool":
+            tid = m.get("tool_call_id")
+            if type(tid) is not str or type(content) is not str:
+                _check_one(m, i)
+            if pending is not None and tid in pending:
+                pending.discard(tid)
+            else:
+                valid = False
+            continue
+        if pending:
+            valid = False
+        pending = None
         if role == "assistant":
-            _check_calls(message, param)
-        elif role in ("tool", "function") and result_id(message) is None:
-            field_name = "tool_call_id" if role == "tool" else "name"
-            raise PayloadError(f"{param} ({role}) has no {field_name}", param=f"{param}.{field_name}",
-                               code="missing_tool_call_id")
+            if m.get("function_call") is not None:
+                return _slow_scan(messages)
+            calls = m.get("tool_calls")
+            if calls is not None:
+                if type(calls) is not list:
+                    _check_one(m, i)
+                ids: set[str] = set()
+                for call in calls:
+                    fn = call.get("function") if type(call) is dict else None
+                    cid = call.get("id") if type(call) is dict else None
+                    if type(cid) is not str or not cid or type(fn) is not dict or type(fn.get("name")) is not str \
+                            or not fn["name"]:
+                        _check_one(m, i)
+                    ids.add(cid)  # type: ignore[arg-type]
+                pending = ids or None
+            if content is not None and type(content) is not str:
+                _check_one(m, i)
+        elif role == "user" or role == "system" or role == "developer":
+            if type(content) is not str:
+                _check_one(m, i)
+        elif role == "function":
+            return _slow_scan(messages)
+        else:
+            _check_one(m, i)
+    return valid and not pending
+
+
+def _check_one(message: Any, i: int) -> None:
+    """The precise checks for one message that the fast scan found unusual (may well be valid)."""
+    param = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise PayloadError(f"{param} must be an object", param=param, code="invalid_message")
+    role = message.get("role")
+    if role not in KNOWN_ROLES:
+        raise PayloadError(f"{param}.role must be one of {sorted(KNOWN_ROLES)}, got {_short(role)}",
+                           param=f"{param}.role", code="invalid_role")
+    _check_content(message, param, role)
+    if role == "assistant":
+        _check_calls(message, param)
+    elif role in ("tool", "function") and result_id(message) is None:
+        field_name = "tool_call_id" if role == "tool" else "name"
+        raise PayloadError(f"{param} ({role}) has no {field_name}", param=f"{param}.{field_name}",
+                           code="missing_tool_call_id")
+
+
+def _slow_scan(messages: list[Any]) -> bool:
+    check_shape(messages)
+    return is_valid(messages)
 
 
 def check(messages: Any) -> None:
     """The payload check: raise PayloadError (HTTP 400) unless a provider would accept ``messages``."""
-    check_shape(messages)
+    if not scan(messages):
+        _check_pairing(messages)
+
+
+def _check_pairing(messages: list[Message]) -> None:
+    """Raise the precise pairing error (the slow path, taken only when ``scan`` found one)."""
     pending: set[str] = set()
     group_open = False
     for i, message in enumerate(messages):
@@ -217,8 +288,10 @@ def _check_calls(message: Message, param: str) -> None:
 
 
 def is_valid(messages: list[Message]) -> bool:
+    """Whether ``messages`` passes the payload check (shape and pairing)."""
     try:
-        check(messages)
+        check_shape(messages)
+        _check_pairing(messages)
     except PayloadError:
         return False
     return True

@@ -21,9 +21,9 @@ from plugins.base import HistoryView, Services
 from proxy.budget import Budget, compute_budget
 from proxy.errors import BadRequest, ContextLengthExceeded, OutputLimitExceeded, PayloadError
 from proxy.messages import Bands, Message, split_bands, split_turns, tool_groups
-from proxy.pairing import check, check_shape, repair
+from proxy.pairing import check, repair, scan
 from proxy.policy import ModelRoute, Policy
-from proxy.tokens import REPLY_PRIMING, TokenCounter, digest
+from proxy.tokens import REPLY_PRIMING, TokenCounter, dumps
 
 
 @dataclass
@@ -64,7 +64,7 @@ class Assembly:
     changed: bool
     report: Report
     body_changes: dict[str, Any] = field(default_factory=dict)
-    keys: dict[int, bytes] = field(default_factory=dict)  # id(message) -> content digest
+    keys: dict[int, int] = field(default_factory=dict)  # id(message) -> in-process content key
     received: list[Message] = field(default_factory=list)
 
 
@@ -79,14 +79,15 @@ def request_max_tokens(body: dict[str, Any]) -> tuple[str | None, int | None]:
     return None, None
 
 
-def chain_hashes(turns: list[list[Message]], keys: dict[int, bytes]) -> list[str]:
-    """chain[i] identifies turns[0..i]: each turn's message digests hashed onto the previous link."""
+def chain_hashes(turns: list[list[Message]], raws: dict[int, bytes]) -> list[str]:
+    """chain[i] identifies turns[0..i]: each turn's messages hashed onto the previous link (stable across hosts)."""
     out: list[str] = []
     link = b""
     for turn in turns:
         h = hashlib.blake2b(link, digest_size=16)
         for message in turn:
-            h.update(keys[id(message)])
+            raw = raws.get(id(message))
+            h.update(raw if raw is not None else dumps(message))
         link = h.digest()
         out.append(link.hex())
     return out
@@ -103,21 +104,25 @@ class Prepared:
     messages: list[Message]
     repaired: list[Message]
     repairs: Counter[str]
-    keys: dict[int, bytes]
+    raws: dict[int, bytes]  # id(message) -> its JSON, hashed for stable cache keys when needed
+    keys: dict[int, int]  # id(message) -> in-process content key (token LRU, prefix tracking)
     tokens: dict[int, int]
     fixed: int
 
 
 def prepare(body: dict[str, Any], counter: TokenCounter) -> Prepared:
     messages = body.get("messages")
-    check_shape(messages)
-    assert isinstance(messages, list)
-    repaired, repairs = repair(messages)
-    keys = {id(m): digest(m) for m in repaired}
-    counts = counter.messages(repaired, [keys[id(m)] for m in repaired])
-    tokens = {id(m): n for m, n in zip(repaired, counts)}
+    if scan(messages):
+        repaired, repairs = messages, Counter[str]()
+    else:
+        repaired, repairs = repair(messages)
+    raws = [dumps(m) for m in repaired]
+    key_list = [hash(r) for r in raws]
+    counts = counter.messages(repaired, key_list)
+    ids = [id(m) for m in repaired]
     fixed = REPLY_PRIMING + counter.tools(body.get("tools")) + counter.tools(body.get("functions"))
-    return Prepared(messages, repaired, repairs, keys, tokens, fixed)
+    return Prepared(messages, repaired, repairs, dict(zip(ids, raws)), dict(zip(ids, key_list)),
+                    dict(zip(ids, counts)), fixed)
 
 
 async def assemble(
@@ -181,7 +186,7 @@ async def assemble(
         turns=turns,
         message_tokens=message_tokens,
         turn_tokens=[sum(t) for t in message_tokens],
-        chain=chain_hashes(turns, keys),
+        chain_fn=lambda: chain_hashes(turns, prepared.raws),
         pinned_tokens=pinned,
         budget=budget,
         counter=counter,

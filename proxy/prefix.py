@@ -14,7 +14,7 @@ import hashlib
 from collections import OrderedDict
 
 from proxy.messages import SYSTEM_ROLES, Message
-from proxy.tokens import digest
+from proxy.tokens import content_key
 
 
 class PrefixTracker:
@@ -22,13 +22,14 @@ class PrefixTracker:
         self._last: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
         self._size = size
 
-    def observe(self, received: list[Message], forwarded: list[Message], keys: dict[int, bytes]) -> bool | None:
+    def observe(self, received: list[Message], forwarded: list[Message], keys: dict[int, int]) -> bool | None:
         """True/False: the forwarded list does/does not extend the previous one; None: first request seen."""
         if not received or not forwarded:
             return None
 
         def key_of(message: Message) -> bytes:
-            return keys.get(id(message)) or digest(message)
+            key = keys.get(id(message))
+            return (key if key is not None else content_key(message)).to_bytes(8, "little", signed=True)
 
         head = hashlib.blake2b(digest_size=16)
         for message in received:

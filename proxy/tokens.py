@@ -14,7 +14,6 @@ conversation only encodes its new messages.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections import OrderedDict
@@ -64,13 +63,17 @@ def use_bundled_encodings() -> None:
         os.environ["TIKTOKEN_CACHE_DIR"] = str(folder)
 
 
-def digest(message: Message) -> bytes:
-    """A content digest of one message (its JSON as sent, key order included)."""
+def dumps(message: Message) -> bytes:
+    """One message's JSON as sent (key order included): what content keys are computed from."""
     try:
-        raw = orjson.dumps(message)
+        return orjson.dumps(message)
     except TypeError:
-        raw = repr(message).encode()
-    return hashlib.blake2b(raw, digest_size=16).digest()
+        return repr(message).encode()
+
+
+def content_key(message: Message) -> int:
+    """An in-process key for one message's content (token LRU, prefix tracking); not stable across processes."""
+    return hash(dumps(message))
 
 
 class TokenCounter:
@@ -82,7 +85,7 @@ class TokenCounter:
         use_bundled_encodings()
         self.encoding_name = encoding
         self._enc = tiktoken.get_encoding(encoding)
-        self._cache: OrderedDict[bytes, int] = OrderedDict()
+        self._cache: OrderedDict[int, int] = OrderedDict()
         self._cache_size = cache_size
         self._small: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -97,9 +100,9 @@ class TokenCounter:
             return n
         return len(self._enc.encode_ordinary(text))
 
-    def message(self, message: Message, key: bytes | None = None, batch: dict[str, int] | None = None) -> int:
+    def message(self, message: Message, key: int | None = None, batch: dict[str, int] | None = None) -> int:
         if key is None:
-            key = digest(message)
+            key = content_key(message)
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
@@ -112,10 +115,10 @@ class TokenCounter:
                 self._cache.popitem(last=False)
         return n
 
-    def messages(self, messages: list[Message], keys: list[bytes] | None = None) -> list[int]:
+    def messages(self, messages: list[Message], keys: list[int] | None = None) -> list[int]:
         """Counts for many messages; uncached texts are encoded in one batch across threads."""
         if keys is None:
-            keys = [digest(m) for m in messages]
+            keys = [content_key(m) for m in messages]
         out = [0] * len(messages)
         missing: list[int] = []
         with self._lock:

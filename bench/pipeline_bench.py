@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""In-process pipeline timings on the shared payloads, next to tiktoken's own encode time.
+
+cold = an empty token-count LRU and summary cache; warm = the same conversation
+plus one new turn (the common agent case), after the previous request was
+assembled. Prints a markdown table; medians of --runs runs.
+
+    .venv/bin/python bench/pipeline_bench.py [--runs 7] [--json-out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from plugins.base import Completion  # noqa: E402
+from proxy.cache import MemoryCache  # noqa: E402
+from proxy.pairing import is_valid  # noqa: E402
+from proxy.runtime import Runtime, open_shared  # noqa: E402
+from proxy.settings import load_config  # noqa: E402
+from proxy.tokens import TokenCounter, use_bundled_encodings  # noqa: E402
+
+PAYLOADS = ROOT.parent / "shared" / "bench" / "payloads"
+
+
+class InstantEngine:
+    async def complete(self, model: str, messages: list[Any], *, max_tokens: int, timeout: float,
+                       purpose: str) -> Completion:
+        return Completion("Summary of the earlier work: files read, tests run, decisions taken.", model, 1000, 50)
+
+
+def config(manager: Any, budget: int) -> Any:
+    return load_config({
+        "upstreams": {"up": {"base_url": "http://127.0.0.1:9"}},
+        "models": [{"name": "gpt-4o-mini", "context_window": 400000, "max_output_tokens": 16384}],
+        "context_manager": manager,
+        "trimmer": {"max_tokens": budget},
+        "cache": {"backend": "memory"},
+    })
+
+
+MANAGERS = {
+    "summarising": {"type": "summarising", "params": {"keep_turns": 10}},
+    "sliding-window": {"type": "sliding-window", "params": {"keep_turns": 10}},
+    "stack": {"type": "stack", "params": {"max_messages": 200}},
+}
+
+
+def grown(body: dict[str, Any], i: int) -> dict[str, Any]:
+    """The same conversation plus one new turn (user + assistant tool round + result)."""
+    out = dict(body)
+    out["messages"] = body["messages"] + [
+        {"role": "assistant", "content": f"Step {i} done."},
+        {"role": "user", "content": f"Now continue with step {i + 1}."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_new_{i}", "type": "function", "function": {"name": "read_file",
+                                                                      "arguments": '{"path": "README.md"}'}}]},
+        {"role": "tool", "tool_call_id": f"call_new_{i}", "content": "# README\n" + "line of text\n" * 40},
+    ]
+    return out
+
+
+async def run_case(name: str, manager: Any, budget: int, runs: int) -> dict[str, Any]:
+    body = json.loads((PAYLOADS / name).read_text())
+    cold, warm = [], []
+    out_tokens = valid = None
+    for _ in range(runs):
+        cfg = config(manager, budget)
+        shared = open_shared(cfg, cache=MemoryCache())
+        runtime = Runtime(cfg, shared, InstantEngine())
+        b0 = copy.deepcopy(body)
+        t = time.perf_counter()
+        a, _, _ = await runtime.assemble(b0, tenant=None)
+        cold.append(time.perf_counter() - t)
+        for i in range(3):
+            b = grown(body, i)
+            t = time.perf_counter()
+            a, _, _ = await runtime.assemble(b, tenant=None)
+            warm.append(time.perf_counter() - t)
+            body_i = b  # noqa: F841
+        out_tokens, valid = a.report.tokens_after, is_valid(a.messages)
+        assert out_tokens <= budget
+    return {"payload": name, "manager": manager["type"], "budget": budget, "cold_ms": statistics.median(cold) * 1e3,
+            "warm_ms": statistics.median(warm) * 1e3, "tokens_out": out_tokens, "pairing_valid": valid}
+
+
+def tiktoken_floor(name: str, runs: int) -> float:
+    import tiktoken
+
+    body = json.loads((PAYLOADS / name).read_text())
+    texts = []
+    for m in body["messages"]:
+        if isinstance(m.get("content"), str):
+            texts.append(m["content"])
+        for c in m.get("tool_calls") or []:
+            texts.append(c["function"]["arguments"])
+    enc = tiktoken.get_encoding("o200k_base")
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        for text in texts:
+            enc.encode_ordinary(text)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--json-out")
+    a = ap.parse_args()
+    use_bundled_encodings()
+    TokenCounter("o200k_base")  # load the encoding once, outside the timings
+    rows = []
+    for name, budget in (("agent_long.json", 16000), ("agent_huge.json", 128000)):
+        floor = tiktoken_floor(name, a.runs)
+        for manager in MANAGERS.values():
+            row = await run_case(name, manager, budget, a.runs)
+            row["tiktoken_ms"] = floor
+            rows.append(row)
+    print("| payload | manager | budget | cold ms | warm ms (+1 turn) | tiktoken o200k encode ms | cold / tiktoken "
+          "| tokens out | pairing |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['payload']} | {r['manager']} | {r['budget']} | {r['cold_ms']:.1f} | {r['warm_ms']:.2f} | "
+              f"{r['tiktoken_ms']:.1f} | {r['cold_ms'] / r['tiktoken_ms']:.2f}x | {r['tokens_out']} | "
+              f"{'valid' if r['pairing_valid'] else 'BROKEN'} |")
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
