@@ -53,6 +53,8 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> Non
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=2048)
     await site.start()
     bound = _bound_port(site) or port
+    # load the default tokenizer in the background: the first request must not pay ~0.5 s for it
+    warm = asyncio.get_running_loop().run_in_executor(None, state.shared.tokenizers.get, "o200k_base")
     print(f"ctxproxy listening on http://{host}:{bound} (pid {os.getpid()})", file=sys.stderr, flush=True)
 
     loop = asyncio.get_running_loop()
@@ -61,6 +63,7 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> Non
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, state.reload)
     await stop.wait()
+    await warm
     state.draining = True
     log.info("draining: no new connections; in-flight requests get up to %ss", drain)
     await runner.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout
