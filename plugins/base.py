@@ -26,10 +26,13 @@ if TYPE_CHECKING:
     from proxy.tokens import TokenCounter
 
 
-class Params(BaseModel):
+class PluginParams(BaseModel):
     """Base of every plugin's params model: unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+Params = PluginParams
 
 
 @dataclass(frozen=True)
@@ -156,9 +159,9 @@ class ContextManager(ABC):
     """A context-manager plugin (registry type ``context_manager``)."""
 
     name: ClassVar[str]
-    Params: ClassVar[type[Params]]
+    Params: ClassVar[type[PluginParams]]
 
-    def __init__(self, params: Params, summarizer: Summarizer | None = None) -> None:
+    def __init__(self, params: PluginParams, summarizer: Summarizer | None = None) -> None:
         self.params = params
         self.summarizer = summarizer
 
@@ -192,9 +195,9 @@ class Summarizer(ABC):
     """A summariser plugin (registry type ``summarizer``); only bound on ``summarising``."""
 
     name: ClassVar[str]
-    Params: ClassVar[type[Params]]
+    Params: ClassVar[type[PluginParams]]
 
-    def __init__(self, params: Params) -> None:
+    def __init__(self, params: PluginParams) -> None:
         self.params = params
 
     def settings_id(self, services: Services) -> str:

@@ -7,6 +7,7 @@ Param aliases are resolved here and nowhere else.
 
 from __future__ import annotations
 
+import builtins
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ class Binding:
 
     kind: str
     type: str
-    plugin: type[Any]
+    plugin: builtins.type[Any]
     params: Any
     summarizer: Binding | None = None
 

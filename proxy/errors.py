@@ -117,8 +117,9 @@ class UpstreamStatus(UpstreamError):
     """An upstream 4xx/5xx, relayed with its status and an OpenAI-shaped body."""
 
     def __init__(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-        err = body.get("error") if isinstance(body.get("error"), dict) else {}
-        super().__init__(str(err.get("message") or f"upstream answered {status}"))
+        err = body.get("error")
+        message = err.get("message") if isinstance(err, dict) else None
+        super().__init__(str(message or f"upstream answered {status}"))
         self.status = status
         self.body = body
         self.headers = headers or {}

@@ -58,22 +58,22 @@ def repair(messages: list[Message]) -> tuple[list[Message], Counter[str]]:
             last_item_group = group
             continue
         if is_result(message):
-            tid = result_id(message)
-            if tid is None:
+            rid = result_id(message)
+            if rid is None:
                 items.append(message)  # left for the payload check to name
                 last_item_group = None
                 continue
-            owner = open_by_id.get(tid)
+            owner = open_by_id.get(rid)
             if owner is None:
-                repairs[DUPLICATE if tid in answered else ORPHAN] += 1
+                repairs[DUPLICATE if rid in answered else ORPHAN] += 1
                 continue
             if owner is not last_item_group:
                 owner.displaced = True
                 repairs[MOVED] += 1
-            owner.results[tid] = message
-            owner.order.append(tid)
-            del open_by_id[tid]
-            answered.add(tid)
+            owner.results[rid] = message
+            owner.order.append(rid)
+            del open_by_id[rid]
+            answered.add(rid)
             continue
         items.append(message)
         last_item_group = None
@@ -231,7 +231,7 @@ def _check_pairing(messages: list[Message]) -> None:
             if not group_open or tid not in pending:
                 raise PayloadError(f"{param} answers tool call {_short(tid)}, which is not pending right before it",
                                    param=param, code="unpaired_tool_result")
-            pending.discard(tid)  # type: ignore[arg-type]
+            pending.discard(tid or "")
             continue
         if pending:
             raise PayloadError(f"tool call(s) {sorted(pending)[:5]} got no result before {param}",

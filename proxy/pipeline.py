@@ -111,7 +111,7 @@ class Prepared:
 
 
 def prepare(body: dict[str, Any], counter: TokenCounter) -> Prepared:
-    messages = body.get("messages")
+    messages: list[Message] = body.get("messages")  # type: ignore[assignment]  # scan() checks it
     if scan(messages):
         repaired, repairs = messages, Counter[str]()
     else:

@@ -144,7 +144,7 @@ class LoggingSettings(Strict):
 
 
 class Settings(Strict):
-    server: ServerSettings = Field(default_factory=ServerSettings)  # type: ignore[arg-type]
+    server: ServerSettings = Field(default_factory=ServerSettings)
     upstreams: dict[str, UpstreamSettings] = Field(..., min_length=1)
     default_upstream: str | None = Field(None, description="Name of the default upstream (default: the first).")
     models: list[ModelSettings] = Field(default_factory=list)
@@ -154,12 +154,12 @@ class Settings(Strict):
     trimmer: TrimmerParams | None = None
     pairing: Literal["repair", "strict"] = "repair"
     summarizer_model: str | None = None
-    summarizer: SummarizerSettings = Field(default_factory=SummarizerSettings)  # type: ignore[arg-type]
+    summarizer: SummarizerSettings = Field(default_factory=SummarizerSettings)
     on_summarizer_error: Literal["serve", "fail"] = "serve"
-    cache: CacheSettings = Field(default_factory=CacheSettings)  # type: ignore[arg-type]
+    cache: CacheSettings = Field(default_factory=CacheSettings)
     tenants: list[TenantSettings] = Field(default_factory=list)
     admin: AdminSettings = Field(default_factory=AdminSettings)
-    logging: LoggingSettings = Field(default_factory=LoggingSettings)  # type: ignore[arg-type]
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)
 
     @model_validator(mode="after")
     def _references(self) -> Settings:

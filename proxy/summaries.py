@@ -150,7 +150,7 @@ class SummaryService:
         start = previous.covered_turns if previous is not None and previous.covered_turns < cut else 0
         self.calls += 1
         try:
-            completion = await summarize(previous.text if start else None, turns[start:])
+            completion = await summarize(previous.text if previous is not None and start else None, turns[start:])
             text = completion.text.strip()
             if not text:
                 raise SummaryUnavailable("the summariser returned an empty answer")

@@ -450,7 +450,7 @@ async def test_redis_lock_acquired_by_cancelled_caller_is_released(redis_server:
             await enter
         await sleeper
         # The SET NX did run; without the orphan release the lock would be stuck for 30 s.
-        async with cache.lock("job", ttl=5, wait=1.0) as got:
+        async with cache.lock("job", ttl=5, wait=5.0) as got:
             assert got is True
     finally:
         await cache.close()

@@ -85,7 +85,8 @@ class Summarising(ContextManager):
         n = len(view.turns)
         budget = view.budget
         target = min(budget.threshold, budget.hard_budget - budget.step)
-        cut = max(0, n - params.keep_turns)
+        keep: int = params.keep_turns
+        cut = max(0, n - keep)
         while cut < n and view.payload_tokens(cut, summary_tokens) > target:
             cut += 1
         return cut
