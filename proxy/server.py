@@ -32,13 +32,13 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None, w
     setup_logging(config.settings.logging.level)
     if workers > 1 and os.environ.get("CTXPROXY_WORKER") is None:
         return _supervise(config, host, port, workers)
+    main = _run(config, host, port, reuse_port=workers > 1)
     try:
         import uvloop
-
-        uvloop.install()
-    except ImportError:  # pragma: no cover - uvloop is optional
-        pass
-    asyncio.run(_run(config, host, port, reuse_port=workers > 1))
+    except ImportError:  # pragma: no cover - uvloop is optional (not on Windows)
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
     return 0
 
 

@@ -85,6 +85,10 @@ class TokenCounter:
         use_bundled_encodings()
         self.encoding_name = encoding
         self._enc = tiktoken.get_encoding(encoding)
+        # The Python copy of the BPE ranks (~30 MB for o200k) is only used to pickle an Encoding;
+        # counting runs in tiktoken's Rust core, so drop it to keep the idle footprint small.
+        if getattr(self._enc, "_mergeable_ranks", None) is not None:
+            self._enc._mergeable_ranks = {}
         self._cache: OrderedDict[int, int] = OrderedDict()
         self._cache_size = cache_size
         self._small: dict[str, int] = {}
