@@ -31,7 +31,7 @@ class Received:
 
 @dataclass
 class FakeUpstream:
-    mode: str = "ok"  # ok | status | hang | slow_first_byte | stall | break | no_done | error_in_stream | malformed
+    mode: str = "ok"  # ok | status | hang | slow_first_byte | stall | break | no_done | error_in_stream | malformed | script
     status: int = 500
     status_body: Any = None
     status_headers: dict[str, str] = field(default_factory=dict)
@@ -41,6 +41,9 @@ class FakeUpstream:
     chat: list[Received] = field(default_factory=list)
     summaries: list[Received] = field(default_factory=list)
     other: list[Received] = field(default_factory=list)
+    # mode "script": canned assistant messages (e.g. with tool_calls), one per chat request, in order;
+    # once exhausted, the fixed REPLY
+    script: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0
     active: int = 0
     url: str = ""
@@ -117,6 +120,8 @@ class FakeUpstream:
             return web.json_response(payload, status=self.status, headers=self.status_headers)
         if self.mode == "hang" or self.mode == "slow_first_byte":
             await asyncio.sleep(self.delay or 3600)
+        if self.mode == "script":
+            return await self._scripted(request, body)
         if not body.get("stream"):
             return web.json_response(_completion(model, REPLY, USAGE))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -141,6 +146,28 @@ class FakeUpstream:
                 await resp.write(b": keep-alive\n\n")
         if self.mode != "no_done":
             await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _scripted(self, request: web.Request, body: Any) -> web.StreamResponse:
+        model = body.get("model", "m")
+        message = dict(self.script.pop(0)) if self.script else {"role": "assistant", "content": REPLY}
+        message.setdefault("role", "assistant")
+        message.setdefault("content", None)
+        finish = "tool_calls" if message.get("tool_calls") else "stop"
+        if not body.get("stream"):
+            out = _completion(model, "", USAGE)
+            out["choices"][0].update(message=message, finish_reason=finish)
+            return web.json_response(out)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        delta = dict(message)
+        if delta.get("tool_calls"):
+            delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(delta["tool_calls"])]
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        await resp.write(_chunk(model, delta))
+        await resp.write(_chunk(model, {}, finish, USAGE if include_usage else None))
+        await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 

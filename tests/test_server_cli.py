@@ -1,0 +1,203 @@
+"""``ctxproxy serve`` as a real process: ready line, a request, SIGTERM drain, and config errors before binding."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from tests.fake_upstream import REPLY, FakeUpstream
+
+CTXPROXY = Path(sys.executable).parent / "ctxproxy"
+MODEL = "gpt-4o-mini"
+MESSAGES = [{"role": "user", "content": "Hello from a real process."}]
+DRAIN = 5.0
+READY = re.compile(r"ctxproxy listening on http://([\d.]+):(\d+)")
+
+pytestmark = pytest.mark.skipif(not CTXPROXY.is_file(), reason="the ctxproxy console script is not installed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_config(tmp_path: Path, upstream: FakeUpstream, **server: Any) -> Path:
+    config = {
+        "server": {"host": "127.0.0.1", "drain_timeout": DRAIN, **server},
+        "upstreams": {"fake": {"base_url": upstream.base_url, "api_key": "sk-upstream-secret"}},
+        "models": [{"name": MODEL, "context_window": 128000, "max_output_tokens": 16384}],
+        "cache": {"backend": "memory"},
+        "logging": {"level": "INFO"},
+    }
+    path = tmp_path / "ctxproxy.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return path
+
+
+class Served:
+    def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
+        self.proc = proc
+        self.port = port
+        self.lines: list[str] = []
+        self.ready = asyncio.get_running_loop().create_future()
+        self.reader = asyncio.ensure_future(self._read())
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def _read(self) -> None:
+        assert self.proc.stderr is not None
+        async for raw in self.proc.stderr:  # drained to the end, so the pipe never fills up
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.lines.append(line)
+            if not self.ready.done() and READY.search(line):
+                self.ready.set_result(line)
+
+    async def wait_exit(self, timeout: float) -> int:
+        code = await asyncio.wait_for(self.proc.wait(), timeout)
+        await asyncio.wait_for(self.reader, 5)
+        return code
+
+
+@contextlib.asynccontextmanager
+async def serve(config: Path, port: int) -> AsyncIterator[Served]:
+    proc = await asyncio.create_subprocess_exec(
+        str(CTXPROXY), "serve", "--config", str(config), "--port", str(port),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    served = Served(proc, port)
+    try:
+        await asyncio.wait([served.ready, served.reader], timeout=30,
+                           return_when=asyncio.FIRST_COMPLETED)
+        assert served.ready.done(), "never ready:\n" + "\n".join(served.lines)
+        yield served
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        served.reader.cancel()
+
+
+async def test_serve_answers_then_exits_0_on_sigterm(upstream: FakeUpstream, tmp_path: Path) -> None:
+    port = free_port()
+    async with serve(write_config(tmp_path, upstream), port) as served:
+        host, bound = READY.search(served.ready.result()).groups()  # type: ignore[union-attr]
+        assert (host, int(bound)) == ("127.0.0.1", port)
+        async with openai.AsyncOpenAI(base_url=served.base_url, api_key="sk-client", max_retries=0) as c:
+            raw = await c.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES)
+            stream = await c.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
+            text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+        assert raw.parse().choices[0].message.content == REPLY
+        assert text == REPLY
+        assert "x-ctxproxy-tokens-in" in raw.headers
+        assert len(upstream.chat) == 2
+        assert upstream.chat[0].headers["Authorization"] == "Bearer sk-upstream-secret"
+        started = time.monotonic()
+        served.proc.send_signal(signal.SIGTERM)
+        assert await served.wait_exit(DRAIN + 5) == 0
+        assert time.monotonic() - started < DRAIN
+    log = "\n".join(served.lines)
+    assert "Traceback" not in log
+    assert "sk-upstream-secret" not in log and "sk-client" not in log  # keys are never logged
+
+
+async def test_sigterm_lets_slow_stream_finish(upstream: FakeUpstream, tmp_path: Path) -> None:
+    upstream.mode, upstream.delay = "slow_first_byte", 1.0
+    port = free_port()
+    async with serve(write_config(tmp_path, upstream), port) as served:
+        async with openai.AsyncOpenAI(base_url=served.base_url, api_key="sk-client", max_retries=0) as c:
+
+            async def consume() -> tuple[str, list[str]]:
+                stream = await c.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                         stream_options={"include_usage": True})
+                text, finishes = "", []
+                async for ch in stream:
+                    if ch.choices:
+                        text += ch.choices[0].delta.content or ""
+                        if ch.choices[0].finish_reason:
+                            finishes.append(ch.choices[0].finish_reason)
+                return text, finishes
+
+            task = asyncio.ensure_future(consume())
+            deadline = time.monotonic() + 10
+            while upstream.active == 0 and time.monotonic() < deadline:  # the request reached the upstream
+                await asyncio.sleep(0.01)
+            assert upstream.active == 1
+            sent_at = time.monotonic()
+            served.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            assert not task.done(), "the in-flight stream was cut at SIGTERM"
+            # draining: the listening socket is closed, a new connection is refused
+            with pytest.raises(openai.APIConnectionError):
+                async with openai.AsyncOpenAI(base_url=served.base_url, api_key="k", max_retries=0) as c2:
+                    await c2.chat.completions.create(model=MODEL, messages=MESSAGES)
+            text, finishes = await asyncio.wait_for(task, 10)
+        assert text == REPLY
+        assert finishes == ["stop"]
+        assert await served.wait_exit(DRAIN + 5) == 0
+        assert time.monotonic() - sent_at < DRAIN
+    assert "Traceback" not in "\n".join(served.lines)
+
+
+async def _run(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(str(CTXPROXY), *args, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+INVALID = """\
+server:
+  port: 99999
+  drain_timeout: -1
+  bogus: 1
+upstreams:
+  fake:
+    base_url: ftp://not-http
+    api_key: ${CTXPROXY_TEST_UNSET_VARIABLE_FOR_CLI}
+models:
+  - name: m
+    context_window: 0
+"""
+
+
+@pytest.mark.parametrize("text", [INVALID, "context_manager: nope\nupstreams: {u: {base_url: 'http://x'}}\n",
+                                  "server: [unclosed\n"], ids=["fields", "binding", "yaml"])
+async def test_invalid_config_exits_2_before_binding(tmp_path: Path, text: str) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(text, encoding="utf-8")
+    with socket.socket() as holder:  # the port is taken: binding it would fail differently
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        (serve_rc, _, serve_err), (val_rc, val_out, val_err) = await asyncio.gather(
+            _run("serve", "--config", str(config), "--port", str(port)), _run("validate", str(config)))
+    assert serve_rc == 2 and val_rc == 2
+    assert serve_err == val_err
+    assert val_out == ""
+    assert "listening" not in serve_err and "Traceback" not in serve_err
+    lines = serve_err.strip().splitlines()
+    assert lines and all(":" in line for line in lines)
+    if text is INVALID:
+        for key in ("server.port", "server.drain_timeout", "server.bogus", "upstreams.fake.base_url",
+                    "upstreams.fake.api_key", "models[0].context_window"):
+            assert any(line.startswith(key) for line in lines), (key, lines)
+
+
+async def test_valid_config_validates(upstream: FakeUpstream, tmp_path: Path) -> None:
+    rc, out, err = await _run("validate", str(write_config(tmp_path, upstream)))
+    assert (rc, out.strip(), err) == (0, "ok", "")
