@@ -181,6 +181,9 @@ async def assemble(
     pinned = fixed + toks(bands.system) + toks(bands.working_memory)
     if bands.current is not None:
         pinned += tokens[id(bands.current)]
+    # what can never be dropped: refuse now, before a summariser is called (and billed) for nothing
+    last_group = tool_groups(bands.working_memory)[-1:] or [[]]
+    _fits(pinned - toks(bands.working_memory) + toks(last_group[0]), budget)
     message_tokens = [[tokens[id(m)] for m in t] for t in turns]
     view = HistoryView(
         turns=turns,

@@ -64,9 +64,10 @@ def upstream_headers(
 ) -> CIMultiDict[str]:
     """Headers sent upstream: the client's, less hop-by-hop, proxy-only and (unless allowed) credentials."""
     out: CIMultiDict[str] = CIMultiDict()
+    listed = connection_listed(client_headers)
     for name, value in client_headers.items():
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower.startswith("x-ctxproxy-") or lower == "x-request-id":
+        if lower in HOP_BY_HOP or lower in listed or lower.startswith("x-ctxproxy-") or lower == "x-request-id":
             continue
         if lower in CLIENT_CREDENTIALS and not forward_client_auth:
             continue
@@ -82,10 +83,21 @@ def upstream_headers(
 def response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
     """Upstream response headers worth relaying (rate limits, Retry-After, processing time, ...)."""
     out: CIMultiDict[str] = CIMultiDict()
+    listed = connection_listed(upstream)
     for name, value in upstream.items():
-        if name.lower() not in RESPONSE_DROP:
+        lower = name.lower()
+        if lower not in RESPONSE_DROP and lower not in listed:
             out.add(name, value)
     return out
+
+
+def connection_listed(headers: Mapping[str, str]) -> frozenset[str]:
+    """Header names the sender declared hop-by-hop in its ``Connection`` header (RFC 9110 §7.6.1)."""
+    names: set[str] = set()
+    for name, value in headers.items():
+        if name.lower() == "connection":
+            names.update(token.strip().lower() for token in value.split(",") if token.strip())
+    return frozenset(names)
 
 
 async def open_request(

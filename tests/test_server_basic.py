@@ -369,8 +369,6 @@ async def test_hop_by_hop_and_proxy_headers_not_forwarded(upstream: FakeUpstream
     assert lower["x-kept"] == "kept"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: headers named in the client's Connection header are forwarded "
-                   "upstream (proxy/upstream.py upstream_headers only drops a fixed hop-by-hop list)")
 async def test_connection_listed_headers_not_forwarded(upstream: FakeUpstream, start_proxy: Any) -> None:
     proxy = await start_proxy(base_config(upstream.base_url))
     body = json.dumps({"model": MODEL, "messages": MESSAGES}).encode()

@@ -217,8 +217,6 @@ async def test_context_length_exceeded_without_history_makes_no_call(upstream: F
     assert not upstream.chat and not upstream.summaries and not upstream.other
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the summariser is called (and billed) for a request whose pinned "
-                   "part (system + current user turn + WM) alone exceeds the hard budget, then 400 anyway")
 async def test_context_length_exceeded_makes_no_summariser_call(upstream: FakeUpstream, start_proxy: Any) -> None:
     proxy = await start_proxy(base_config(upstream.base_url, models=TINY))
     async with client(proxy) as c:

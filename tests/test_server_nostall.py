@@ -150,8 +150,6 @@ async def test_no_stall_anywhere_in_huge_request_without_summariser(upstream: Fa
 
 
 @needs_payload
-@pytest.mark.xfail(strict=True, reason="BUG: plugins/summarizers/llm.py summarize() renders and token-counts "
-                   "every aged turn (~300k tokens) synchronously on the event loop: a ~0.3-0.5 s stall")
 async def test_no_stall_anywhere_in_huge_request_with_llm_summariser(upstream: FakeUpstream,
                                                                      start_proxy: Any) -> None:
     out = await huge_request(upstream, start_proxy, base_config(upstream.base_url))

@@ -9,6 +9,7 @@ each folded into the running summary. With no engine it degrades to ``drop``.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -62,7 +63,8 @@ class LLMSummarizer(Summarizer):
         room = max(2_000, int(services.summarizer_window * 0.8) - services.summary_tokens - 1_000)
 
         async def summarize(previous: str | None, turns: Sequence[Sequence[Message]]) -> Completion:
-            chunks = _chunks([render_turn(t) for t in turns], room, counter.text if counter else _approx)
+            # rendering and counting ~100k tokens of aged turns takes a while: keep it off the event loop
+            chunks = await asyncio.to_thread(_render_chunks, turns, room, counter.text if counter else _approx)
             running = previous
             prompt_tokens = completion_tokens = 0
             for chunk in chunks:
@@ -85,6 +87,10 @@ class LLMSummarizer(Summarizer):
             return Completion(running or "", model, prompt_tokens, completion_tokens)
 
         return summarize
+
+
+def _render_chunks(turns: Sequence[Sequence[Message]], room: int, count: Any) -> list[list[str]]:
+    return _chunks([render_turn(t) for t in turns], room, count)
 
 
 def _approx(text: str) -> int:
