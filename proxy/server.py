@@ -53,8 +53,9 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> Non
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=2048)
     await site.start()
     bound = _bound_port(site) or port
-    # load the default tokenizer in the background: the first request must not pay ~0.5 s for it
-    warm = asyncio.get_running_loop().run_in_executor(None, state.shared.tokenizers.get, "o200k_base")
+    # load the default tokenizer and litellm's model map in the background: the first request
+    # must not pay ~0.5 s for them
+    warm = asyncio.get_running_loop().run_in_executor(None, _warm_up, state)
     print(f"ctxproxy listening on http://{host}:{bound} (pid {os.getpid()})", file=sys.stderr, flush=True)
 
     loop = asyncio.get_running_loop()
@@ -68,6 +69,11 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> Non
     log.info("draining: no new connections; in-flight requests get up to %ss", drain)
     await runner.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout
     log.info("stopped")
+
+
+def _warm_up(state: Any) -> None:
+    state.shared.tokenizers.get("o200k_base")
+    state.shared.model_map.get("gpt-4o")
 
 
 def _bound_port(site: web.TCPSite) -> int | None:
