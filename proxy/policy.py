@@ -8,11 +8,13 @@ override is ignored and a warning says why.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from pydantic import ValidationError
 
 from plugins.base import ContextManager
 from plugins.registry import Binding, BindingError
@@ -28,6 +30,7 @@ log = logging.getLogger("ctxproxy")
 TIGHTENING = ("keep_turns", "max_messages", "working_memory_messages", "summary_threshold")
 # Changing the manager type is allowed only to one that keeps no more than the base.
 TYPE_CHANGES = {("summarising", "sliding-window")}
+WARNED_MODELS = 1000  # unknown model names warned about once each, at most
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class Policy:
             "tenant": self.tenant,
             "context_manager": {
                 "type": self.binding.type,
-                "params": self.binding.params.model_dump(mode="json", exclude_none=True),
+                "params": self.binding.params.model_dump(mode="json", exclude_none=True, exclude={"summarizer"}),
                 **({"summarizer": self.binding.summarizer.type} if self.binding.summarizer else {}),
             },
             "trimmer": self.trimmer.model_dump(mode="json", exclude_none=True),
@@ -102,9 +105,10 @@ class Routes:
             window = info.max_input_tokens
         if window is None:
             window = DEFAULT_WINDOW
-            if name not in self._warned:
+            # model names come from clients: remember (and log) a bounded number of them, each cut short
+            if name not in self._warned and len(self._warned) < WARNED_MODELS:
                 self._warned.add(name)
-                log.warning("model %r has no known context window; assuming %d tokens", name, DEFAULT_WINDOW)
+                log.warning("model %r has no known context window; assuming %d tokens", name[:100], DEFAULT_WINDOW)
         max_output = m.max_output_tokens if m and m.max_output_tokens else (info.max_output_tokens if info else None)
         return ModelRoute(
             name=name,
@@ -171,11 +175,37 @@ def _override(config: Config, base: Binding, header: str, strict: bool) -> tuple
         raise OverrideRejected(str(exc)) from None
     trimmer = chosen.params.model_dump(exclude_unset=True).get("trimmer") or {}
     cap = trimmer.get("max_tokens")
+    chosen = _inherit(base, chosen, value)
     if strict:
         problem = _loosens(base, chosen)
         if problem:
             raise OverrideRejected(f"it would loosen the policy ({problem})")
     return chosen, cap
+
+
+def _inherit(base: Binding, chosen: Binding, value: Any) -> Binding:
+    """The override's params over the base's: what the request does not set stays as the policy has it.
+
+    Without this an override that sets one param (``keep_turns``, ``trimmer.max_tokens``) would
+    silently reset every other one to the plugin's default (e.g. keep_turns 10 over a tenant's 6, or
+    the ``llm`` summariser over a tenant's ``drop``). On a type change only the shared limits
+    (``TIGHTENING``) carry over. The base's trimmer never does: the policy keeps the base's trimmer
+    and takes only ``trimmer.max_tokens`` from the override.
+    """
+    raw = value.get("params") if isinstance(value, dict) else None
+    fields = chosen.plugin.Params.model_fields
+    inherited = {
+        k: v for k, v in base.params.model_dump().items()
+        if k in fields and k not in ("trimmer", "summarizer") and (chosen.type == base.type or k in TIGHTENING)
+    }
+    try:
+        params = chosen.plugin.Params.model_validate({**inherited, **chosen.params.model_dump(exclude_unset=True)})
+    except ValidationError as exc:
+        raise OverrideRejected(f"it does not combine with the policy's params ({exc.errors()[0]['msg']})") from None
+    summarizer = chosen.summarizer
+    if summarizer is not None and base.summarizer is not None and not (isinstance(raw, dict) and "summarizer" in raw):
+        summarizer = base.summarizer
+    return dataclasses.replace(chosen, params=params, summarizer=summarizer)
 
 
 def _loosens(base: Binding, chosen: Binding) -> str | None:
@@ -197,9 +227,10 @@ def _loosens(base: Binding, chosen: Binding) -> str | None:
             return f"{key} cannot be changed per request"
     if chosen.type != base.type and old.get("keep_turns") is not None and new["keep_turns"] > old["keep_turns"]:
         return f"keep_turns {new['keep_turns']} > {old['keep_turns']}"
-    if base.summarizer is not None and chosen.summarizer is not None and chosen.summarizer.type != base.summarizer.type:
-        if chosen.summarizer.type != "drop":
-            return "the summariser cannot be changed per request"
+    # switching to drop only tightens; another summariser model or prompt does not
+    if (base.summarizer is not None and chosen.summarizer is not None and chosen.summarizer != base.summarizer
+            and chosen.summarizer.type != "drop"):
+        return "the summariser cannot be changed per request"
     return None
 
 

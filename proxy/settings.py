@@ -227,6 +227,7 @@ def _key_hash(key: str) -> str:
     return key[len("sha256:") :].lower() if key.startswith("sha256:") else hash_key(key)
 
 
+_PATHED = re.compile(r"^[A-Za-z_][\w.\[\]]*: ")
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -314,6 +315,9 @@ def load_config(
         for err in exc.errors():
             path = _loc(tuple(err["loc"])) or "(top level)"
             msg = err["msg"].removeprefix("Value error, ")
+            if not err["loc"] and _PATHED.match(msg):  # a cross-key check already names its key path
+                problems.append(msg)
+                continue
             problems.append(f"{path}: {msg}")
         raise ConfigError(problems) from None
     if problems:
