@@ -68,15 +68,41 @@ class Assembly:
     received: list[Message] = field(default_factory=list)
 
 
-def request_max_tokens(body: dict[str, Any]) -> tuple[str | None, int | None]:
-    for key in ("max_completion_tokens", "max_tokens"):
+OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens")
+# models that accept only max_completion_tokens
+_COMPLETION_ONLY = ("o1", "o3", "o4", "gpt-5")
+
+
+def request_max_tokens(body: dict[str, Any]) -> dict[str, int]:
+    """The request's output limits, by field (both may be present)."""
+    out: dict[str, int] = {}
+    for key in OUTPUT_FIELDS:
         value = body.get(key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise BadRequest(f"'{key}' must be a positive integer", param=key, code="invalid_max_tokens")
-        return key, value
-    return None, None
+        out[key] = value
+    return out
+
+
+def limit_output(body: dict[str, Any], route: ModelRoute, policy: Policy, report: Report) -> tuple[int | None, dict[str, Any]]:
+    """Apply the tenant's max_output_tokens: clamp (or refuse) every output field, add one when none is set."""
+    limits = request_max_tokens(body)
+    cap = policy.max_output_tokens
+    changes: dict[str, Any] = {}
+    if cap is not None:
+        for key, value in limits.items():
+            if value > cap:
+                if policy.max_output_policy == "refuse":
+                    raise OutputLimitExceeded(f"'{key}' is {value}; this key allows at most {cap}", param=key)
+                changes[key] = limits[key] = cap
+        if not limits:
+            completion_only = route.upstream_model.rsplit("/", 1)[-1].startswith(_COMPLETION_ONLY)
+            key = "max_completion_tokens" if completion_only else "max_tokens"
+            changes[key] = limits[key] = cap
+        report.max_tokens_clamped = bool(changes)
+    return (min(limits.values()) if limits else None), changes
 
 
 def chain_hashes(turns: list[list[Message]], raws: dict[int, bytes]) -> list[str]:
@@ -137,20 +163,12 @@ async def assemble(
     """Run the whole pipeline on one chat-completions body (raises a CtxProxyError to refuse)."""
     report = Report(model=route.name, tenant=policy.tenant, context_manager=policy.binding.type,
                     warnings=list(policy.warnings))
-    body_changes: dict[str, Any] = {}
     if prepared is None:
         prepared = prepare(body, counter)
     messages, repaired, repairs = prepared.messages, prepared.repaired, prepared.repairs
     keys, tokens, fixed = prepared.keys, prepared.tokens, prepared.fixed
 
-    key, max_tokens = request_max_tokens(body)
-    if policy.max_output_tokens is not None and max_tokens is not None and max_tokens > policy.max_output_tokens:
-        if policy.max_output_policy == "refuse":
-            raise OutputLimitExceeded(
-                f"'{key}' is {max_tokens}; this key allows at most {policy.max_output_tokens}", param=key)
-        assert key is not None
-        body_changes[key] = max_tokens = policy.max_output_tokens
-        report.max_tokens_clamped = True
+    max_tokens, body_changes = limit_output(body, route, policy, report)
 
     report.repairs = dict(repairs)
     if repairs and policy.pairing == "strict":

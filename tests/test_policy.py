@@ -702,3 +702,27 @@ async def test_example_config_behaves_as_documented(upstream: FakeUpstream, star
     async with env.client(research) as c:
         with pytest.raises(openai.NotFoundError):
             await c.chat.completions.create(model="gpt-3.5-turbo", messages=conversation(1))  # type: ignore[arg-type]
+
+
+async def test_output_cap_applies_to_every_field_and_when_none_is_sent(upstream, start_proxy):
+    """Both output fields are clamped; with neither, the tenant's cap is added (max_completion_tokens for o-series)."""
+    import aiohttp
+
+    cfg = {
+        "upstreams": {"fake": {"base_url": upstream.base_url, "api_key": "sk-up"}},
+        "models": [{"name": "gpt-4o-mini", "context_window": 32000}, {"name": "o3-mini", "context_window": 32000}],
+        "cache": {"backend": "memory"},
+        "tenants": [{"name": "t", "keys": ["k-out"], "max_output_tokens": 100}],
+    }
+    proxy = await start_proxy(cfg)
+    msgs = [{"role": "user", "content": "hi"}]
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer k-out"}) as s:
+        for extra, model, want in (
+            ({"max_tokens": 5000, "max_completion_tokens": 50}, "gpt-4o-mini", {"max_tokens": 100, "max_completion_tokens": 50}),
+            ({}, "gpt-4o-mini", {"max_tokens": 100}),
+            ({}, "o3-mini", {"max_completion_tokens": 100}),
+        ):
+            async with s.post(proxy.url + "/v1/chat/completions", json={"model": model, "messages": msgs, **extra}) as r:
+                assert r.status == 200
+            sent = upstream.chat[-1].body
+            assert {k: sent[k] for k in ("max_tokens", "max_completion_tokens") if k in sent} == want
