@@ -1,0 +1,273 @@
+"""``ctxproxy validate`` and ``ctxproxy assemble`` (proxy.cli), in-process and as a real process."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proxy.cli import main
+from tests.helpers import REPO, assistant, call, pairing_problems, recount, system, tool, user, words
+
+CTXPROXY = Path(sys.executable).parent / "ctxproxy"
+REPORT_KEYS = {"tokens_before", "tokens_after", "window", "reserve", "margin", "hard_budget", "threshold",
+               "turns_kept", "turns_summarised", "turns_dropped", "wm_rows_dropped", "repairs", "summary"}
+
+
+def write_config(tmp_path: Path, **extra: Any) -> Path:
+    raw: dict[str, Any] = {
+        "upstreams": {"u": {"base_url": "http://127.0.0.1:9"}},
+        "cache": {"backend": "memory"},
+        "models": [{"name": "gpt-4o", "context_window": 4_000, "max_output_tokens": 1_000}],
+        "trimmer": {"reserve_tokens": 256},
+        **extra,
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw, allow_unicode=True))
+    return path
+
+
+def write_json(tmp_path: Path, body: Any, name: str = "request.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(body))
+    return path
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def long_conversation(turns: int = 30) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [system("You are an airline agent.")]
+    for t in range(turns):
+        msgs += [user(f"q{t} " + words(40, t)), call((f"c{t}", "lookup")), tool(f"c{t}", words(80, t)),
+                 assistant(f"a{t} " + words(30, t))]
+    return [*msgs, user("final question")]
+
+
+# --------------------------------------------------------------------------- validate
+
+
+@pytest.mark.parametrize(
+    ("context_manager", "path"),
+    [
+        (42, "context_manager"),
+        ("bogus-manager", "context_manager"),
+        ({"type": "stack", "params": {"bogus": 1}}, "context_manager.params.bogus"),
+        ({"type": "summarising", "params": {"summarizer": "bogus"}}, "context_manager.params.summarizer"),
+        ({"ref": "definitely_not_a_module:Plugin"}, "context_manager.ref"),
+    ],
+)
+def test_validate_rejects_bad_bindings_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], context_manager: Any, path: str
+) -> None:
+    code, out, err = run(["validate", str(write_config(tmp_path, context_manager=context_manager))], capsys)
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert lines and lines[0].startswith(path), err
+    assert any(line.startswith("context_manager") for line in lines)
+
+
+def test_validate_reports_missing_env_var_with_key_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CTXPROXY_TEST_UNSET_VAR", raising=False)
+    path = tmp_path / "c.yaml"
+    path.write_text("upstreams:\n  u:\n    base_url: http://127.0.0.1:9\n    api_key: ${CTXPROXY_TEST_UNSET_VAR}\n"
+                    "cache: {backend: memory}\n")
+    code, _, err = run(["validate", str(path)], capsys)
+    assert code == 2
+    assert err.strip().startswith("upstreams.u.api_key:") and "CTXPROXY_TEST_UNSET_VAR" in err
+    monkeypatch.setenv("CTXPROXY_TEST_UNSET_VAR", "sk-test")
+    assert run(["validate", str(path)], capsys)[0] == 0
+
+
+def test_validate_env_default_substitution(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CTXPROXY_TEST_CM", raising=False)
+    path = tmp_path / "c.yaml"
+    path.write_text("upstreams:\n  u:\n    base_url: http://127.0.0.1:9\ncache: {backend: memory}\n"
+                    "context_manager: ${CTXPROXY_TEST_CM:-stack}\n")
+    assert run(["validate", str(path)], capsys)[:2] == (0, "ok\n")
+    monkeypatch.setenv("CTXPROXY_TEST_CM", "nonsense")
+    code, _, err = run(["validate", str(path)], capsys)
+    assert code == 2 and err.startswith("context_manager")
+
+
+@pytest.mark.parametrize("text", ["upstreams: [unclosed", "- just\n- a list\n", ""])
+def test_validate_rejects_unreadable_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    code, out, err = run(["validate", str(path)], capsys)
+    assert code == 2 and out == "" and err.strip()
+
+
+def test_validate_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["validate", str(tmp_path / "nope.yaml")], capsys)
+    assert code == 2 and "nope.yaml" in err
+
+
+def _shipped_env(path: Path) -> dict[str, str]:
+    import re
+
+    return {n: "test-value" for n in re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", path.read_text())}
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "config").glob("*.yaml")), ids=lambda p: p.name)
+def test_validate_accepts_every_shipped_config(path: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in _shipped_env(path).items():
+        monkeypatch.setenv(name, value)
+    code, out, err = run(["validate", str(path)], capsys)
+    assert (code, out) == (0, "ok\n"), err
+
+
+def test_validate_as_a_real_process(tmp_path: Path) -> None:
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    good = subprocess.run([str(CTXPROXY), "validate", str(REPO / "config" / "ctxproxy.yaml")],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert good.returncode == 0 and good.stdout == "ok\n", good.stderr
+    bad = write_config(tmp_path, context_manager={"type": "stack", "params": {"bogus": 1}})
+    out = subprocess.run([str(CTXPROXY), "validate", str(bad)], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("context_manager.params.bogus"), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+# --------------------------------------------------------------------------- assemble
+
+
+def test_assemble_prints_messages_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path, context_manager={"type": "summarising", "params": {"keep_turns": 3}})
+    msgs = long_conversation()
+    req = write_json(tmp_path, {"model": "gpt-4o", "messages": msgs, "tools": []})
+    code, out, err = run(["assemble", "--offline", "--config", str(cfg), str(req)], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert set(result) == {"messages", "report"}
+    report = result["report"]
+    assert set(report) >= REPORT_KEYS
+    assert report["window"] == 4_000 and report["reserve"] == 256 and report["margin"] == 400
+    assert report["hard_budget"] == 4_000 - 256 - 400
+    assert report["threshold"] == int(report["hard_budget"] / 1.1)
+    assert report["tokens_before"] == recount(msgs) > report["hard_budget"]
+    assert report["tokens_after"] == recount(result["messages"]) <= report["hard_budget"]
+    assert report["summary"] == "none"  # --offline: the llm summariser degrades to drop
+    assert report["turns_dropped"] > 0 and report["turns_summarised"] == 0
+    assert result["messages"][0] == msgs[0] and result["messages"][-1] == msgs[-1]
+    assert not pairing_problems(result["messages"])
+
+
+def test_assemble_unchanged_request_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path)
+    msgs = [system("s", cache_control={"type": "ephemeral"}), user("hi Zürich 🚀", name="alice")]
+    req = write_json(tmp_path, {"model": "gpt-4o", "messages": msgs})
+    code, out, _ = run(["assemble", "--offline", "--config", str(cfg), str(req)], capsys)
+    assert code == 0
+    result = json.loads(out)
+    assert result["messages"] == msgs
+    assert result["report"]["repairs"] == {} and result["report"]["tokens_before"] == result["report"]["tokens_after"]
+
+
+def test_assemble_reports_repairs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path)
+    msgs = [user("q"), tool("ghost", "orphan"), call(("c1", "f")), user("next")]
+    req = write_json(tmp_path, {"model": "gpt-4o", "messages": msgs})
+    code, out, _ = run(["assemble", "--offline", "--config", str(cfg), str(req)], capsys)
+    assert code == 0
+    result = json.loads(out)
+    assert result["report"]["repairs"] == {"orphan_result": 1, "unanswered_calls": 1, "empty_assistant": 1}
+    assert result["messages"] == [msgs[0], msgs[3]]
+
+
+def test_assemble_refusal_is_an_openai_error_with_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path)
+    req = write_json(tmp_path, {"model": "gpt-4o", "messages": [system(words(5_000)), user("hi")]})
+    code, out, _ = run(["assemble", "--offline", "--config", str(cfg), str(req)], capsys)
+    assert code == 1
+    body = json.loads(out)
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == "context_length_exceeded"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert str(3_344) in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({"model": "gpt-4o", "messages": []}, "empty_messages"),
+        ({"model": "gpt-4o", "messages": [{"role": "wizard", "content": "x"}]}, "invalid_role"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "missing_model"),
+    ],
+)
+def test_assemble_invalid_request_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str], body: Any,
+                                         code: str) -> None:
+    cfg = write_config(tmp_path)
+    rc, out, _ = run(["assemble", "--offline", "--config", str(cfg), str(write_json(tmp_path, body))], capsys)
+    assert rc == 1
+    assert json.loads(out)["error"]["code"] == code
+
+
+def test_assemble_not_json_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path)
+    req = tmp_path / "r.json"
+    req.write_text("{not json")
+    rc, out, _ = run(["assemble", "--offline", "--config", str(cfg), str(req)], capsys)
+    assert rc == 1 and json.loads(out)["error"]["code"] == "invalid_json"
+
+
+def test_assemble_reads_stdin(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = write_config(tmp_path, context_manager="stack")
+    msgs = long_conversation()
+    raw = json.dumps({"model": "gpt-4o", "messages": msgs}).encode()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw)))
+    code, out, err = run(["assemble", "--offline", "--config", str(cfg), "-"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["report"]["tokens_after"] <= result["report"]["hard_budget"] < result["report"]["tokens_before"]
+    assert result["messages"][-1] == msgs[-1]
+
+
+def test_assemble_bad_config_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path, context_manager=42)
+    req = write_json(tmp_path, {"model": "gpt-4o", "messages": [user("x")]})
+    code, out, err = run(["assemble", "--offline", "--config", str(cfg), str(req)], capsys)
+    assert code == 2 and out == "" and err.startswith("context_manager")
+
+
+def test_assemble_missing_request_file_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["assemble", "--offline", "--config", str(write_config(tmp_path)), str(tmp_path / "x.json")],
+                       capsys)
+    assert code == 2 and "x.json" in err
+
+
+def test_assemble_as_a_real_process_from_stdin(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, context_manager={"type": "sliding-window", "params": {"keep_turns": 2}})
+    msgs = long_conversation()
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    proc = subprocess.run([str(CTXPROXY), "assemble", "--offline", "--config", str(cfg), "-"],
+                          input=json.dumps({"model": "gpt-4o", "messages": msgs}), capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert set(result["report"]) >= REPORT_KEYS
+    assert result["report"]["turns_dropped"] >= 28
+    users = [m for m in result["messages"] if m["role"] == "user"]
+    assert len(users) <= 3 and users[-1] == msgs[-1]
+    refused = subprocess.run([str(CTXPROXY), "assemble", "--offline", "--config", str(cfg), "-"],
+                             input=json.dumps({"model": "gpt-4o", "messages": [user(words(6_000))]}),
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert refused.returncode == 1
+    assert json.loads(refused.stdout)["error"]["code"] == "context_length_exceeded"
