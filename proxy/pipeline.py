@@ -20,7 +20,7 @@ from typing import Any
 from plugins.base import HistoryView, Services
 from proxy.budget import Budget, compute_budget
 from proxy.errors import BadRequest, ContextLengthExceeded, OutputLimitExceeded, PayloadError
-from proxy.messages import Bands, Message, split_bands, split_turns, tool_groups
+from proxy.messages import Bands, Message, is_call, split_bands, split_turns, tool_groups
 from proxy.pairing import check, repair, scan
 from proxy.policy import ModelRoute, Policy
 from proxy.tokens import REPLY_PRIMING, TokenCounter, dumps
@@ -200,8 +200,8 @@ async def assemble(
     if bands.current is not None:
         pinned += tokens[id(bands.current)]
     # what can never be dropped: refuse now, before a summariser is called (and billed) for nothing
-    last_group = tool_groups(bands.working_memory)[-1:] or [[]]
-    _fits(pinned - toks(bands.working_memory) + toks(last_group[0]), budget)
+    live = WorkingMemory(bands.working_memory)
+    _fits(pinned - toks(bands.working_memory) + toks(live.pinned_group()), budget)
     message_tokens = [[tokens[id(m)] for m in t] for t in turns]
     view = HistoryView(
         turns=turns,
@@ -225,22 +225,26 @@ async def assemble(
         if id(m) not in tokens:  # a plugin may return messages of its own
             tokens[id(m)] = counter.message(m)
 
-    wm = bands.working_memory
     cap = policy.manager.working_memory_messages
-    if cap is not None and len(wm) > cap:
-        groups = tool_groups(wm)
-        while len(groups) > 1 and sum(map(len, groups)) > cap:
-            dropped = groups.pop(0)
+    if cap is not None and live.rows() > cap:
+        while live.rows() > cap and (dropped := live.drop_next()) is not None:
             report.wm_rows_dropped += len(dropped)
             removed["wm_capped"] += toks(dropped)
-        wm = [m for g in groups for m in g]
+    wm = live.messages()
 
     head = list(bands.system) + ([result.summary] if result.summary is not None else [])
     tail = ([bands.current] if bands.current is not None else [])
     size = fixed + toks(head) + toks(history) + toks(tail) + toks(wm)
-    history, wm, size = _trim(history, wm, size, budget, toks, report, removed)
+    history, size = _trim(history, live, size, budget, toks, report, removed)
+    wm = live.messages()
+    summary = result.summary
+    if size > budget.hard_budget and summary is not None:
+        # the summary is the last thing to go: better the recent turns without it than a refusal
+        size -= toks([summary])
+        removed["trimmed"] += toks([summary])
+        summary = None
 
-    final = Bands(bands.system, history, bands.current, wm).flatten(result.summary)
+    final = Bands(bands.system, history, bands.current, wm).flatten(summary)
     report.removed = {k: v for k, v in removed.items() if v}
     report.tokens_after = size
     report.turns_kept = sum(1 for m in history if m.get("role") == "user")
@@ -272,16 +276,16 @@ def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None) -> Budget
 
 def _trim(
     history: list[Message],
-    wm: list[Message],
+    live: WorkingMemory,
     size: int,
     budget: Budget,
     toks: Any,
     report: Report,
     removed: Counter[str],
-) -> tuple[list[Message], list[Message], int]:
+) -> tuple[list[Message], int]:
     """Drop the oldest history groups (on the prefix-stable grid), then WM groups but never the last."""
     if size <= budget.hard_budget:
-        return history, wm, size
+        return history, size
     need = size - budget.hard_budget
     goal = -(-need // budget.step) * budget.step
     groups = tool_groups(history)
@@ -295,24 +299,54 @@ def _trim(
         removed["trimmed"] += dropped
         history = [m for g in groups[cut:] for m in g]
         size -= dropped
-    if size > budget.hard_budget:
-        wm_groups = tool_groups(wm)
-        while len(wm_groups) > 1 and size > budget.hard_budget:
-            g = wm_groups.pop(0)
-            n = toks(g)
-            size -= n
-            removed["trimmed"] += n
-            report.wm_rows_dropped += len(g)
-        wm = [m for g in wm_groups for m in g]
-    return history, wm, size
+    while size > budget.hard_budget and (group := live.drop_next()) is not None:
+        n = toks(group)
+        size -= n
+        removed["trimmed"] += n
+        report.wm_rows_dropped += len(group)
+    return history, size
+
+
+class WorkingMemory:
+    """Working memory as tool groups, with the one that is never dropped: the live tool round.
+
+    That is the last group with tool calls (else the last group): an assistant
+    prefill after it may be dropped, but never the results the model is working on.
+    Droppable groups go oldest first, then any group after the live round.
+    """
+
+    def __init__(self, wm: list[Message]) -> None:
+        self.groups = tool_groups(wm)
+        calls = [i for i, g in enumerate(self.groups) if is_call(g[0])]
+        self.pinned = calls[-1] if calls else len(self.groups) - 1
+        self.kept = set(range(len(self.groups)))
+
+    def pinned_group(self) -> list[Message]:
+        return self.groups[self.pinned] if self.groups else []
+
+    def rows(self) -> int:
+        return sum(len(self.groups[i]) for i in self.kept)
+
+    def drop_next(self) -> list[Message] | None:
+        """Drop the next droppable group and return it (None when only the live round is left)."""
+        for i in [*range(self.pinned), *range(self.pinned + 1, len(self.groups))]:
+            if i in self.kept:
+                self.kept.discard(i)
+                return self.groups[i]
+        return None
+
+    def messages(self) -> list[Message]:
+        return [m for i, g in enumerate(self.groups) if i in self.kept for m in g]
 
 
 def _fits(size: int, budget: Budget) -> None:
     if size > budget.hard_budget:
+        derived = budget.window - budget.reserve - budget.margin
+        why = (f"window {budget.window} - completion reserve {budget.reserve} - safety margin {budget.margin}"
+               if budget.hard_budget == derived else "the configured token budget or this key's cap")
         raise ContextLengthExceeded(
             f"This request needs {size} input tokens after context management, but the budget is "
-            f"{budget.hard_budget} (window {budget.window} - completion reserve {budget.reserve} - "
-            f"safety margin {budget.margin}). The system messages, the current user turn and the last "
+            f"{budget.hard_budget} ({why}). The system messages, the current user turn and the last "
             "tool round cannot be dropped; shorten them or lower max_tokens.",
             param="messages",
         )

@@ -269,9 +269,10 @@ def compaction_binding(wm: WorkingMemorySettings | None) -> dict[str, Any] | Non
         return None
     c = wm.compaction
     if c.strategy == "keep_recent":
-        return {"type": "stack", "params": {"max_messages": c.max_messages} if c.max_messages else {}}
+        return {"type": "stack", "params": {"max_messages": c.max_messages} if c.max_messages is not None else {}}
     if c.strategy == "sliding_window":
-        return {"type": "sliding-window", "params": {"window_size": c.window_size} if c.window_size else {}}
+        return {"type": "sliding-window",
+                "params": {"window_size": c.window_size} if c.window_size is not None else {}}
     params: dict[str, Any] = {}
     if c.summary_threshold is not None:
         params["summary_threshold"] = c.summary_threshold

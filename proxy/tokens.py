@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from proxy.errors import PayloadError
 from proxy.messages import Message
 
 TOKENS_PER_MESSAGE = 3
@@ -43,6 +44,8 @@ def encoding_for(model: str, override: str | None = None) -> str:
     if override:
         return override
     name = model.rsplit("/", 1)[-1].lower()
+    if name.startswith("ft:"):  # fine-tuned: ft:<base model>:<org>::<id>
+        name = name.split(":")[1]
     if name.startswith(_O200K_PREFIXES):
         return O200K
     if name.startswith(_CL100K_PREFIXES):
@@ -66,8 +69,14 @@ def use_bundled_encodings() -> None:
 def dumps(message: Message) -> bytes:
     """One message's JSON as sent (key order included): what content keys are computed from."""
     try:
-        return orjson.dumps(message)
-    except TypeError:
+        # orjson over-allocates its output (a 40-byte message holds >= 4 KiB) and never shrinks it; one
+        # of these is kept per message for the whole request, so keep a right-sized copy instead
+        return bytes(memoryview(orjson.dumps(message)))
+    except TypeError as exc:
+        if "Recursion limit" in str(exc):
+            # orjson reads 1024 levels of nesting but writes only 254: such a message could never be forwarded
+            raise PayloadError("A message is nested too deeply (more than 254 levels).", param="messages",
+                               code="invalid_message") from None
         return repr(message).encode()
 
 
@@ -84,11 +93,7 @@ class TokenCounter:
 
         use_bundled_encodings()
         self.encoding_name = encoding
-        self._enc = tiktoken.get_encoding(encoding)
-        # The Python copy of the BPE ranks (~30 MB for o200k) is only used to pickle an Encoding;
-        # counting runs in tiktoken's Rust core, so drop it to keep the idle footprint small.
-        if getattr(self._enc, "_mergeable_ranks", None) is not None:
-            self._enc._mergeable_ranks = {}
+        self._enc = _private_encoding(encoding)
         self._cache: OrderedDict[int, int] = OrderedDict()
         self._cache_size = cache_size
         self._small: dict[str, int] = {}
@@ -214,6 +219,28 @@ def _texts(message: Message) -> list[str]:
             if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
                 out.append(fn["arguments"])
     return out
+
+
+def _private_encoding(name: str) -> Any:
+    """A tiktoken Encoding of our own, without its Python copy of the BPE ranks.
+
+    The ranks (~30 MB for o200k) are only needed to pickle or extend an Encoding;
+    counting runs in tiktoken's Rust core. Building a private instance (instead of
+    emptying the shared one from ``tiktoken.get_encoding``) leaves other users of
+    tiktoken in the process unaffected.
+    """
+    import tiktoken
+
+    try:
+        from tiktoken_ext.openai_public import ENCODING_CONSTRUCTORS
+    except ImportError:  # pragma: no cover - tiktoken without its OpenAI plugin
+        return tiktoken.get_encoding(name)
+    constructor = ENCODING_CONSTRUCTORS.get(name)
+    if constructor is None:
+        return tiktoken.get_encoding(name)
+    encoding = tiktoken.Encoding(**constructor())
+    encoding._mergeable_ranks = {}
+    return encoding
 
 
 class Tokenizers:

@@ -350,10 +350,6 @@ async def test_summariser_failure_is_served_by_the_trimmer() -> None:
     assert not any(str(m.get("content", "")).startswith("[Conversation summary") for m in a.messages)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a summary that does not fit is forced into the payload and the "
-                   "request is refused, although dropping the aged turns (the drop path) would fit: "
-                   "plugins/context/summarising.py _cut/manage_history summarise even when payload_tokens(n, "
-                   "summary_tokens) > hard_budget, and proxy/pipeline.py _trim never drops result.summary")
 async def test_summary_that_does_not_fit_is_not_forced() -> None:
     engine = FakeEngine(words(550))
     binding = {"type": "summarising", "params": {"keep_turns": 2}}

@@ -453,11 +453,6 @@ def _prefill_request() -> list[dict[str, Any]]:
             tool("c1", words(400)), assistant("Based on the lookup result, the answer is")]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: with an assistant prefill after the live tool round, the trimmer "
-                   "treats the prefill as 'the last WM group' and drops the tool round itself, forwarding a "
-                   "prefill that refers to results the model never sees (proxy/pipeline.py _trim: "
-                   "`while len(wm_groups) > 1` keeps tool_groups(wm)[-1], the prefill; the early pinned check "
-                   "in assemble() uses the same tool_groups(...)[-1:])")
 async def test_trim_keeps_last_tool_round_before_a_prefill() -> None:
     h = Harness(window=100_000, max_tokens=300, context_manager="stack")
     msgs = _prefill_request()
@@ -468,9 +463,6 @@ async def test_trim_keeps_last_tool_round_before_a_prefill() -> None:
     assert _contains(a.messages, msgs[2:4]), [m["role"] for m in a.messages]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the working-memory cap keeps the trailing prefill as 'the last group' "
-                   "and drops the live tool round before it (proxy/pipeline.py assemble, working_memory_messages "
-                   "loop `while len(groups) > 1 ...: groups.pop(0)`)")
 async def test_wm_cap_keeps_last_tool_round_before_a_prefill() -> None:
     cm = {"type": "summarising", "params": {"summarizer": "drop", "summary_threshold": 10,
                                             "working_memory_messages": 2}}
@@ -480,9 +472,6 @@ async def test_wm_cap_keeps_last_tool_round_before_a_prefill() -> None:
     assert _contains(a.messages, msgs[2:4]), [m["role"] for m in a.messages]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the refusal message always explains the budget as 'window - completion "
-                   "reserve - safety margin', even when B comes from trimmer.max_tokens or a tenant cap, so it "
-                   "prints arithmetic that does not add up (proxy/pipeline.py _fits)")
 async def test_refusal_message_explains_an_explicit_budget_correctly() -> None:
     import re
 

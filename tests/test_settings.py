@@ -200,10 +200,6 @@ def test_every_shipped_config_loads(path: Path) -> None:
     assert cfg.context_manager is not None
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: compaction sugar tests values by truthiness (proxy/settings.py "
-                   "compaction_binding: `if c.max_messages` / `if c.window_size`), so 0 silently becomes "
-                   "'no cap' / the default window instead of the validation error the same value gives "
-                   "under context_manager.params")
 @pytest.mark.parametrize("compaction", [{"strategy": "keep_recent", "max_messages": 0},
                                         {"strategy": "sliding_window", "window_size": 0}])
 def test_zero_in_compaction_sugar_is_rejected_like_in_params(compaction: dict[str, Any]) -> None:

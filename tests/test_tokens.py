@@ -187,8 +187,6 @@ def test_encoding_for_agrees_with_tiktoken(model: str) -> None:
     assert encoding_for(model) == tiktoken.encoding_name_for_model(model)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: encoding_for ignores the 'ft:' prefix of fine-tuned models: "
-                   "ft:gpt-3.5-turbo / ft:gpt-4 fall through to the o200k fallback (proxy/tokens.py encoding_for)")
 @pytest.mark.parametrize("model", ["ft:gpt-3.5-turbo-0613:acme::8abc", "ft:gpt-4-0613:acme::8abc"])
 def test_encoding_for_fine_tuned_models(model: str) -> None:
     assert encoding_for(model) == tiktoken.encoding_name_for_model(model) == CL100K
@@ -268,11 +266,6 @@ def test_bundled_encodings_work_without_network(tmp_path: Any) -> None:
     assert result["o200k"] == 2 and result["cl100k"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (side effect): TokenCounter.__init__ empties `_mergeable_ranks` on the "
-                   "Encoding object tiktoken.get_encoding() shares process-wide (proxy/tokens.py, 'drop "
-                   "tiktoken's Python rank table'), which breaks tiktoken's documented recipe for extending an "
-                   "encoding with special tokens for any other code in the process (ValueError: max() arg is an "
-                   "empty sequence)")
 def test_token_counter_does_not_break_tiktokens_shared_encoding() -> None:
     script = textwrap.dedent(
         """

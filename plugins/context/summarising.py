@@ -71,6 +71,8 @@ class Summarising(ContextManager):
         ) <= budget.hard_budget:
             return self._with(view, found, "reused")
         cut = self._cut(view, services.summary_tokens)
+        if view.payload_tokens(cut, services.summary_tokens) > budget.hard_budget:
+            return self._drop(view)  # not even a summary would fit: keep the recent turns, trim the rest
         if cut == 0 or (found is not None and cut <= found.covered_turns):
             return self._with(view, found, "reused") if found is not None else HistoryResult.unchanged(view)
         try:
