@@ -209,6 +209,19 @@ class Summarizer(ABC):
         return None
 
 
+def keep_at_least(turns: int, keep: int, step: int) -> int:
+    """How many leading turns to drop so that at least ``keep`` remain, moving only in whole ``step`` s.
+
+    The cut is ``turns - keep`` rounded down to a multiple of ``step`` counted from the
+    start of the conversation, so between ``keep`` and ``keep + step - 1`` turns are kept and
+    the forwarded prefix changes once every ``step`` new turns, not on every turn.
+    """
+    if turns <= keep:
+        return 0
+    step = max(1, step)
+    return (turns - keep) // step * step
+
+
 def stable_cut(excess: int, step: int, limit: int) -> int:
     """How many leading items to cut: ``excess`` rounded up to a multiple of ``step`` (at most ``limit``).
 

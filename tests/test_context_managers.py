@@ -159,10 +159,10 @@ async def test_sliding_window_keeps_last_turns(keep: int) -> None:
     assert result.turns == v.turns[-keep:] if keep < 10 else result.turns == v.turns
     assert result.turns_dropped == max(0, 10 - keep)
     assert result.summary is None
-    # default step: on a grid of ceil(keep/4) turns, never more than that below keep
+    # default step: on a grid of ceil(keep/2) turns: at least keep turns, fewer than keep + step
     default = await manager({"type": "sliding-window", "params": {"keep_turns": keep}}).manage_history(v)
-    step = math.ceil(keep / 4)
-    assert min(keep, 10) - step < len(default.turns) <= min(keep, 10)
+    step = math.ceil(keep / 2)
+    assert min(keep, 10) <= len(default.turns) < min(keep + step, 10 + 1)
     assert default.turns == v.turns[len(v.turns) - len(default.turns) :]
 
 

@@ -7,15 +7,16 @@ from typing import Any
 
 from pydantic import Field
 
-from plugins.base import ContextManager, HistoryResult, HistoryView, Params, stable_cut
+from plugins.base import ContextManager, HistoryResult, HistoryView, Params, keep_at_least
 from proxy.budget import TrimmerParams
 
 
 class SlidingWindowParams(Params):
     keep_turns: int = Field(10, ge=1, description="User turns kept (aliases: window_size, max_turns).")
     cut_step: int | None = Field(
-        None, ge=1, description="Turns cut at once when the window moves (default ceil(keep_turns/4)); "
-        "between cuts the forwarded prefix stays identical. 1 = move by one turn every turn."
+        None, ge=1, description="Turns dropped at once when the window moves (default ceil(keep_turns/2)): "
+        "between keep_turns and keep_turns + cut_step - 1 turns are kept, and the forwarded prefix stays "
+        "identical between moves. 1 = exactly keep_turns, moving every turn."
     )
     working_memory_messages: int | None = Field(None, ge=1, description="Cap on in-turn working-memory rows.")
     trimmer: TrimmerParams | None = None
@@ -28,8 +29,8 @@ class SlidingWindow(ContextManager):
     async def manage_history(self, view: HistoryView) -> HistoryResult:
         params: Any = self.params
         keep = params.keep_turns
-        step = params.cut_step or max(1, math.ceil(keep / 4))
-        cut = stable_cut(len(view.turns) - keep, step, len(view.turns))
+        step = params.cut_step or max(1, math.ceil(keep / 2))
+        cut = keep_at_least(len(view.turns), keep, step)
         if cut == 0:
             return HistoryResult.unchanged(view)
         return HistoryResult(

@@ -25,7 +25,7 @@ from plugins.base import (
     Params,
     SummaryScope,
     SummaryUnavailable,
-    stable_cut,
+    keep_at_least,
 )
 from proxy.budget import TrimmerParams
 from proxy.messages import Message
@@ -38,7 +38,7 @@ class SummarisingParams(Params):
     summarizer: Any = Field("llm", description="Summariser binding: llm (default) or drop.")
     working_memory_messages: int | None = Field(20, ge=1, description="Cap on in-turn working-memory rows.")
     cut_step: int | None = Field(None, ge=1, description="Turns dropped at once on the drop path "
-                                 "(default ceil(keep_turns/4)).")
+                                 "(default ceil(keep_turns/2); see sliding-window).")
     trimmer: TrimmerParams | None = None
 
 
@@ -111,8 +111,8 @@ class Summarising(ContextManager):
     def _drop(self, view: HistoryView) -> HistoryResult:
         params: Any = self.params
         keep = params.keep_turns
-        step = params.cut_step or max(1, math.ceil(max(keep, 1) / 4))
-        cut = stable_cut(len(view.turns) - keep, step, len(view.turns))
+        step = params.cut_step or max(1, math.ceil(max(keep, 1) / 2))
+        cut = keep_at_least(len(view.turns), keep, step)
         if cut == 0:
             return HistoryResult.unchanged(view)
         return HistoryResult(
