@@ -469,20 +469,29 @@ class RedisCache(_BaseCache):
         await self._client.aclose()
 
 
+_WRITES = frozenset({"set", "lock", "unlock"})
+
+
+def _kind(operation: str) -> str:
+    return "write" if operation in _WRITES else "read"
+
+
 class SafeCache:
     """Wraps a backend so cache failures never fail a request.
 
     Every backend exception is swallowed: ``get`` -> None, ``set`` -> no-op, ``lock`` -> yields True
     (fail open: proceed without the cross-process lock), ``ping`` -> False.  Each failure is reported
     to ``on_error(operation, exc)``; a warning is logged once per error streak (again only after a
-    success followed by a new failure).  ``asyncio.CancelledError`` is never swallowed.
+    success followed by a new failure).  A streak that began with a failed write (``set``/``lock``/``unlock``)
+    is ended only by a write that works: a full disk still serves reads, and must not log on every request.
+    ``asyncio.CancelledError`` is never swallowed.
     """
 
     def __init__(self, inner: Cache, on_error: ErrorHook | None = None) -> None:
         self.inner = inner
         self.name = inner.name
         self._on_error = on_error
-        self._failing = False
+        self._failing: str | None = None  # "read" or "write": the kind of operation that began the streak
 
     def _failed(self, operation: str, exc: BaseException) -> None:
         if self._on_error is not None:
@@ -490,10 +499,10 @@ class SafeCache:
                 self._on_error(operation, exc)
             except Exception:
                 log.exception("cache on_error hook failed")
-        if self._failing:
+        if self._failing is not None:
             log.debug("cache %s %s failed: %s", self.name, operation, exc)
             return
-        self._failing = True
+        self._failing = _kind(operation)
         log.warning(
             "cache backend %r: %s failed (%s: %s); continuing without cache "
             "(further errors are not logged until it recovers)",
@@ -503,9 +512,9 @@ class SafeCache:
             exc,
         )
 
-    def _ok(self) -> None:
-        if self._failing:
-            self._failing = False
+    def _ok(self, operation: str) -> None:
+        if self._failing is not None and self._failing == _kind(operation):
+            self._failing = None
             log.info("cache backend %r recovered", self.name)
 
     async def get(self, key: str) -> dict[str, Any] | None:
@@ -514,7 +523,7 @@ class SafeCache:
         except Exception as exc:
             self._failed("get", exc)
             return None
-        self._ok()
+        self._ok("get")
         return value
 
     async def set(self, key: str, value: dict[str, Any], ttl: float | None = None) -> None:
@@ -523,7 +532,7 @@ class SafeCache:
         except Exception as exc:
             self._failed("set", exc)
             return
-        self._ok()
+        self._ok("set")
 
     def lock(self, key: str, ttl: float, wait: float) -> AbstractAsyncContextManager[bool]:
         return self._lock(key, ttl, wait)
@@ -539,7 +548,7 @@ class SafeCache:
         except Exception as exc:
             self._failed("lock", exc)
         else:
-            self._ok()
+            self._ok("lock")
         try:
             yield acquired
         finally:
@@ -557,7 +566,7 @@ class SafeCache:
             self._failed("ping", exc)
             return False
         if ok:
-            self._ok()
+            self._ok("ping")
         return ok
 
     async def close(self) -> None:

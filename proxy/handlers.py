@@ -18,6 +18,7 @@ from multidict import CIMultiDict
 from proxy import litellm_route
 from proxy.errors import (
     AuthenticationError,
+    BadRequest,
     BodyTooLarge,
     CtxProxyError,
     NotFound,
@@ -57,6 +58,7 @@ def json_response(payload: Any, status: int = 200, headers: Any = None) -> web.R
 
 def error_response(error: CtxProxyError, headers: Any = None) -> web.Response:
     out: CIMultiDict[str] = CIMultiDict(headers or {})
+    out.popall("Content-Type", None)  # the upstream's, when it failed after sending its headers
     if isinstance(error, UpstreamStatus):
         for name, value in error.headers.items():
             if name.lower() not in ("content-type",):
@@ -132,7 +134,11 @@ def forward_body(raw: bytes, body: dict[str, Any], assembly: Assembly, route: Mo
     out.update(assembly.body_changes)
     if rename:
         out["model"] = route.upstream_model
-    return orjson.dumps(out)
+    try:
+        return orjson.dumps(out)
+    except TypeError:  # orjson reads 1024 levels of nesting but writes only 254
+        raise BadRequest("The request body is nested too deeply (more than 254 levels) to be forwarded.",
+                         code="invalid_json") from None
 
 
 def report_headers(assembly: Assembly, overhead: float) -> dict[str, str]:
@@ -222,7 +228,7 @@ async def _openai(
                                   headers=up_headers, first_byte_timeout=server.first_byte_timeout)
     if response.status >= 400:
         record.upstream = time.perf_counter() - sent
-        raise await read_error(response, server.idle_timeout)
+        raise await read_error(response, server.idle_timeout, upstream.api_key)
     headers.extend(response_headers(response.headers))
     if response.content_type == "text/event-stream":
         watcher = StreamWatcher(sent)
@@ -363,7 +369,7 @@ async def relay(request: web.Request) -> web.StreamResponse:
     response = await open_request(state.pool.session(upstream), request.method, url, data=raw, headers=headers,
                                   first_byte_timeout=server.first_byte_timeout)
     if response.status >= 400:
-        raise await read_error(response, server.idle_timeout)
+        raise await read_error(response, server.idle_timeout, upstream.api_key)
     out_headers = response_headers(response.headers)
     if response.content_type == "text/event-stream":
         return await relay_stream(request, response, out_headers, idle_timeout=server.idle_timeout,
@@ -372,7 +378,14 @@ async def relay(request: web.Request) -> web.StreamResponse:
     try:
         await out.prepare(request)
         while True:
-            chunk = await asyncio.wait_for(response.content.readany(), server.idle_timeout)
+            try:
+                chunk = await asyncio.wait_for(response.content.readany(), server.idle_timeout)
+            except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
+                # the upstream failed after the answer started: cut the client's connection, so the
+                # truncated body can never look complete (and the client is not left waiting for the rest)
+                if request.transport is not None:
+                    request.transport.close()
+                return out
             if not chunk:
                 break
             await out.write(chunk)

@@ -197,7 +197,7 @@ def _check_one(message: Any, i: int) -> None:
     if not isinstance(message, dict):
         raise PayloadError(f"{param} must be an object", param=param, code="invalid_message")
     role = message.get("role")
-    if role not in KNOWN_ROLES:
+    if not isinstance(role, str) or role not in KNOWN_ROLES:  # (a dict or list role is not even hashable)
         raise PayloadError(f"{param}.role must be one of {sorted(KNOWN_ROLES)}, got {_short(role)}",
                            param=f"{param}.role", code="invalid_role")
     _check_content(message, param, role)

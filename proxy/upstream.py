@@ -25,9 +25,10 @@ if TYPE_CHECKING:
     from proxy.runtime import Runtime
 
 HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-    "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "content-encoding",
-    "forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip", "cookie",
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",
+    "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
+    "content-encoding", "forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip",
+    "cookie",
 })
 CLIENT_CREDENTIALS = frozenset({"authorization", "api-key", "x-api-key", "openai-organization", "openai-project"})
 RESPONSE_DROP = HOP_BY_HOP | {"date", "server", "set-cookie", "x-request-id"}
@@ -121,16 +122,21 @@ async def open_request(
         raise UpstreamTimeout("Connecting to the upstream timed out.") from None
     except (aiohttp.ClientConnectionError, OSError) as exc:
         raise UpstreamUnreachable(f"The upstream is unreachable ({type(exc).__name__}).") from None
+    except aiohttp.ClientError as exc:  # not HTTP: a garbage status line, oversized headers, bad chunking
+        raise UpstreamUnreachable(f"The upstream sent an invalid HTTP response ({type(exc).__name__}).") from None
 
 
-async def read_error(response: aiohttp.ClientResponse, idle_timeout: float) -> UpstreamStatus:
-    """An upstream 4xx/5xx as an UpstreamStatus with an OpenAI-shaped body."""
+async def read_error(response: aiohttp.ClientResponse, idle_timeout: float,
+                     secret: str | None = None) -> UpstreamStatus:
+    """An upstream 4xx/5xx as an UpstreamStatus with an OpenAI-shaped body (``secret`` blanked out of it)."""
     try:
         raw = await asyncio.wait_for(response.read(), timeout=idle_timeout)
     except (asyncio.TimeoutError, aiohttp.ClientError):
         raw = b""
     finally:
         response.release()
+    if secret and raw:  # a provider may echo the key it was sent ("Incorrect API key provided: sk-...")
+        raw = raw.replace(secret.encode(), b"[redacted]")
     try:
         payload: Any = orjson.loads(raw) if raw else None
     except orjson.JSONDecodeError:

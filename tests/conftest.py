@@ -82,3 +82,16 @@ async def start_proxy() -> AsyncIterator[StartProxy]:
     yield start
     for runner in runners:
         await runner.cleanup()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow (make check)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
