@@ -9,11 +9,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote
 
 import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from proxy import litellm_route
 from proxy.errors import (
@@ -21,6 +23,7 @@ from proxy.errors import (
     BadRequest,
     BodyTooLarge,
     CtxProxyError,
+    ModelNotFound,
     NotFound,
     PayloadError,
     UpstreamStatus,
@@ -101,7 +104,7 @@ def authenticate(request: web.Request) -> Tenant | None:
     if not config.tenants:
         return None
     key = bearer(request)
-    tenant = config.tenant_for_key(key) if key else None
+    tenant: Tenant | None = config.tenant_for_key(key) if key else None
     if tenant is None:
         raise AuthenticationError(
             "Incorrect API key provided." if key else "Missing API key: send Authorization: Bearer <key>."
@@ -354,20 +357,19 @@ async def relay(request: web.Request) -> web.StreamResponse:
     """Any other /v1/* path, relayed untouched to the default upstream (streaming-safe)."""
     state = _state(request)
     config = state.config
-    authenticate(request)
+    tenant = authenticate(request)
     upstream = config.settings.upstreams[config.default_upstream]
     raw = await read_body(request) if request.can_read_body else None
+    if tenant is not None and tenant.settings.models is not None and raw:
+        _check_relayed_model(raw, tenant.settings.models)
     headers = upstream_headers(request.headers, upstream, forward_client_auth=not config.tenants and
                                upstream.api_key is None, request_id=request_id(request))
     if "Content-Type" in request.headers:
         headers["Content-Type"] = request.headers["Content-Type"]
-    tail = request.match_info["tail"]
-    url = f"{upstream.base_url}/{tail}"
-    if request.query_string:
-        url += "?" + request.query_string
+    url = relay_url(upstream.base_url, request.raw_path)
     server = config.settings.server
-    response = await open_request(state.pool.session(upstream), request.method, url, data=raw, headers=headers,
-                                  first_byte_timeout=server.first_byte_timeout)
+    response = await open_request(state.pool.session(upstream), request.method, URL(url, encoded=True),
+                                  data=raw, headers=headers, first_byte_timeout=server.first_byte_timeout)
     if response.status >= 400:
         raise await read_error(response, server.idle_timeout, upstream.api_key)
     out_headers = response_headers(response.headers)
@@ -393,6 +395,30 @@ async def relay(request: web.Request) -> web.StreamResponse:
     finally:
         response.close()
     return out
+
+
+def relay_url(base_url: str, raw_path: str) -> str:
+    """The upstream URL for a relayed ``/v1/...`` path, kept percent-encoded exactly as the client sent it.
+
+    Dot segments are refused: a relayed path may not climb out of the upstream's base path.
+    """
+    tail = raw_path[len("/v1"):] if raw_path.startswith("/v1") else raw_path
+    decoded = unquote(tail.split("?", 1)[0]).replace("\\", "/")
+    if any(segment in (".", "..") for segment in decoded.split("/")):
+        raise NotFound("Relayed paths may not contain '.' or '..' segments.")
+    return base_url + tail
+
+
+def _check_relayed_model(raw: bytes, allowed: list[str]) -> None:
+    """A tenant's model allow-list holds on every endpoint, not only chat completions."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return
+    model = body.get("model") if isinstance(body, dict) else None
+    if isinstance(model, str) and model not in allowed:
+        raise ModelNotFound(f"The model {model[:100]!r} does not exist or you do not have access to it.",
+                            param="model")
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -438,4 +464,5 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/readyz", readyz)
     r.add_get("/metrics", metrics_handler)
     r.add_post("/admin/reload", admin_reload)
+    r.add_route("*", "/v1/ctxproxy/{tail:.*}", not_found)  # the proxy's own namespace is never relayed
     r.add_route("*", "/v1/{tail:.*}", relay)

@@ -89,7 +89,6 @@ class TokenCounter:
     """Counts tokens for one encoding, caching per-message counts by digest (bounded LRU)."""
 
     def __init__(self, encoding: str, cache_size: int = 100_000) -> None:
-        import tiktoken
 
         use_bundled_encodings()
         self.encoding_name = encoding

@@ -9,20 +9,30 @@ OpenAI-shaped body. The summariser's engine goes through the same routes.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
 from multidict import CIMultiDict
+from yarl import URL
 
 from plugins.base import Completion
-from proxy.errors import UpstreamStatus, UpstreamTimeout, UpstreamUnreachable, normalise_error_body
+from proxy.errors import (
+    UpstreamError,
+    UpstreamStatus,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+    normalise_error_body,
+)
 from proxy.messages import Message
 from proxy.settings import ServerSettings, UpstreamSettings
 
 if TYPE_CHECKING:
     from proxy.runtime import Runtime
+
+log = logging.getLogger("ctxproxy")
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",
@@ -104,7 +114,7 @@ def connection_listed(headers: Mapping[str, str]) -> frozenset[str]:
 async def open_request(
     session: aiohttp.ClientSession,
     method: str,
-    url: str,
+    url: str | URL,
     *,
     data: bytes | None,
     headers: Mapping[str, str],
@@ -127,14 +137,22 @@ async def open_request(
 
 
 async def read_error(response: aiohttp.ClientResponse, idle_timeout: float,
-                     secret: str | None = None) -> UpstreamStatus:
-    """An upstream 4xx/5xx as an UpstreamStatus with an OpenAI-shaped body (``secret`` blanked out of it)."""
+                     secret: str | None = None) -> UpstreamError:
+    """An upstream 4xx/5xx as an UpstreamStatus with an OpenAI-shaped body (``secret`` blanked out of it).
+
+    When the proxy sent its own key (``secret``) and the upstream rejects it (401/403), the client's
+    credentials are not at fault: that is a gateway misconfiguration, answered 502.
+    """
     try:
         raw = await asyncio.wait_for(response.read(), timeout=idle_timeout)
     except (asyncio.TimeoutError, aiohttp.ClientError):
         raw = b""
     finally:
         response.release()
+    if secret and response.status in (401, 403):
+        log.error("the upstream rejected the proxy's configured API key (HTTP %d)", response.status)
+        return UpstreamError("The upstream rejected the proxy's credentials; the proxy's operator must fix "
+                             "its configuration.", code="upstream_auth_failed")
     if secret and raw:  # a provider may echo the key it was sent ("Incorrect API key provided: sk-...")
         raw = raw.replace(secret.encode(), b"[redacted]")
     try:

@@ -8,11 +8,10 @@ independently of the proxy's counter: tiktoken o200k_base with OpenAI's per-mess
 
 from __future__ import annotations
 
-import math
-
 import functools
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys

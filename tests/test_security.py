@@ -160,7 +160,8 @@ async def test_keys_never_leak_on_any_path(upstream: FakeUpstream, start_proxy: 
         # a provider echoing the key it was sent must not hand the proxy's upstream key to the client
         upstream.status_body = {"error": {"message": f"Incorrect API key provided: {UPSTREAM_KEY}.",
                                           "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
-        assert (await call("upstream 401 echoing its key", "POST", chat, body=ok))[0] == 401
+        # the proxy's own key was refused: a gateway error (502), never the provider's text
+        assert (await call("upstream 401 echoing its key", "POST", chat, body=ok))[0] == 502
         upstream.status_body = f"bad key {UPSTREAM_KEY}"
         upstream.status = 500
         assert (await call("upstream 500 text echoing its key", "POST", chat, body=ok))[0] == 500
@@ -172,7 +173,8 @@ async def test_keys_never_leak_on_any_path(upstream: FakeUpstream, start_proxy: 
         assert (await call("policy b", "GET", "/v1/ctxproxy/policy", TENANT_B_KEY))[0] == 200
         assert (await call("policy 401", "GET", "/v1/ctxproxy/policy", WRONG_KEY))[0] == 401
         assert (await call("models", "GET", "/v1/models"))[0] == 200
-        assert (await call("relay embeddings", "POST", "/v1/embeddings", body={"input": "hi", "model": "e"}))[0] == 200
+        assert (await call("relay embeddings", "POST", "/v1/embeddings", body={"input": "hi", "model": MODEL}))[0] == 200
+        assert (await call("relay model not allowed", "POST", "/v1/embeddings", body={"input": "hi", "model": "e"}))[0] == 404
         assert (await call("relay get", "GET", "/v1/files?purpose=x"))[0] == 200
         assert (await call("relay stream", "GET", "/v1/stream-test"))[0] == 200
         assert (await call("relay 401", "GET", "/v1/files", WRONG_KEY))[0] == 401
@@ -486,3 +488,38 @@ def test_nothing_unpickles_or_evaluates() -> None:
         disk.fetch(diskcache.core.MODE_PICKLE, None, b"\x80\x04K\x01.", False)
     with pytest.raises(CacheBackendError):
         disk.get(b"\x80\x04K\x01.", False)
+
+
+async def test_relay_holds_the_tenant_model_allow_list_and_never_relays_the_proxy_namespace(upstream, start_proxy):
+    import aiohttp
+
+    cfg = {
+        "upstreams": {"fake": {"base_url": upstream.base_url, "api_key": "sk-up"}},
+        "cache": {"backend": "memory"},
+        "tenants": [{"name": "t", "keys": ["k-relay"], "models": ["gpt-4o-mini"]}],
+    }
+    proxy = await start_proxy(cfg)
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer k-relay"}) as s:
+        async with s.post(proxy.url + "/v1/responses", json={"model": "gpt-4o", "input": "hi"}) as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+        async with s.post(proxy.url + "/v1/responses", json={"model": "gpt-4o-mini", "input": "hi"}) as r:
+            assert r.status == 200
+        async with s.post(proxy.url + "/v1/ctxproxy/policy", json={}) as r:
+            assert r.status == 404
+        async with s.get(proxy.url + "/v1/files/%2e%2e/%2e%2e/admin") as r:
+            assert r.status == 404
+    assert [o.path for o in upstream.other] == ["/v1/responses"]
+
+
+async def test_upstream_rejecting_the_proxys_key_is_a_gateway_error(upstream, start_proxy):
+    import aiohttp
+
+    upstream.mode, upstream.status = "status", 401
+    upstream.status_body = {"error": {"message": "Incorrect API key provided: sk-up", "type": "invalid_request_error"}}
+    cfg = {"upstreams": {"fake": {"base_url": upstream.base_url, "api_key": "sk-up"}}, "cache": {"backend": "memory"}}
+    proxy = await start_proxy(cfg)
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/chat/completions",
+                      json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}) as r:
+        body = await r.text()
+        assert r.status == 502
+    assert "upstream_auth_failed" in body and "sk-up" not in body

@@ -309,7 +309,9 @@ async def test_upstream_status_relayed(upstream: FakeUpstream, start_proxy: Any,
     upstream.status_body = {"error": {"message": f"upstream says {status}", "type": "requests", "param": None,
                                       "code": "rate_limit_exceeded" if status == 429 else None}}
     upstream.status_headers = {"Retry-After": "7", "x-ratelimit-remaining-requests": "0"}
-    proxy = await start_proxy(base_config(upstream.base_url))
+    cfg = base_config(upstream.base_url)
+    cfg["upstreams"]["fake"]["api_key"] = None  # the client's own key goes upstream: its 401 is the client's
+    proxy = await start_proxy(cfg)
     async with client(proxy) as c:
         with pytest.raises(exc) as info:
             await c.chat.completions.create(model=MODEL, messages=MESSAGES)
