@@ -82,7 +82,7 @@ async def main() -> None:
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--payload", default="agent_long.json")
     a = ap.parse_args()
-    print(f"| context manager | payload | budget | requests | compacted | prefix kept |")
+    print("| context manager | payload | budget | requests | compacted | prefix kept |")
     print("|---|---|---|---|---|---|")
     for name, manager in MANAGERS.items():
         s, n, compacted = await share(manager, a.budget, a.requests, a.payload)
