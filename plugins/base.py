@@ -112,6 +112,7 @@ class Services:
     summary_tokens: int = 1024
     summarizer_timeout: float = 60.0
     summarizer_window: int = 128_000
+    summarizer_max_calls: int = 8
     counter: TokenCounter | None = None
 
 

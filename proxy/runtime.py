@@ -104,6 +104,7 @@ class Runtime:
             summary_tokens=s.summarizer.max_summary_tokens,
             summarizer_timeout=s.summarizer.timeout_seconds,
             summarizer_window=window,
+            summarizer_max_calls=s.summarizer.max_calls_per_summary,
             counter=self.shared.tokenizers.get(route.encoding),
         )
 

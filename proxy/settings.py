@@ -95,6 +95,9 @@ class SummarizerSettings(Strict):
     retry_backoff_seconds: float = Field(10, ge=0, description="First back-off after a failure (doubles).")
     max_backoff_seconds: float = Field(300, ge=0, description="Longest back-off.")
     lock_wait_seconds: float = Field(90, ge=0, description="How long a request waits for another's summary.")
+    max_calls_per_summary: int = Field(
+        8, ge=1, description="Chunks one summary may take; older aged turns beyond are dropped unsummarised."
+    )
 
 
 class CompactionSettings(Strict):

@@ -196,3 +196,18 @@ async def test_incremental_summary_uses_the_previous_one(upstream, start_proxy):
     assert later.startswith("Previous summary:\n" + upstream.summary_text)
     # the newly aged turns only, not the whole history again
     assert "Turn 0:" not in later
+
+
+async def test_summariser_work_per_request_is_bounded_and_oversized_summaries_are_cut(upstream, start_proxy):
+    cfg = config(upstream.base_url, summarizer_model=MODEL)  # 8k summariser window: many chunks
+    cfg["summarizer"]["max_calls_per_summary"] = 2
+    proxy = await start_proxy(cfg)
+    upstream.summary_text = "word " * 3000  # ignores max_tokens (300)
+    async with aiohttp.ClientSession() as s:
+        status, headers, _ = await post(s, proxy.url, conversation(60))
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+    assert len(upstream.summaries) == 2
+    summary = upstream.chat[-1].body["messages"][1]["content"]
+    from proxy.tokens import TokenCounter
+
+    assert TokenCounter("o200k_base").text(summary) <= 300 + 40

@@ -64,7 +64,12 @@ class LLMSummarizer(Summarizer):
 
         async def summarize(previous: str | None, turns: Sequence[Sequence[Message]]) -> Completion:
             # rendering and counting ~100k tokens of aged turns takes a while: keep it off the event loop
-            chunks = await asyncio.to_thread(_render_chunks, turns, room, counter.text if counter else _approx)
+            count = counter.text if counter else _approx
+            chunks = await asyncio.to_thread(_render_chunks, turns, room, count)
+            if len(chunks) > services.summarizer_max_calls:
+                # bound the summariser work one request can cause: the oldest aged turns are dropped
+                chunks = chunks[-services.summarizer_max_calls:]
+                chunks[0].insert(0, "[Older turns were dropped without being summarised.]")
             running = previous
             prompt_tokens = completion_tokens = 0
             for chunk in chunks:
@@ -81,7 +86,7 @@ class LLMSummarizer(Summarizer):
                 )
                 if not out.text.strip():
                     raise SummaryUnavailable("the summariser returned an empty answer")
-                running = out.text.strip()
+                running = _cap(out.text.strip(), services.summary_tokens, count)
                 prompt_tokens += out.prompt_tokens
                 completion_tokens += out.completion_tokens
             return Completion(running or "", model, prompt_tokens, completion_tokens)
@@ -91,6 +96,14 @@ class LLMSummarizer(Summarizer):
 
 def _render_chunks(turns: Sequence[Sequence[Message]], room: int, count: Any) -> list[list[str]]:
     return _chunks([render_turn(t) for t in turns], room, count)
+
+
+def _cap(text: str, tokens: int, count: Any) -> str:
+    """A summary that ignored max_tokens is cut to it: it must leave room for the turns it precedes."""
+    size = count(text)
+    if size <= tokens:
+        return text
+    return text[: max(1, len(text) * tokens // size)].rstrip() + " […]"
 
 
 def _approx(text: str) -> int:
