@@ -28,7 +28,7 @@ from proxy.cache import MemoryCache  # noqa: E402
 from proxy.pairing import is_valid  # noqa: E402
 from proxy.runtime import Runtime, open_shared  # noqa: E402
 from proxy.settings import load_config  # noqa: E402
-from proxy.tokens import TokenCounter, use_bundled_encodings  # noqa: E402
+from proxy.tokens import Tokenizers, use_bundled_encodings  # noqa: E402
 
 PAYLOADS = ROOT.parent / "shared" / "bench" / "payloads"
 
@@ -70,13 +70,15 @@ def grown(body: dict[str, Any], i: int) -> dict[str, Any]:
     return out
 
 
-async def run_case(name: str, manager: Any, budget: int, runs: int) -> dict[str, Any]:
+async def run_case(name: str, manager: Any, budget: int, runs: int, tokenizers: Tokenizers) -> dict[str, Any]:
     body = json.loads((PAYLOADS / name).read_text())
     cold, warm = [], []
     out_tokens = valid = None
     for _ in range(runs):
         cfg = config(manager, budget)
         shared = open_shared(cfg, cache=MemoryCache())
+        shared.tokenizers = tokenizers  # the encoding stays loaded; its count cache starts empty
+        tokenizers.get("o200k_base").clear()
         runtime = Runtime(cfg, shared, InstantEngine())
         b0 = copy.deepcopy(body)
         t = time.perf_counter()
@@ -120,12 +122,13 @@ async def main() -> None:
     ap.add_argument("--json-out")
     a = ap.parse_args()
     use_bundled_encodings()
-    TokenCounter("o200k_base")  # load the encoding once, outside the timings
+    tokenizers = Tokenizers()
+    tokenizers.get("o200k_base")  # load the encoding once, outside the timings
     rows = []
     for name, budget in (("agent_long.json", 16000), ("agent_huge.json", 128000)):
         floor = tiktoken_floor(name, a.runs)
         for manager in MANAGERS.values():
-            row = await run_case(name, manager, budget, a.runs)
+            row = await run_case(name, manager, budget, a.runs, tokenizers)
             row["tiktoken_ms"] = floor
             rows.append(row)
     print("| payload | manager | budget | cold ms | warm ms (+1 turn) | tiktoken o200k encode ms | cold / tiktoken "

@@ -23,7 +23,7 @@ from proxy.errors import BadRequest, ContextLengthExceeded, OutputLimitExceeded,
 from proxy.messages import Bands, Message, is_call, split_bands, split_turns, tool_groups
 from proxy.pairing import check, repair, scan
 from proxy.policy import ModelRoute, Policy
-from proxy.tokens import REPLY_PRIMING, TokenCounter, dumps
+from proxy.tokens import REPLY_PRIMING, TokenCounter, content_key
 
 
 @dataclass
@@ -105,15 +105,15 @@ def limit_output(body: dict[str, Any], route: ModelRoute, policy: Policy, report
     return (min(limits.values()) if limits else None), changes
 
 
-def chain_hashes(turns: list[list[Message]], raws: dict[int, bytes]) -> list[str]:
+def chain_hashes(turns: list[list[Message]], keys: dict[int, int]) -> list[str]:
     """chain[i] identifies turns[0..i]: each turn's messages hashed onto the previous link (stable across hosts)."""
     out: list[str] = []
     link = b""
     for turn in turns:
         h = hashlib.blake2b(link, digest_size=16)
         for message in turn:
-            raw = raws.get(id(message))
-            h.update(raw if raw is not None else dumps(message))
+            key = keys.get(id(message))
+            h.update((key if key is not None else content_key(message)).to_bytes(16, "little"))
         link = h.digest()
         out.append(link.hex())
     return out
@@ -130,7 +130,6 @@ class Prepared:
     messages: list[Message]
     repaired: list[Message]
     repairs: Counter[str]
-    raws: dict[int, bytes]  # id(message) -> its JSON, hashed for stable cache keys when needed
     keys: dict[int, int]  # id(message) -> in-process content key (token LRU, prefix tracking)
     tokens: dict[int, int]
     fixed: int
@@ -142,12 +141,11 @@ def prepare(body: dict[str, Any], counter: TokenCounter) -> Prepared:
         repaired, repairs = messages, Counter[str]()
     else:
         repaired, repairs = repair(messages)
-    raws = [dumps(m) for m in repaired]
-    key_list = [hash(r) for r in raws]
+    key_list = [content_key(m) for m in repaired]
     counts = counter.messages(repaired, key_list)
     ids = [id(m) for m in repaired]
     fixed = REPLY_PRIMING + counter.tools(body.get("tools")) + counter.tools(body.get("functions"))
-    return Prepared(messages, repaired, repairs, dict(zip(ids, raws)), dict(zip(ids, key_list)),
+    return Prepared(messages, repaired, repairs, dict(zip(ids, key_list)),
                     dict(zip(ids, counts)), fixed)
 
 
@@ -207,7 +205,7 @@ async def assemble(
         turns=turns,
         message_tokens=message_tokens,
         turn_tokens=[sum(t) for t in message_tokens],
-        chain_fn=lambda: chain_hashes(turns, prepared.raws),
+        chain_fn=lambda: chain_hashes(turns, keys),
         pinned_tokens=pinned,
         budget=budget,
         counter=counter,

@@ -29,7 +29,7 @@ class PrefixTracker:
 
         def key_of(message: Message) -> bytes:
             key = keys.get(id(message))
-            return (key if key is not None else content_key(message)).to_bytes(8, "little", signed=True)
+            return (key if key is not None else content_key(message)).to_bytes(16, "little")
 
         head = hashlib.blake2b(digest_size=16)
         for message in received:

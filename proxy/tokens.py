@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from xxhash import xxh3_128_intdigest
 
 from proxy.errors import PayloadError
 from proxy.messages import Message
@@ -66,23 +67,22 @@ def use_bundled_encodings() -> None:
         os.environ["TIKTOKEN_CACHE_DIR"] = str(folder)
 
 
-def dumps(message: Message) -> bytes:
-    """One message's JSON as sent (key order included): what content keys are computed from."""
+def content_key(message: Message) -> int:
+    """A 128-bit key of one message's content (its JSON as sent, key order included).
+
+    xxh3 is stable across processes and hosts, so the same key serves the token LRU,
+    prefix tracking and the chained hashes that address cached summaries; it runs at
+    memory speed, so hashing a 1.6 MB conversation costs about a millisecond.
+    """
     try:
-        # orjson over-allocates its output (a 40-byte message holds >= 4 KiB) and never shrinks it; one
-        # of these is kept per message for the whole request, so keep a right-sized copy instead
-        return bytes(memoryview(orjson.dumps(message)))
+        raw = orjson.dumps(message)
     except TypeError as exc:
         if "Recursion limit" in str(exc):
             # orjson reads 1024 levels of nesting but writes only 254: such a message could never be forwarded
             raise PayloadError("A message is nested too deeply (more than 254 levels).", param="messages",
                                code="invalid_message") from None
-        return repr(message).encode()
-
-
-def content_key(message: Message) -> int:
-    """An in-process key for one message's content (token LRU, prefix tracking); not stable across processes."""
-    return hash(dumps(message))
+        raw = repr(message).encode()
+    return xxh3_128_intdigest(raw)
 
 
 class TokenCounter:
@@ -98,6 +98,11 @@ class TokenCounter:
         self._small: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    def clear(self) -> None:
+        """Forget every cached count (benchmarks use it to measure a cold request)."""
+        with self._lock:
+            self._cache.clear()
+
     def text(self, text: str) -> int:
         if len(text) <= 16:
             n = self._small.get(text)
@@ -108,7 +113,7 @@ class TokenCounter:
             return n
         return len(self._enc.encode_ordinary(text))
 
-    def message(self, message: Message, key: int | None = None, batch: dict[str, int] | None = None) -> int:
+    def message(self, message: Message, key: int | None = None) -> int:
         if key is None:
             key = content_key(message)
         with self._lock:
@@ -116,7 +121,7 @@ class TokenCounter:
             if cached is not None:
                 self._cache.move_to_end(key)
                 return cached
-        n = self._count(message, batch)
+        n = self._count(message)
         with self._lock:
             self._cache[key] = n
             if len(self._cache) > self._cache_size:
@@ -124,48 +129,38 @@ class TokenCounter:
         return n
 
     def messages(self, messages: list[Message], keys: list[int] | None = None) -> list[int]:
-        """Counts for many messages; uncached texts are encoded in one batch across threads."""
+        """Counts for many messages (cached ones cost a dict lookup).
+
+        Texts are encoded one by one on purpose: tiktoken's threaded batch encoder was
+        slower here (it holds the GIL), and per-call encoding lets other threads run in between.
+        """
         if keys is None:
             keys = [content_key(m) for m in messages]
-        out = [0] * len(messages)
+        out: list[int] = []
         missing: list[int] = []
         with self._lock:
+            cache = self._cache
             for i, key in enumerate(keys):
-                cached = self._cache.get(key)
-                if cached is None:
+                n = cache.get(key)
+                if n is None:
                     missing.append(i)
+                    out.append(0)
                 else:
-                    self._cache.move_to_end(key)
-                    out[i] = cached
-        batch = self._batch([messages[i] for i in missing]) if len(missing) > 16 else None
+                    cache.move_to_end(key)
+                    out.append(n)
         for i in missing:
-            out[i] = self.message(messages[i], keys[i], batch)
+            out[i] = self.message(messages[i], keys[i])
         return out
 
-    def _batch(self, messages: list[Message]) -> dict[str, int] | None:
-        """Encode the long texts of many messages in one threaded batch (tiktoken releases the GIL)."""
-        texts = [t for m in messages for t in _texts(m) if len(t) > 256]
-        if not texts:
-            return None
-        lengths = [len(toks) for toks in self._enc.encode_ordinary_batch(texts, num_threads=2)]
-        return dict(zip(texts, lengths))
-
-    def _long(self, text: str, batch: dict[str, int] | None) -> int:
-        if batch is not None:
-            n = batch.get(text)
-            if n is not None:
-                return n
-        return self.text(text)
-
-    def _count(self, message: Message, batch: dict[str, int] | None = None) -> int:
+    def _count(self, message: Message) -> int:
         n = TOKENS_PER_MESSAGE
         for key, value in message.items():
             if isinstance(value, str):
-                n += self._long(value, batch)
+                n += self.text(value)
                 if key == "name":
                     n += TOKENS_PER_NAME
             elif key == "content" and isinstance(value, list):
-                n += self._parts(value, batch)
+                n += self._parts(value)
             elif key == "tool_calls" and isinstance(value, list):
                 for call in value:
                     fn = call.get("function") if isinstance(call, dict) else None
@@ -173,21 +168,21 @@ class TokenCounter:
                         n += TOOL_CALL_OVERHEAD
                         for part in (fn.get("name"), fn.get("arguments")):
                             if isinstance(part, str):
-                                n += self._long(part, batch)
+                                n += self.text(part)
             elif key == "function_call" and isinstance(value, dict):
                 for part in (value.get("name"), value.get("arguments")):
                     if isinstance(part, str):
                         n += self.text(part)
         return n
 
-    def _parts(self, parts: list[Any], batch: dict[str, int] | None) -> int:
+    def _parts(self, parts: list[Any]) -> int:
         n = 0
         for part in parts:
             if not isinstance(part, dict):
                 continue
             kind = part.get("type")
             if kind == "text" and isinstance(part.get("text"), str):
-                n += self._long(part["text"], batch)
+                n += self.text(part["text"])
             elif kind == "image_url":
                 image = part.get("image_url")
                 low = isinstance(image, dict) and image.get("detail") == "low"
@@ -204,20 +199,6 @@ class TokenCounter:
             return self.text(orjson.dumps(tools).decode())
         except TypeError:
             return 0
-
-
-def _texts(message: Message) -> list[str]:
-    out = [v for v in message.values() if isinstance(v, str)]
-    content = message.get("content")
-    if isinstance(content, list):
-        out.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    calls = message.get("tool_calls")
-    if isinstance(calls, list):
-        for call in calls:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                out.append(fn["arguments"])
-    return out
 
 
 def _private_encoding(name: str) -> Any:

@@ -18,7 +18,7 @@ from proxy.modelinfo import ModelMap
 from proxy.pipeline import Assembly, assemble, chain_hashes
 from proxy.policy import Routes, policy_for
 from proxy.runtime import Runtime, open_shared
-from proxy.tokens import TokenCounter, dumps
+from proxy.tokens import TokenCounter, content_key
 from tests.helpers import (
     MODEL,
     AgentSim,
@@ -57,7 +57,7 @@ def view(messages: list[dict[str, Any]], *, hard: int = 100_000, threshold: int 
                             trimmer=TrimmerParams(max_tokens=hard), tenant_cap=None, summary_threshold=threshold)
     return HistoryView(
         turns=turns, message_tokens=tokens, turn_tokens=[sum(t) for t in tokens],
-        chain_fn=lambda: chain_hashes(turns, {id(m): dumps(m) for t in turns for m in t}),
+        chain_fn=lambda: chain_hashes(turns, {id(m): content_key(m) for t in turns for m in t}),
         pinned_tokens=pinned, budget=budget, counter=COUNTER, services=svc or services(COUNTER),
     )
 

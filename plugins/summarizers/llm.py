@@ -22,6 +22,7 @@ from proxy.messages import Message, role_of
 
 PROMPT_VERSION = "1"
 TOOL_RESULT_CHARS = 1500
+LABEL_TOKENS = 12  # "TOOL RESULT <id>: ", "TOOL CALL <id> name(" ... per rendered line
 ARGUMENT_CHARS = 600
 
 PROMPT = """You compress the earlier part of a conversation between a user and an AI assistant that uses tools.
@@ -65,7 +66,7 @@ class LLMSummarizer(Summarizer):
         async def summarize(previous: str | None, turns: Sequence[Sequence[Message]]) -> Completion:
             # rendering and counting ~100k tokens of aged turns takes a while: keep it off the event loop
             count = counter.text if counter else _approx
-            chunks = await asyncio.to_thread(_render_chunks, turns, room, count)
+            chunks = await asyncio.to_thread(_render_chunks, turns, room, count, counter)
             if len(chunks) > services.summarizer_max_calls:
                 # bound the summariser work one request can cause: the oldest aged turns are dropped
                 chunks = chunks[-services.summarizer_max_calls:]
@@ -94,8 +95,14 @@ class LLMSummarizer(Summarizer):
         return summarize
 
 
-def _render_chunks(turns: Sequence[Sequence[Message]], room: int, count: Any) -> list[list[str]]:
-    return _chunks([render_turn(t) for t in turns], room, count)
+def _render_chunks(turns: Sequence[Sequence[Message]], room: int, count: Any, counter: Any) -> list[list[str]]:
+    rendered = [render_turn(t) for t in turns]
+    if counter is None:
+        return _chunks(rendered, [count(r) for r in rendered], room, count)
+    # A rendered turn never has more tokens than the turn itself (rendering only shortens) plus its
+    # line labels, and the turns' counts are already cached: no second pass of the tokenizer.
+    bounds = [sum(counter.messages(list(t))) + LABEL_TOKENS * len(t) for t in turns]
+    return _chunks(rendered, bounds, room, count)
 
 
 def _cap(text: str, tokens: int, count: Any) -> str:
@@ -110,12 +117,13 @@ def _approx(text: str) -> int:
     return len(text) // 4 + 1
 
 
-def _chunks(rendered: list[str], room: int, count: Any) -> list[list[str]]:
+def _chunks(rendered: list[str], sizes: list[int], room: int, count: Any) -> list[list[str]]:
     chunks: list[list[str]] = [[]]
     used = 0
-    for text in rendered:
-        size = count(text)
+    for text, size in zip(rendered, sizes):
         if size > room:  # one enormous turn: cut it to what fits
+            size = count(text)
+        if size > room:
             text = text[: room * 3]
             size = count(text)
         if chunks[-1] and used + size > room:
