@@ -25,12 +25,16 @@ sys.path.insert(0, str(ROOT))
 
 from plugins.base import Completion  # noqa: E402
 from proxy.cache import MemoryCache  # noqa: E402
+from proxy.modelinfo import ModelMap  # noqa: E402
 from proxy.pairing import is_valid  # noqa: E402
 from proxy.runtime import Runtime, open_shared  # noqa: E402
 from proxy.settings import load_config  # noqa: E402
 from proxy.tokens import Tokenizers, use_bundled_encodings  # noqa: E402
 
 PAYLOADS = ROOT.parent / "shared" / "bench" / "payloads"
+
+
+MODEL_MAP = ModelMap()
 
 
 class InstantEngine:
@@ -76,8 +80,10 @@ async def run_case(name: str, manager: Any, budget: int, runs: int, tokenizers: 
     out_tokens = valid = None
     for _ in range(runs):
         cfg = config(manager, budget)
-        shared = open_shared(cfg, cache=MemoryCache())
-        shared.tokenizers = tokenizers  # the encoding stays loaded; its count cache starts empty
+        # as in the server, the encoding and litellm's model map are loaded at startup: cold means
+        # an empty token-count cache and summary cache, not a process that has read nothing yet
+        shared = open_shared(cfg, cache=MemoryCache(), model_map=MODEL_MAP)
+        shared.tokenizers = tokenizers
         tokenizers.get("o200k_base").clear()
         runtime = Runtime(cfg, shared, InstantEngine())
         b0 = copy.deepcopy(body)
@@ -123,7 +129,8 @@ async def main() -> None:
     a = ap.parse_args()
     use_bundled_encodings()
     tokenizers = Tokenizers()
-    tokenizers.get("o200k_base")  # load the encoding once, outside the timings
+    tokenizers.get("o200k_base")  # load the encoding and the model map once, outside the timings
+    MODEL_MAP.get("gpt-4o-mini")
     rows = []
     for name, budget in (("agent_long.json", 16000), ("agent_huge.json", 128000)):
         floor = tiktoken_floor(name, a.runs)
