@@ -37,7 +37,7 @@ class RequestRecord:
             "event": "request",
             "request_id": self.request_id,
             "tenant": self.tenant,
-            "model": self.model,
+            "model": self.model[:200] if self.model else None,
             "status": self.status,
         }
         if self.error:
