@@ -18,6 +18,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy import litellm_route
+from proxy.deadline import deadline
 from proxy.errors import (
     AuthenticationError,
     BadRequest,
@@ -242,7 +243,8 @@ async def _openai(
             record.upstream = time.perf_counter() - sent
             record.ttft, record.usage = watcher.ttft, watcher.usage
     try:
-        raw = await asyncio.wait_for(response.read(), timeout=server.idle_timeout)
+        async with deadline(server.idle_timeout):
+            raw = await response.read()
     except asyncio.TimeoutError:
         response.close()
         raise UpstreamTimeout("The upstream stalled while sending its answer.") from None
@@ -381,7 +383,8 @@ async def relay(request: web.Request) -> web.StreamResponse:
         await out.prepare(request)
         while True:
             try:
-                chunk = await asyncio.wait_for(response.content.readany(), server.idle_timeout)
+                async with deadline(server.idle_timeout):
+                    chunk = await response.content.readany()
             except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
                 # the upstream failed after the answer started: cut the client's connection, so the
                 # truncated body can never look complete (and the client is not left waiting for the rest)

@@ -10,7 +10,6 @@ list in a bounded LRU.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
 from proxy.messages import SYSTEM_ROLES, Message
@@ -19,35 +18,31 @@ from proxy.tokens import content_key
 
 class PrefixTracker:
     def __init__(self, size: int = 10_000) -> None:
-        self._last: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
+        self._last: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._size = size
 
     def observe(self, received: list[Message], forwarded: list[Message], keys: dict[int, int]) -> bool | None:
         """True/False: the forwarded list does/does not extend the previous one; None: first request seen."""
         if not received or not forwarded:
             return None
-
-        def key_of(message: Message) -> bytes:
-            key = keys.get(id(message))
-            return (key if key is not None else content_key(message)).to_bytes(16, "little")
-
-        head = hashlib.blake2b(digest_size=16)
+        head: list[int] = []
         for message in received:
-            head.update(key_of(message))
+            head.append(self._key(message, keys))
             if message.get("role") not in SYSTEM_ROLES:
                 break
-        conversation = head.digest()
+        conversation = hash(tuple(head))
+        sent = tuple(self._key(m, keys) for m in forwarded)
         previous = self._last.get(conversation)
-        rolling = hashlib.blake2b(digest_size=16)
-        stable: bool | None = None
-        for i, message in enumerate(forwarded):
-            if previous is not None and i == previous[0]:
-                stable = rolling.digest() == previous[1]
-            rolling.update(key_of(message))
-        if previous is not None and stable is None:
-            stable = len(forwarded) == previous[0] and rolling.digest() == previous[1]
-        self._last[conversation] = (len(forwarded), rolling.digest())
+        self._last[conversation] = (len(sent), hash(sent))
         self._last.move_to_end(conversation)
         if len(self._last) > self._size:
             self._last.popitem(last=False)
-        return stable
+        if previous is None:
+            return None
+        n, digest = previous
+        return len(sent) >= n and hash(sent[:n]) == digest
+
+    @staticmethod
+    def _key(message: Message, keys: dict[int, int]) -> int:
+        key = keys.get(id(message))
+        return key if key is not None else content_key(message)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,5 +103,8 @@ def _supervise(config: Config, host: str, port: int, workers: int) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, relay)
-    codes = [child.wait() for child in children]
+    try:
+        codes = [child.wait() for child in children]
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     return max(codes, default=0)

@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.deadline import deadline
 from proxy.errors import CtxProxyError, UpstreamTimeout, UpstreamUnreachable
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -78,7 +79,8 @@ async def relay_stream(
         error: CtxProxyError | None = None
         while True:
             try:
-                chunk = await asyncio.wait_for(upstream.content.readany(), timeout=idle_timeout)
+                async with deadline(idle_timeout):
+                    chunk = await upstream.content.readany()
             except asyncio.TimeoutError:
                 error = UpstreamTimeout(f"The upstream stream stalled for more than {idle_timeout:g}s.")
                 break

@@ -196,9 +196,17 @@ class TokenCounter:
         if not tools:
             return 0
         try:
-            return self.text(orjson.dumps(tools).decode())
+            raw = orjson.dumps(tools)
         except TypeError:
             return 0
+        key = xxh3_128_intdigest(raw)
+        with self._lock:
+            cached = self._cache.get(key)
+        if cached is None:
+            cached = self.text(raw.decode())
+            with self._lock:
+                self._cache[key] = cached
+        return cached
 
 
 def _private_encoding(name: str) -> Any:

@@ -19,6 +19,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from plugins.base import Completion
+from proxy.deadline import deadline
 from proxy.errors import (
     UpstreamError,
     UpstreamStatus,
@@ -122,10 +123,8 @@ async def open_request(
 ) -> aiohttp.ClientResponse:
     """Send a request and wait for the response headers, mapping transport failures to 502/504."""
     try:
-        return await asyncio.wait_for(
-            session.request(method, url, data=data, headers=headers, allow_redirects=False),
-            timeout=first_byte_timeout,
-        )
+        async with deadline(first_byte_timeout):
+            return await session.request(method, url, data=data, headers=headers, allow_redirects=False)
     except asyncio.TimeoutError:
         raise UpstreamTimeout("The upstream did not answer in time.") from None
     except aiohttp.ServerTimeoutError:
@@ -144,7 +143,8 @@ async def read_error(response: aiohttp.ClientResponse, idle_timeout: float,
     credentials are not at fault: that is a gateway misconfiguration, answered 502.
     """
     try:
-        raw = await asyncio.wait_for(response.read(), timeout=idle_timeout)
+        async with deadline(idle_timeout):
+            raw = await response.read()
     except (asyncio.TimeoutError, aiohttp.ClientError):
         raw = b""
     finally:

@@ -201,3 +201,37 @@ async def test_invalid_config_exits_2_before_binding(tmp_path: Path, text: str) 
 async def test_valid_config_validates(upstream: FakeUpstream, tmp_path: Path) -> None:
     rc, out, err = await _run("validate", str(write_config(tmp_path, upstream)))
     assert (rc, out.strip(), err) == (0, "ok", "")
+
+
+async def test_workers_share_one_port_and_aggregate_metrics(upstream: FakeUpstream, tmp_path: Path) -> None:
+    """`ctxproxy serve --workers 2`: two processes on one port (SO_REUSEPORT); /metrics sums them."""
+    import aiohttp
+
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        str(CTXPROXY), "serve", "--config", str(write_config(tmp_path, upstream)), "--port", str(port),
+        "--workers", "2", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    pids: set[str] = set()
+    try:
+        assert proc.stderr is not None
+        while len(pids) < 2:
+            line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+            assert line, "the workers did not start"
+            match = re.search(r"listening on .* \(pid (\d+)\)", line)
+            if match:
+                pids.add(match.group(1))
+        async with aiohttp.ClientSession() as s:
+            for _ in range(20):
+                async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                  json={"model": MODEL, "messages": MESSAGES}) as r:
+                    assert r.status == 200
+            async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                text = await r.text()
+        total = sum(float(v) for v in re.findall(r'^ctxproxy_requests_total\{[^}]*status="200"[^}]*\} (\S+)$', text, re.M))
+        assert total == 20
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), DRAIN + 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
