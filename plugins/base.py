@@ -210,6 +210,14 @@ class Summarizer(ABC):
         return None
 
 
+def window(view: HistoryView, keep: int, step: int | None) -> HistoryResult:
+    """The last ``keep`` turns (at least), older ones dropped ``step`` turns at a time (default ⌈keep/2⌉)."""
+    cut = keep_at_least(len(view.turns), keep, step or max(1, -(-max(keep, 1) // 2)))
+    if cut == 0:
+        return HistoryResult.unchanged(view)
+    return HistoryResult(turns=view.turns[cut:], turns_dropped=cut, removed={"windowed": sum(view.turn_tokens[:cut])})
+
+
 def keep_at_least(turns: int, keep: int, step: int) -> int:
     """How many leading turns to drop so that at least ``keep`` remain, moving only in whole ``step`` s.
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from pydantic import Field
 
-from plugins.base import ContextManager, HistoryResult, HistoryView, Params, keep_at_least
+from plugins.base import ContextManager, HistoryResult, HistoryView, Params, window
 from proxy.budget import TrimmerParams
 
 
@@ -28,16 +27,7 @@ class SlidingWindow(ContextManager):
 
     async def manage_history(self, view: HistoryView) -> HistoryResult:
         params: Any = self.params
-        keep = params.keep_turns
-        step = params.cut_step or max(1, math.ceil(keep / 2))
-        cut = keep_at_least(len(view.turns), keep, step)
-        if cut == 0:
-            return HistoryResult.unchanged(view)
-        return HistoryResult(
-            turns=view.turns[cut:],
-            turns_dropped=cut,
-            removed={"windowed": sum(view.turn_tokens[:cut])},
-        )
+        return window(view, params.keep_turns, params.cut_step)
 
     def limits(self) -> dict[str, Any]:
         return {"keep_turns": self.params.keep_turns}  # type: ignore[attr-defined]

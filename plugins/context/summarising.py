@@ -12,7 +12,6 @@ dropped instead, on a prefix-stable grid.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from pydantic import Field
@@ -25,7 +24,7 @@ from plugins.base import (
     Params,
     SummaryScope,
     SummaryUnavailable,
-    keep_at_least,
+    window,
 )
 from proxy.budget import TrimmerParams
 from proxy.messages import Message
@@ -110,16 +109,7 @@ class Summarising(ContextManager):
 
     def _drop(self, view: HistoryView) -> HistoryResult:
         params: Any = self.params
-        keep = params.keep_turns
-        step = params.cut_step or max(1, math.ceil(max(keep, 1) / 2))
-        cut = keep_at_least(len(view.turns), keep, step)
-        if cut == 0:
-            return HistoryResult.unchanged(view)
-        return HistoryResult(
-            turns=view.turns[cut:],
-            turns_dropped=cut,
-            removed={"windowed": sum(view.turn_tokens[:cut])},
-        )
+        return window(view, params.keep_turns, params.cut_step)
 
     def limits(self) -> dict[str, Any]:
         return {"keep_turns": self.params.keep_turns}  # type: ignore[attr-defined]
