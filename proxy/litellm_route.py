@@ -6,6 +6,7 @@ with its local model map so nothing is fetched at run time.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from proxy.policy import ModelRoute
 
 PASS_THROUGH_DROP = ("model", "stream")
+log = logging.getLogger("ctxproxy")
 
 
 def _litellm() -> Any:
@@ -53,10 +55,19 @@ def _error(exc: Exception) -> CtxProxyError:
     if "Timeout" in name:
         return UpstreamTimeout("The upstream did not answer in time.")
     status = getattr(exc, "status_code", None)
-    if isinstance(status, int) and 400 <= status < 600 and "APIConnectionError" not in name:
-        message = str(getattr(exc, "message", None) or exc)
+    if isinstance(status, int) and 400 <= status < 500:
+        message = _plain(str(getattr(exc, "message", None) or exc))
         return UpstreamStatus(status, normalise_error_body(status, {"error": {"message": message, "code": None}}))
-    return UpstreamUnreachable(f"The upstream is unreachable ({name}).")
+    log.warning("litellm route failed: %s", _plain(f"{name}: {exc}"))
+    if isinstance(status, int) and 500 <= status < 600 and "APIConnectionError" not in name:
+        return UpstreamStatus(status, normalise_error_body(status, {"error": {
+            "message": f"The upstream failed ({name}).", "code": None}}))
+    return UpstreamUnreachable(f"The upstream is unreachable or failed ({name}).")
+
+
+def _plain(message: str) -> str:
+    """litellm's messages may embed a traceback: keep the first line of substance, never the traceback."""
+    return message.split("\nTraceback", 1)[0].split("Traceback (most recent call last)", 1)[0].strip()[:1000]
 
 
 async def chat(route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None) -> dict[str, Any]:
