@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import strategies as st
 
 from proxy.tokens import use_bundled_encodings
@@ -88,6 +89,9 @@ def hard_budget(window: int, reserve: int = 256, ratio: float = 0.1) -> int:
 
 @functools.lru_cache(maxsize=1)
 def _tau_raw() -> bytes:
+    if not TAU_BENCH.is_file():
+        pytest.fail(f"{TAU_BENCH} is missing: the suite expects the project's shared/ folder beside the "
+                    "checkout (CI places it there)", pytrace=False)
     return TAU_BENCH.read_bytes()
 
 
