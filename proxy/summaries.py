@@ -19,6 +19,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from plugins.base import CachedSummary, Completion, SummarizeFn, SummaryScope, SummaryUnavailable
@@ -96,9 +97,8 @@ class SummaryService:
         task = self._flights.get(key)
         leader = task is None
         if task is None:
-            task = asyncio.create_task(
-                self._make(key, conversation, scope, list(chain[:cut]), cut, list(turns[:cut]), previous, summarize)
-            )
+            job = _Job(key, conversation, scope, chain[cut - 1], cut, list(turns[:cut]), previous, summarize)
+            task = asyncio.create_task(self._make(job))
             self._flights[key] = task
             task.add_done_callback(lambda _t: self._flights.pop(key, None))
         try:
@@ -112,45 +112,27 @@ class SummaryService:
             raise SummaryUnavailable(f"summariser failed: {type(exc).__name__}: {exc}") from exc
         return summary, fresh and leader
 
-    async def _make(
-        self,
-        key: str,
-        conversation: str,
-        scope: SummaryScope,
-        chain: list[str],
-        cut: int,
-        turns: list[Sequence[Message]],
-        previous: CachedSummary | None,
-        summarize: SummarizeFn,
-    ) -> tuple[CachedSummary, bool]:
+    async def _make(self, job: _Job) -> tuple[CachedSummary, bool]:
         fresh = False
-        record = await self.cache.get(key)
+        record = await self.cache.get(job.key)
         if record is None:
-            async with self.cache.lock("lock:" + key, ttl=self.lock_ttl, wait=self.lock_wait):
-                record = await self.cache.get(key)  # another replica may have made it meanwhile
+            async with self.cache.lock("lock:" + job.key, ttl=self.lock_ttl, wait=self.lock_wait):
+                record = await self.cache.get(job.key)  # another replica may have made it meanwhile
                 if record is None:
-                    record = await self._summarise(key, conversation, scope, chain, cut, turns, previous, summarize)
+                    record = await self._summarise(job)
                     fresh = True
-        summary = _summary(record, cut, chain[cut - 1])
+        summary = _summary(record, job.cut, job.link)
         if summary is None:
             raise SummaryUnavailable("cached summary is unreadable")
         return summary, fresh
 
-    async def _summarise(
-        self,
-        key: str,
-        conversation: str,
-        scope: SummaryScope,
-        chain: list[str],
-        cut: int,
-        turns: list[Sequence[Message]],
-        previous: CachedSummary | None,
-        summarize: SummarizeFn,
-    ) -> dict[str, Any]:
+    async def _summarise(self, job: _Job) -> dict[str, Any]:
+        previous, cut, conversation = job.previous, job.cut, job.conversation
         start = previous.covered_turns if previous is not None and previous.covered_turns < cut else 0
         self.calls += 1
         try:
-            completion = await summarize(previous.text if previous is not None and start else None, turns[start:])
+            completion = await job.summarize(previous.text if previous is not None and start else None,
+                                             job.turns[start:])
             text = completion.text.strip()
             if not text:
                 raise SummaryUnavailable("the summariser returned an empty answer")
@@ -164,13 +146,13 @@ class SummaryService:
             raise SummaryUnavailable(f"summariser failed: {type(exc).__name__}: {exc}") from exc
         self._failures.pop(conversation, None)
         if self.on_call is not None:
-            self.on_call(scope.tenant, completion)
-        record = {"text": text, "turns": cut, "chain": chain[cut - 1], "model": completion.model,
+            self.on_call(job.scope.tenant, completion)
+        record = {"text": text, "turns": cut, "chain": job.link, "model": completion.model,
                   "incremental": bool(start), "created": time.time()}
-        await self.cache.set(key, record, self.ttl)
+        await self.cache.set(job.key, record, self.ttl)
         index = await self.cache.get(conversation) or {}
-        entries = [e for e in index.get("entries", []) if isinstance(e, dict) and e.get("chain") != chain[cut - 1]]
-        entries.append({"turns": cut, "chain": chain[cut - 1]})
+        entries = [e for e in index.get("entries", []) if isinstance(e, dict) and e.get("chain") != job.link]
+        entries.append({"turns": cut, "chain": job.link})
         await self.cache.set(conversation, {"entries": entries[-INDEX_ENTRIES:]}, self.ttl)
         return record
 
@@ -186,6 +168,20 @@ class SummaryService:
         for task in list(self._flights.values()):
             task.cancel()
         self._flights.clear()
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One summary to make: turns[:cut] of a conversation, from ``previous`` when there is one."""
+
+    key: str
+    conversation: str
+    scope: SummaryScope
+    link: str  # the chained hash of turns[:cut]
+    cut: int
+    turns: list[Sequence[Message]]
+    previous: CachedSummary | None
+    summarize: SummarizeFn
 
 
 def _summary(record: dict[str, Any] | None, turns: int, chain: str) -> CachedSummary | None:
