@@ -37,7 +37,7 @@ from proxy.pipeline import Assembly
 from proxy.policy import ModelRoute
 from proxy.requestlog import RequestRecord
 from proxy.settings import Tenant
-from proxy.streaming import SSE_HEADERS, STREAM_ERROR, StreamWatcher, relay_stream
+from proxy.streaming import SSE_HEADERS, STREAM_ERROR, StreamWatcher, error_event, relay_stream
 from proxy.upstream import open_request, read_error, response_headers, upstream_headers
 
 log = logging.getLogger("ctxproxy")
@@ -295,7 +295,7 @@ async def _litellm(
             await response.write(event)
     except CtxProxyError as exc:
         request[STREAM_ERROR] = exc.code or "stream_error"
-        await response.write(b"data: " + orjson.dumps(exc.to_openai()) + b"\n\n")
+        await response.write(error_event(exc))
     finally:
         record.upstream = time.perf_counter() - sent
         record.ttft, record.usage = watcher.ttft, watcher.usage

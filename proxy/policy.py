@@ -136,7 +136,8 @@ def policy_for(config: Config, tenant: Tenant | None, model: str | None, overrid
         except OverrideRejected as exc:
             warnings.append(f"x-ctxproxy-context-manager ignored: {_ascii(str(exc))}")
     manager: ContextManager = binding.create()
-    base_trimmer = base.create().trimmer if binding is not base else manager.trimmer
+    # an override never loosens the trimmer: the budget comes from the base binding's (capped by budget_cap)
+    base_trimmer: TrimmerParams | None = getattr(base.params, "trimmer", None)
     trimmer = (base_trimmer or TrimmerParams()).merged_over(s.trimmer)
     return Policy(
         tenant=tenant.name if tenant else "default",
