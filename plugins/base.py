@@ -1,11 +1,13 @@
 """Plugin contracts: context managers and summarisers (DESIGN §3).
 
 A context manager owns the recency policy: ``manage_history`` gets the
-committed history as turns (with their token counts and chained content
-hashes) and returns the history to send, and optionally one summary message
-that the pipeline places right after the system band. A summariser only turns
-turns into text; the summarising manager owns keep_turns and hysteresis, and
-the summary cache (``SummaryStore``) owns reuse, single flight and cost.
+committed history as turns of wire-neutral items (``proxy.core.items.Item``, with
+their token counts and chained content hashes) and returns the history to send,
+and optionally one summary item that the pipeline places right after the system
+band. A summariser only turns turns into text; the summarising manager owns
+keep_turns and hysteresis, and the summary cache (``SummaryStore``) owns reuse,
+single flight and cost. Plugins never see a wire's JSON: the same plugin serves
+Chat Completions, the Responses API and Anthropic's Messages API.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
-from proxy.budget import TrimmerParams
+from proxy.core.budget import TrimmerParams
+from proxy.core.errors import SummaryUnavailable as SummaryUnavailable  # re-exported: plugins raise it
+from proxy.core.items import Item
 
 if TYPE_CHECKING:
-    from proxy.budget import Budget
-    from proxy.messages import Message
-    from proxy.tokens import TokenCounter
+    from proxy.core.budget import Budget
+    from proxy.core.tokens import TokenCounter
 
 
 class PluginParams(BaseModel):
@@ -37,19 +40,33 @@ Params = PluginParams
 
 @dataclass(frozen=True)
 class Completion:
-    """What an engine returns for one summariser call."""
+    """What an engine returns for one summariser call.
+
+    ``model`` is the name the call was routed by (a label); ``upstream_model`` the model the
+    provider ran, which is what the call is priced on.
+    """
 
     text: str
     model: str
     prompt_tokens: int
     completion_tokens: int
+    upstream_model: str = ""
+
+    @property
+    def priced_model(self) -> str:
+        return self.upstream_model or self.model
 
 
 class Engine(Protocol):
-    """The seam to a model: the proxy's own upstream routes in the server, a fake in tests."""
+    """The seam to a model: the proxy's own upstream routes in the server, a fake in tests.
+
+    ``messages`` are Chat Completions messages (the summariser's own prompt, not a client's).
+    ``request_id`` is the client request the call is made for (for logs); the call gets its own id.
+    """
 
     async def complete(
-        self, model: str, messages: list[Message], *, max_tokens: int, timeout: float, purpose: str
+        self, model: str, messages: list[dict[str, Any]], *, max_tokens: int, timeout: float, purpose: str,
+        request_id: str = "",
     ) -> Completion: ...
 
 
@@ -66,7 +83,6 @@ class CachedSummary:
     covered_turns: int
     chain: str
     text: str
-    tokens: int
 
 
 class SummaryStore(Protocol):
@@ -80,9 +96,10 @@ class SummaryStore(Protocol):
         scope: SummaryScope,
         chain: Sequence[str],
         cut: int,
-        turns: Sequence[Sequence[Message]],
+        turns: Sequence[Sequence[Item]],
         previous: CachedSummary | None,
         summarize: SummarizeFn,
+        request_id: str = "",
     ) -> tuple[CachedSummary, bool]:
         """A summary of ``turns[:cut]``, and whether this call made it (False: it came from the cache).
 
@@ -92,12 +109,8 @@ class SummaryStore(Protocol):
         """
 
 
-class SummaryUnavailable(Exception):
-    """The summariser failed (error, timeout, empty answer) or is in back-off."""
-
-
 class SummarizeFn(Protocol):
-    async def __call__(self, previous: str | None, turns: Sequence[Sequence[Message]]) -> Completion: ...
+    async def __call__(self, previous: str | None, turns: Sequence[Sequence[Item]]) -> Completion: ...
 
 
 @dataclass
@@ -112,22 +125,25 @@ class Services:
     summary_tokens: int = 1024
     summarizer_timeout: float = 60.0
     summarizer_window: int = 128_000
+    window_of: Callable[[str], int] | None = None  # a model name's input window (the summariser's own)
     summarizer_max_calls: int = 8
     counter: TokenCounter | None = None
+    request_id: str = ""
+    dry_run: bool = False  # explain/assemble: look summaries up, never call the summariser
 
 
 @dataclass
 class HistoryView:
     """The committed history of one request, as the pipeline prepared it."""
 
-    turns: list[list[Message]]
-    message_tokens: list[list[int]]
+    turns: list[list[Item]]
     turn_tokens: list[int]
     chain_fn: Callable[[], list[str]]
     pinned_tokens: int
     budget: Budget
     counter: TokenCounter
     services: Services
+    summary_item: Callable[[str, int], Item]  # (text, covered turns) -> the wire's own summary item, counted
 
     @cached_property
     def chain(self) -> list[str]:
@@ -143,13 +159,13 @@ class HistoryView:
 class HistoryResult:
     """What ``manage_history`` returns."""
 
-    turns: list[list[Message]]
-    summary: Message | None = None
+    turns: list[list[Item]]
+    summary: Item | None = None
     turns_summarised: int = 0
     turns_dropped: int = 0
     summary_status: str = "none"
     removed: dict[str, int] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
+    detail: dict[str, Any] = field(default_factory=dict)  # for explain: what was (or would be) summarised
 
     @classmethod
     def unchanged(cls, view: HistoryView) -> HistoryResult:
@@ -169,10 +185,6 @@ class ContextManager(ABC):
     @abstractmethod
     async def manage_history(self, view: HistoryView) -> HistoryResult:
         """Return the history to send for this request."""
-
-    def limits(self) -> dict[str, Any]:
-        """Numbers a request override may only lower (keep_turns, max_messages, ...)."""
-        return {}
 
     @property
     def hysteresis_ratio(self) -> float:

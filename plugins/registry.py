@@ -15,19 +15,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from plugins.base import ContextManager, Summarizer
+from proxy.core.errors import BindingError
 
 KINDS = ("context_manager", "summarizer")
 
 # alias -> canonical name, in order of precedence (first present wins)
 PARAM_ALIASES: dict[str, tuple[str, ...]] = {"keep_turns": ("keep_turns", "window_size", "max_turns")}
-
-
-class BindingError(Exception):
-    """A binding that cannot be resolved; ``problems`` are (key path, message) pairs."""
-
-    def __init__(self, problems: list[tuple[str, str]]) -> None:
-        super().__init__("; ".join(f"{p}: {m}" if p else m for p, m in problems))
-        self.problems = problems
 
 
 @dataclass(frozen=True)
@@ -44,6 +37,9 @@ class Binding:
         if self.summarizer is not None:
             return self.plugin(self.params, self.summarizer.create())
         return self.plugin(self.params)
+
+
+__all__ = ["Binding", "BindingError", "Registry", "default_registry"]
 
 
 class Registry:

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from proxy.errors import ConfigError, CtxProxyError
+from proxy.core.errors import ConfigError, CtxProxyError
 from proxy.settings import Config, load_config
 
 EXIT_OK, EXIT_REFUSED, EXIT_INVALID = 0, 1, 2
@@ -31,10 +31,16 @@ def main(argv: list[str] | None = None) -> int:
 
     p_assemble = sub.add_parser("assemble", help="run the pipeline on a request body; never forwards it")
     p_assemble.add_argument("--config", default="config/ctxproxy.yaml")
-    p_assemble.add_argument("request", help="chat-completions body (JSON file, or - for stdin)")
+    p_assemble.add_argument("request", help="request body (JSON file, or - for stdin)")
+    p_assemble.add_argument("--wire", default="chat", choices=("chat", "responses", "messages"),
+                            help="the body's wire protocol (default chat)")
     p_assemble.add_argument("--key", help="proxy key, to apply that tenant's policy")
     p_assemble.add_argument("--context-manager", dest="override", help="per-request override, as the header")
-    p_assemble.add_argument("--offline", action="store_true", help="no summariser calls (llm degrades to drop)")
+    p_assemble.add_argument("--summarize", action="store_true",
+                            help="make summaries that would be created (calls and bills the summariser); "
+                                 "default: report them without calling anyone")
+    p_assemble.add_argument("--offline", action="store_true",
+                            help="as if no summariser were reachable (llm degrades to drop)")
 
     args = parser.parse_args(argv)
     if args.command == "validate":
@@ -69,45 +75,35 @@ def _assemble(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"{args.request}: cannot read: {exc.strerror}", file=sys.stderr)
         return EXIT_INVALID
-    result, code = asyncio.run(_run_assemble(config, raw, args.key, args.override, args.offline))
+    result, code = asyncio.run(_run_assemble(config, raw, args))
     sys.stdout.buffer.write(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
     return code
 
 
-async def _run_assemble(
-    config: Config, raw: bytes, key: str | None, override: str | None, offline: bool
-) -> tuple[dict[str, Any], int]:
-    from proxy.explain import explain
-    from proxy.runtime import Runtime, open_shared
-    from proxy.upstream import UpstreamEngine, UpstreamPool
+async def _run_assemble(config: Config, raw: bytes, args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    from proxy.serve.explain import explain
+    from proxy.serve.state import build_runtime, build_shared
+    from proxy.wire import WIRES
 
-    shared = open_shared(config)
-    pool = None if offline else UpstreamPool(config.settings.server)
-    runtime = Runtime(config, shared)
-    if pool is not None:
-        runtime.engine = UpstreamEngine(runtime, pool)
+    shared = build_shared(config)
+    runtime = build_runtime(config, shared, engine=not args.offline).runtime
     try:
-        tenant = runtime.authenticate(key) if key else None
-        if config.tenants and key and tenant is None:
-            from proxy.errors import AuthenticationError
-
-            err = AuthenticationError("Incorrect API key provided.")
-            return err.to_openai(), EXIT_REFUSED
-        return await explain(runtime, raw, tenant, override), EXIT_OK
+        tenant = runtime.authenticate(args.key) if args.key else None
+        if args.wire not in WIRES:
+            return {"error": {"message": f"the {args.wire} wire is not available", "type": "invalid_request_error",
+                              "param": "wire", "code": "unknown_wire"}}, EXIT_INVALID
+        return await explain(runtime, WIRES[args.wire], raw, tenant, args.override, summarize=args.summarize), EXIT_OK
     except CtxProxyError as exc:
         return exc.to_openai(), EXIT_REFUSED
     finally:
-        if pool is not None:
-            await pool.close()
-        await shared.summaries.close()
-        await shared.cache.close()
+        await shared.close()
 
 
 def _serve(args: argparse.Namespace) -> int:
     config = _load(args.config)
     if config is None:
         return EXIT_INVALID
-    from proxy.server import serve
+    from proxy.serve.server import serve
 
     return serve(config, host=args.host, port=args.port, workers=args.workers)
 

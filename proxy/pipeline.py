@@ -1,29 +1,36 @@
-"""The context pipeline (DESIGN §1-5), from a parsed request body to the messages to forward.
+"""The context pipeline (DESIGN §1-5), wire-neutral: from a parsed conversation to the items to forward.
 
 repair pairing → split into bands → manage_history (context-manager plugin)
 → working-memory cap → token trim (pin tail) → payload check → fit check.
 
-Pairing is repaired first, on the client's messages, so every later step works
-on whole tool groups and the forwarded payload is always paired; the payload
-check then verifies the result. Everything here is synchronous except the one
-await on ``manage_history`` (the summariser), so the same code runs in the
-server, in ``ctxproxy assemble`` and in the explain endpoint.
+Pairing is repaired first, on the client's items, so every later step works on
+whole tool groups and the forwarded payload is always paired; the pairing check
+then verifies the result. Everything here is synchronous except the one await on
+``manage_history`` (the summariser), so the same code runs in the server, in
+``ctxproxy assemble`` and in the explain endpoint, for every wire.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from plugins.base import HistoryView, Services
-from proxy.budget import Budget, compute_budget
-from proxy.errors import BadRequest, ContextLengthExceeded, OutputLimitExceeded, PayloadError
-from proxy.messages import Bands, Message, is_call, split_bands, split_turns, tool_groups
-from proxy.pairing import check, repair, scan
+from proxy.core.bands import Bands, assign_groups, split_bands, split_turns, tool_groups
+from proxy.core.budget import Budget, compute_budget, why
+from proxy.core.conversation import Conversation, WireAdapter
+from proxy.core.errors import BadRequest, ContextLengthExceeded, OutputLimitExceeded, PayloadError
+from proxy.core.items import Item, turn_digest
+from proxy.core.pairing import check, repair
+from proxy.core.tokens import TokenCounter
 from proxy.policy import ModelRoute, Policy
-from proxy.tokens import REPLY_PRIMING, TokenCounter, content_key
+
+# What a report's ``summary`` may say, and how removed tokens are counted (the one list of each).
+SUMMARY_STATUSES = frozenset({"none", "reused", "created", "failed", "pending", "would_create"})
+REMOVED_HOW = frozenset({"summarised", "windowed", "trimmed", "wm_capped"})
 
 
 @dataclass
@@ -33,6 +40,7 @@ class Report:
     model: str
     tenant: str
     context_manager: str
+    wire: str = "chat"
     tokens_before: int = 0
     tokens_after: int = 0
     window: int = 0
@@ -40,6 +48,7 @@ class Report:
     margin: int = 0
     hard_budget: int = 0
     threshold: int = 0
+    calibration: float = 1.0
     turns_total: int = 0
     turns_kept: int = 0
     turns_summarised: int = 0
@@ -49,6 +58,7 @@ class Report:
     repairs: dict[str, int] = field(default_factory=dict)
     removed: dict[str, int] = field(default_factory=dict)
     summary: str = "none"
+    summary_detail: dict[str, Any] = field(default_factory=dict)
     max_tokens_clamped: bool = False
     warnings: list[str] = field(default_factory=list)
 
@@ -58,25 +68,33 @@ class Report:
 
 @dataclass
 class Assembly:
-    """The result: messages to forward, whether anything changed, and the report."""
+    """The result: the body to forward (the client's when nothing changed), its items, and the report."""
 
-    messages: list[Message]
+    body: dict[str, Any]
+    items: list[Item]
     changed: bool
     report: Report
-    body_changes: dict[str, Any] = field(default_factory=dict)
-    keys: dict[int, int] = field(default_factory=dict)  # id(message) -> in-process content key
-    received: list[Message] = field(default_factory=list)
+    received: list[Item] = field(default_factory=list)
+    field_name: str = "messages"
+
+    @property
+    def messages(self) -> Any:
+        """The forwarded conversation field (``messages`` / ``input``), as JSON."""
+        return self.body.get(self.field_name)
 
 
-OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens")
 # models that accept only max_completion_tokens
 _COMPLETION_ONLY = ("o1", "o3", "o4", "gpt-5")
 
 
-def request_max_tokens(body: dict[str, Any]) -> dict[str, int]:
-    """The request's output limits, by field (both may be present)."""
+def completion_only(upstream_model: str) -> bool:
+    return upstream_model.rsplit("/", 1)[-1].startswith(_COMPLETION_ONLY)
+
+
+def request_max_tokens(body: dict[str, Any], fields: tuple[str, ...]) -> dict[str, int]:
+    """The request's output limits, by field (several may be present)."""
     out: dict[str, int] = {}
-    for key in OUTPUT_FIELDS:
+    for key in fields:
         value = body.get(key)
         if value is None:
             continue
@@ -86,9 +104,11 @@ def request_max_tokens(body: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-def limit_output(body: dict[str, Any], route: ModelRoute, policy: Policy, report: Report) -> tuple[int | None, dict[str, Any]]:
+def limit_output(
+    body: dict[str, Any], wire: WireAdapter, route: ModelRoute, policy: Policy, report: Report
+) -> tuple[int | None, dict[str, Any]]:
     """Apply the tenant's max_output_tokens: clamp (or refuse) every output field, add one when none is set."""
-    limits = request_max_tokens(body)
+    limits = request_max_tokens(body, wire.output_fields)
     cap = policy.max_output_tokens
     changes: dict[str, Any] = {}
     if cap is not None:
@@ -98,253 +118,279 @@ def limit_output(body: dict[str, Any], route: ModelRoute, policy: Policy, report
                     raise OutputLimitExceeded(f"'{key}' is {value}; this key allows at most {cap}", param=key)
                 changes[key] = limits[key] = cap
         if not limits:
-            completion_only = route.upstream_model.rsplit("/", 1)[-1].startswith(_COMPLETION_ONLY)
-            key = "max_completion_tokens" if completion_only else "max_tokens"
+            key = wire.output_field(route.upstream_model)
             changes[key] = limits[key] = cap
         report.max_tokens_clamped = bool(changes)
     return (min(limits.values()) if limits else None), changes
 
 
-def chain_hashes(turns: list[list[Message]], keys: dict[int, int]) -> list[str]:
-    """chain[i] identifies turns[0..i]: each turn's messages hashed onto the previous link (stable across hosts)."""
+def chain_hashes(turns: list[list[Item]]) -> list[str]:
+    """chain[i] identifies turns[0..i] by their wire-neutral meaning, chained (stable across hosts and wires)."""
     out: list[str] = []
     link = b""
     for turn in turns:
-        h = hashlib.blake2b(link, digest_size=16)
-        for message in turn:
-            key = keys.get(id(message))
-            h.update((key if key is not None else content_key(message)).to_bytes(16, "little"))
-        link = h.digest()
+        link = turn_digest(link, turn)
         out.append(link.hex())
     return out
 
 
 @dataclass
 class Prepared:
-    """The policy-independent, CPU-heavy first step: shape check, pairing repair, hashing, counting.
+    """The policy-independent, CPU-heavy first step: parse, pairing repair, counting.
 
     It is synchronous and touches nothing shared but the counter's LRU, so the
     server runs it in a worker thread for large bodies (tiktoken releases the GIL).
     """
 
-    messages: list[Message]
-    repaired: list[Message]
+    received: list[Item]
+    repaired: list[Item]
     repairs: Counter[str]
-    keys: dict[int, int]  # id(message) -> in-process content key (token LRU, prefix tracking)
-    tokens: dict[int, int]
     fixed: int
+    notes: list[str]
 
 
-def prepare(body: dict[str, Any], counter: TokenCounter) -> Prepared:
-    messages: list[Message] = body.get("messages")  # type: ignore[assignment]  # scan() checks it
-    if scan(messages):
-        repaired, repairs = messages, Counter[str]()
+def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter) -> Prepared:
+    conversation: Conversation = wire.parse(body, counter)
+    items = conversation.items
+    if conversation.paired:
+        repaired, repairs = items, Counter[str]()
     else:
-        repaired, repairs = repair(messages)
-    key_list = [content_key(m) for m in repaired]
-    counts = counter.messages(repaired, key_list)
-    ids = [id(m) for m in repaired]
-    fixed = REPLY_PRIMING + counter.tools(body.get("tools")) + counter.tools(body.get("functions"))
-    return Prepared(messages, repaired, repairs, dict(zip(ids, key_list)),
-                    dict(zip(ids, counts)), fixed)
+        repaired, repairs = repair(items, wire, wire.merge_call_runs)
+        for item in repaired:
+            if item.key == 0:  # a placeholder or an edited call: count it
+                wire.count(item, counter)
+    assign_groups(repaired, wire.merge_call_runs)
+    return Prepared(items, repaired, repairs, conversation.fixed_tokens, conversation.notes)
 
 
 async def assemble(
     body: dict[str, Any],
     *,
+    wire: WireAdapter,
     route: ModelRoute,
     policy: Policy,
     counter: TokenCounter,
     services: Services,
     prepared: Prepared | None = None,
+    calibration: float = 1.0,
 ) -> Assembly:
-    """Run the whole pipeline on one chat-completions body (raises a CtxProxyError to refuse)."""
-    report = Report(model=route.name, tenant=policy.tenant, context_manager=policy.binding.type,
-                    warnings=list(policy.warnings))
+    """Run the whole pipeline on one body of ``wire`` (raises a CtxProxyError to refuse)."""
+    report = Report(model=route.name, tenant=policy.tenant, context_manager=policy.binding.type, wire=wire.name,
+                    warnings=list(policy.warnings), calibration=calibration)
     if prepared is None:
-        prepared = prepare(body, counter)
-    messages, repaired, repairs = prepared.messages, prepared.repaired, prepared.repairs
-    keys, tokens, fixed = prepared.keys, prepared.tokens, prepared.fixed
+        prepared = prepare(body, wire, counter)
+    received, repaired, repairs, fixed = prepared.received, prepared.repaired, prepared.repairs, prepared.fixed
+    report.warnings.extend(prepared.notes)
 
-    max_tokens, body_changes = limit_output(body, route, policy, report)
+    max_tokens, changes = limit_output(body, wire, route, policy, report)
+    if route.upstream_model != body.get("model"):
+        changes["model"] = route.upstream_model
 
     report.repairs = dict(repairs)
     if repairs and policy.pairing == "strict":
         raise PayloadError(
             "tool-call pairing is invalid (" + ", ".join(f"{k}={v}" for k, v in sorted(repairs.items()))
-            + ") and this policy is pairing: strict", param="messages", code="invalid_tool_pairing")
+            + ") and this policy is pairing: strict", param=wire.field, code="invalid_tool_pairing")
 
-    total = fixed + sum(tokens.values())
+    total = fixed + sum(item.tokens for item in repaired)
     report.tokens_before = total
 
-    budget = _budget(route, policy, max_tokens)
+    budget = _budget(route, policy, max_tokens, calibration)
     report.window, report.reserve, report.margin = budget.window, budget.reserve, budget.margin
     report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
 
     bands = split_bands(repaired)
     turns = split_turns(bands.history)
-    report.turns_total = report.turns_kept = sum(1 for t in turns if t and t[0].get("role") == "user")
+    report.turns_total = report.turns_kept = sum(1 for t in turns if t and t[0].starts_turn)
     if total <= budget.threshold:
         report.tokens_after = total
         _fits(total, budget)
         if repairs:
-            check(repaired)
-        return Assembly(repaired, bool(repairs) or bool(body_changes), report, body_changes, keys, messages)
+            check(repaired, wire.merge_call_runs, wire.field)
+        changed = bool(repairs) or bool(changes)
+        out = wire.render(body, repaired, changes) if changed else body
+        return Assembly(out, repaired, changed, report, received, wire.field)
 
-    def toks(ms: list[Message]) -> int:
-        return sum(tokens[id(m)] for m in ms)
+    def toks(items: list[Item]) -> int:
+        return sum(item.tokens for item in items)
 
+    live = WorkingMemory(bands.working_memory)
     pinned = fixed + toks(bands.system) + toks(bands.working_memory)
     if bands.current is not None:
-        pinned += tokens[id(bands.current)]
+        pinned += bands.current.tokens
     # what can never be dropped: refuse now, before a summariser is called (and billed) for nothing
-    live = WorkingMemory(bands.working_memory)
-    _fits(pinned - toks(bands.working_memory) + toks(live.pinned_group()), budget)
-    message_tokens = [[tokens[id(m)] for m in t] for t in turns]
+    _fits(pinned - toks(bands.working_memory) + toks(live.pinned_items()) + toks(_pinned(bands.history)), budget)
+
+    def summary_item(text: str, covered: int) -> Item:
+        return wire.summary(text, covered, counter)
+
     view = HistoryView(
         turns=turns,
-        message_tokens=message_tokens,
-        turn_tokens=[sum(t) for t in message_tokens],
-        chain_fn=lambda: chain_hashes(turns, keys),
+        turn_tokens=[toks(t) for t in turns],
+        chain_fn=lambda: chain_hashes(turns),
         pinned_tokens=pinned,
         budget=budget,
         counter=counter,
         services=services,
+        summary_item=summary_item,
     )
     result = await policy.manager.manage_history(view)
     report.summary = result.summary_status
+    report.summary_detail = dict(result.detail)
     report.turns_summarised = result.turns_summarised
     report.turns_dropped = result.turns_dropped
     removed: Counter[str] = Counter(result.removed)
-    if result.summary is not None:
-        tokens[id(result.summary)] = counter.message(result.summary)
-    history = [m for t in result.turns for m in t]
-    for m in history:
-        if id(m) not in tokens:  # a plugin may return messages of its own
-            tokens[id(m)] = counter.message(m)
+    history = [item for t in result.turns for item in t]
+    history = _keep_pinned(bands.history, history)
 
     cap = policy.manager.working_memory_messages
     if cap is not None and live.rows() > cap:
         while live.rows() > cap and (dropped := live.drop_next()) is not None:
             report.wm_rows_dropped += len(dropped)
             removed["wm_capped"] += toks(dropped)
-    wm = live.messages()
+    wm = live.items()
 
-    head = list(bands.system) + ([result.summary] if result.summary is not None else [])
-    tail = ([bands.current] if bands.current is not None else [])
+    summary = result.summary
+    head = list(bands.system) + ([summary] if summary is not None else [])
+    tail = [bands.current] if bands.current is not None else []
     size = fixed + toks(head) + toks(history) + toks(tail) + toks(wm)
     history, size = _trim(history, live, size, budget, toks, report, removed)
-    wm = live.messages()
-    summary = result.summary
+    wm = live.items()
     if size > budget.hard_budget and summary is not None:
         # the summary is the last thing to go: better the recent turns without it than a refusal
-        size -= toks([summary])
-        removed["trimmed"] += toks([summary])
+        size -= summary.tokens
+        removed["trimmed"] += summary.tokens
         summary = None
 
     final = Bands(bands.system, history, bands.current, wm).flatten(summary)
     report.removed = {k: v for k, v in removed.items() if v}
     report.tokens_after = size
-    report.turns_kept = sum(1 for m in history if m.get("role") == "user")
+    report.turns_kept = sum(1 for item in history if item.starts_turn)
     _fits(size, budget)
-    check(final)
-    changed = len(final) != len(messages) or any(a is not b for a, b in zip(final, messages))
-    return Assembly(final, changed or bool(body_changes), report, body_changes, keys, messages)
+    check(final, wire.merge_call_runs, wire.field)
+    changed = len(final) != len(received) or any(a is not b for a, b in zip(final, received)) or bool(changes)
+    out = wire.render(body, final, changes) if changed else body
+    return Assembly(out, final, changed, report, received, wire.field)
 
 
-def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None) -> Budget:
+def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibration: float) -> Budget:
     manager = policy.manager
+    cap = policy.max_context_tokens
+    if policy.budget_cap is not None:
+        cap = policy.budget_cap if cap is None else min(cap, policy.budget_cap)
     budget = compute_budget(
         window=route.window,
         request_max_tokens=max_tokens,
         model_max_output=route.max_output,
         trimmer=policy.trimmer,
-        tenant_cap=policy.max_context_tokens,
+        tenant_cap=cap,
         hysteresis_ratio=manager.hysteresis_ratio,
         summary_threshold=manager.summary_threshold,
+        calibration=calibration,
     )
-    if policy.budget_cap is not None and policy.budget_cap < budget.hard_budget:
-        budget = compute_budget(
-            window=route.window, request_max_tokens=max_tokens, model_max_output=route.max_output,
-            trimmer=policy.trimmer, tenant_cap=policy.budget_cap,
-            hysteresis_ratio=manager.hysteresis_ratio, summary_threshold=manager.summary_threshold,
-        )
+    if policy.base_threshold is not None:
+        # an override may lower the summary threshold, never raise it above the policy's own
+        threshold, ratio = policy.base_threshold
+        base = threshold if threshold > 0 else int(budget.hard_budget / (1 + max(0.0, ratio)))
+        if base < budget.threshold:
+            budget = dataclasses.replace(budget, threshold=base)
     return budget
 
 
+def _pinned(items: list[Item]) -> list[Item]:
+    return [item for item in items if item.pinned]
+
+
+def _keep_pinned(before: list[Item], after: list[Item]) -> list[Item]:
+    """Put back pinned items a context manager dropped: at the head of the kept history (they were older)."""
+    pinned = [item for item in before if item.pinned]
+    if not pinned:
+        return after
+    kept = {id(item) for item in after}
+    missing = [item for item in pinned if id(item) not in kept]
+    return missing + after if missing else after
+
+
 def _trim(
-    history: list[Message],
+    history: list[Item],
     live: WorkingMemory,
     size: int,
     budget: Budget,
-    toks: Any,
+    toks: Callable[[list[Item]], int],
     report: Report,
     removed: Counter[str],
-) -> tuple[list[Message], int]:
-    """Drop the oldest history groups (on the prefix-stable grid), then WM groups but never the last."""
+) -> tuple[list[Item], int]:
+    """Drop the oldest history groups (on the prefix-stable grid), then WM groups, never a pinned one."""
     if size <= budget.hard_budget:
         return history, size
     need = size - budget.hard_budget
     goal = -(-need // budget.step) * budget.step
     groups = tool_groups(history)
     dropped = 0
-    cut = 0
-    while cut < len(groups) and dropped < goal:
-        dropped += toks(groups[cut])
-        cut += 1
-    if cut:
-        report.groups_trimmed += cut
+    drop: set[int] = set()
+    for i, group in enumerate(groups):
+        if dropped >= goal:
+            break
+        if any(item.pinned for item in group):
+            continue
+        dropped += toks(group)
+        drop.add(i)
+    if drop:
+        report.groups_trimmed += len(drop)
         removed["trimmed"] += dropped
-        history = [m for g in groups[cut:] for m in g]
+        history = [item for i, g in enumerate(groups) if i not in drop for item in g]
         size -= dropped
-    while size > budget.hard_budget and (group := live.drop_next()) is not None:
-        n = toks(group)
+    while size > budget.hard_budget and (wm_group := live.drop_next()) is not None:
+        n = toks(wm_group)
         size -= n
         removed["trimmed"] += n
-        report.wm_rows_dropped += len(group)
+        report.wm_rows_dropped += len(wm_group)
     return history, size
 
 
 class WorkingMemory:
-    """Working memory as tool groups, with the one that is never dropped: the live tool round.
+    """Working memory as tool groups, with the ones that are never dropped.
 
-    That is the last group with tool calls (else the last group): an assistant
-    prefill after it may be dropped, but never the results the model is working on.
-    Droppable groups go oldest first, then any group after the live round.
+    Kept always: the last group (DESIGN §4), the live tool round (the last group with
+    calls: an assistant prefill may follow the results the model is working on), and any
+    group with a pinned item. The others go oldest first.
     """
 
-    def __init__(self, wm: list[Message]) -> None:
+    def __init__(self, wm: list[Item]) -> None:
         self.groups = tool_groups(wm)
-        calls = [i for i, g in enumerate(self.groups) if is_call(g[0])]
-        self.pinned = calls[-1] if calls else len(self.groups) - 1
+        keep: set[int] = set()
+        if self.groups:
+            keep.add(len(self.groups) - 1)
+            calls = [i for i, g in enumerate(self.groups) if g[0].call_ids]
+            if calls:
+                keep.add(calls[-1])
+            keep.update(i for i, g in enumerate(self.groups) if any(item.pinned for item in g))
+        self.keep = keep
         self.kept = set(range(len(self.groups)))
 
-    def pinned_group(self) -> list[Message]:
-        return self.groups[self.pinned] if self.groups else []
+    def pinned_items(self) -> list[Item]:
+        return [item for i in sorted(self.keep) for item in self.groups[i]]
 
     def rows(self) -> int:
         return sum(len(self.groups[i]) for i in self.kept)
 
-    def drop_next(self) -> list[Message] | None:
-        """Drop the next droppable group and return it (None when only the live round is left)."""
-        for i in [*range(self.pinned), *range(self.pinned + 1, len(self.groups))]:
-            if i in self.kept:
+    def drop_next(self) -> list[Item] | None:
+        """Drop the oldest droppable group and return it (None when only kept groups are left)."""
+        for i in range(len(self.groups)):
+            if i in self.kept and i not in self.keep:
                 self.kept.discard(i)
                 return self.groups[i]
         return None
 
-    def messages(self) -> list[Message]:
-        return [m for i, g in enumerate(self.groups) if i in self.kept for m in g]
+    def items(self) -> list[Item]:
+        return [item for i, g in enumerate(self.groups) if i in self.kept for item in g]
 
 
 def _fits(size: int, budget: Budget) -> None:
     if size > budget.hard_budget:
-        derived = budget.window - budget.reserve - budget.margin
-        why = (f"window {budget.window} - completion reserve {budget.reserve} - safety margin {budget.margin}"
-               if budget.hard_budget == derived else "the configured token budget or this key's cap")
         raise ContextLengthExceeded(
             f"This request needs {size} input tokens after context management, but the budget is "
-            f"{budget.hard_budget} ({why}). The system messages, the current user turn and the last "
+            f"{budget.hard_budget} ({why(budget)}). The system messages, the current user turn and the last "
             "tool round cannot be dropped; shorten them or lower max_tokens.",
             param="messages",
         )

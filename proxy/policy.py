@@ -17,12 +17,12 @@ import orjson
 from pydantic import ValidationError
 
 from plugins.base import ContextManager
-from plugins.registry import Binding, BindingError
-from proxy.budget import DEFAULT_WINDOW, TrimmerParams
-from proxy.errors import ModelNotFound
-from proxy.modelinfo import ModelMap
+from plugins.registry import Binding
+from proxy.core.budget import DEFAULT_WINDOW, TrimmerParams
+from proxy.core.errors import BindingError, ModelNotFound, OverrideRejected
+from proxy.core.modelinfo import ModelMap
+from proxy.core.tokens import encoding_for
 from proxy.settings import Config, Tenant
-from proxy.tokens import encoding_for
 
 log = logging.getLogger("ctxproxy")
 
@@ -44,7 +44,6 @@ class ModelRoute:
     window: int
     max_output: int | None
     encoding: str
-    configured: bool
 
 
 @dataclass
@@ -63,6 +62,9 @@ class Policy:
     summarizer_model: str | None
     on_summarizer_error: str
     budget_cap: int | None = None
+    # with an override in effect: the base binding's (summary_threshold, hysteresis_ratio), so the
+    # effective summary threshold never rises above the one the policy gives
+    base_threshold: tuple[int, float] | None = None
     warnings: list[str] = field(default_factory=list)
 
     def describe(self) -> dict[str, Any]:
@@ -118,8 +120,10 @@ class Routes:
             window=window,
             max_output=max_output,
             encoding=encoding_for(upstream_model, m.tokenizer if m else None),
-            configured=m is not None,
         )
+
+    def fallback_window(self) -> int:
+        return DEFAULT_WINDOW
 
 
 def policy_for(config: Config, tenant: Tenant | None, model: str | None, override: str | None) -> Policy:
@@ -130,11 +134,17 @@ def policy_for(config: Config, tenant: Tenant | None, model: str | None, overrid
         raise ModelNotFound(f"The model {model!r} does not exist or you do not have access to it.", param="model")
     base = tenant.context_manager if tenant and tenant.context_manager else config.context_manager
     binding, budget_cap, warnings = base, None, []
+    base_threshold: tuple[int, float] | None = None
     if override:
         try:
             binding, budget_cap = _override(config, base, override, strict=bool(config.tenants))
         except OverrideRejected as exc:
-            warnings.append(f"x-ctxproxy-context-manager ignored: {_ascii(str(exc))}")
+            warnings.append(f"x-ctxproxy-context-manager ignored: {exc}")
+        else:
+            params = base.params.model_dump() if config.tenants else {}
+            if params:
+                base_threshold = (int(params.get("summary_threshold") or 0),
+                                  float(params.get("hysteresis_ratio", 0.1)))
     manager: ContextManager = binding.create()
     # an override never loosens the trimmer: the budget comes from the base binding's (capped by budget_cap)
     base_trimmer: TrimmerParams | None = getattr(base.params, "trimmer", None)
@@ -152,12 +162,9 @@ def policy_for(config: Config, tenant: Tenant | None, model: str | None, overrid
         summarizer_model=(ts.summarizer_model if ts and ts.summarizer_model else s.summarizer_model),
         on_summarizer_error=s.on_summarizer_error,
         budget_cap=budget_cap,
+        base_threshold=base_threshold,
         warnings=warnings,
     )
-
-
-class OverrideRejected(Exception):
-    pass
 
 
 def _override(config: Config, base: Binding, header: str, strict: bool) -> tuple[Binding, int | None]:
@@ -219,9 +226,11 @@ def _loosens(base: Binding, chosen: Binding) -> str | None:
         if key == "trimmer":
             if set(value or {}) - {"max_tokens"}:
                 return "only trimmer.max_tokens may be set per request"
+        elif key == "summary_threshold":
+            # 0 (or none) means the derived threshold, which is looser than any explicit one
+            if old.get(key) and (not value or value > old[key]):
+                return f"summary_threshold {value} is looser than {old[key]}"
         elif key in TIGHTENING:
-            if key == "summary_threshold" and not old.get(key):
-                continue
             if old.get(key) is not None and (value is None or value > old[key]):
                 return f"{key} {value} > {old[key]}"
         elif chosen.type == base.type and value != old.get(key):
@@ -234,7 +243,3 @@ def _loosens(base: Binding, chosen: Binding) -> str | None:
         return "the summariser cannot be changed per request"
     return None
 
-
-def _ascii(text: str) -> str:
-    """Header values must be latin-1; keep warnings plain ASCII."""
-    return text.encode("ascii", "replace").decode("ascii")[:300]

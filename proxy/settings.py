@@ -19,9 +19,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from plugins.registry import Binding, BindingError, Registry, default_registry
-from proxy.budget import TrimmerParams
-from proxy.errors import ConfigError
+from plugins.registry import Binding, Registry, default_registry
+from proxy.core.budget import TrimmerParams
+from proxy.core.errors import BindingError, ConfigError
 
 
 class Strict(BaseModel):
@@ -137,6 +137,45 @@ class TenantSettings(Strict):
         return keys
 
 
+# What tenants may reach through the relay with the operator's key. Listings and reads of stored objects
+# (stored chat completions, files, batches, vector stores, responses by id ...) are left out: the
+# operator's key would show one tenant everything the organisation stored.
+DEFAULT_RELAY_ALLOW = (
+    "POST /v1/embeddings",
+    "POST /v1/completions",
+    "POST /v1/moderations",
+    "POST /v1/audio/transcriptions",
+    "POST /v1/audio/translations",
+    "POST /v1/audio/speech",
+    "POST /v1/images/generations",
+    "POST /v1/images/edits",
+    "POST /v1/images/variations",
+    "POST /v1/responses",
+    "POST /v1/responses/compact",
+    "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
+)
+
+
+class RelaySettings(Strict):
+    allow: list[str] | None = Field(
+        None, description="With tenants: the 'METHOD /v1/path' entries (shell patterns: *) relayed with the "
+        "operator's key; omit for the default list (no stored-object listings). Without tenants every "
+        "/v1 path is relayed with the client's own credentials.")
+
+    @field_validator("allow")
+    @classmethod
+    def _entries(cls, allow: list[str] | None) -> list[str] | None:
+        for entry in allow or []:
+            method, _, path = entry.partition(" ")
+            if method.upper() not in ("GET", "POST", "PUT", "PATCH", "DELETE", "*") or not path.startswith("/v1/"):
+                raise ValueError(f"{entry!r}: expected 'METHOD /v1/path' (METHOD: GET, POST, PUT, PATCH, DELETE or *)")
+        return allow
+
+    def allowed(self) -> tuple[str, ...]:
+        return tuple(self.allow) if self.allow is not None else DEFAULT_RELAY_ALLOW
+
+
 class AdminSettings(Strict):
     keys: list[str] = Field(default_factory=list, description="Keys for /admin/* (plain or sha256:<hex>).")
 
@@ -161,6 +200,7 @@ class Settings(Strict):
     on_summarizer_error: Literal["serve", "fail"] = "serve"
     cache: CacheSettings = Field(default_factory=CacheSettings)
     tenants: list[TenantSettings] = Field(default_factory=list)
+    relay: RelaySettings = Field(default_factory=RelaySettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     logging: LoggingSettings = Field(default_factory=LoggingSettings)
 
@@ -356,4 +396,10 @@ def load_config(
     if problems or top is None:
         raise ConfigError(problems or ["context_manager: could not be resolved"])
     admin = frozenset(_key_hash(k) for k in settings.admin.keys)
+    for i, key in enumerate(settings.admin.keys):
+        if _key_hash(key) in keys:
+            problems.append(f"admin.keys[{i}]: the same key is also a tenant's key ({keys[_key_hash(key)].name!r}); "
+                            "an admin key must be separate")
+    if problems:
+        raise ConfigError(problems)
     return Config(settings, top, tenants, registry, name, keys, admin)

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import Field
 
 from plugins.base import ContextManager, HistoryResult, HistoryView, Params, window
-from proxy.budget import TrimmerParams
+from proxy.core.budget import TrimmerParams
 
 
 class SlidingWindowParams(Params):
@@ -28,6 +28,3 @@ class SlidingWindow(ContextManager):
     async def manage_history(self, view: HistoryView) -> HistoryResult:
         params: Any = self.params
         return window(view, params.keep_turns, params.cut_step)
-
-    def limits(self) -> dict[str, Any]:
-        return {"keep_turns": self.params.keep_turns}  # type: ignore[attr-defined]

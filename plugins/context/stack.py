@@ -8,8 +8,8 @@ from typing import Any
 from pydantic import Field
 
 from plugins.base import ContextManager, HistoryResult, HistoryView, Params, stable_cut
-from proxy.budget import TrimmerParams
-from proxy.messages import split_turns, tool_groups
+from proxy.core.bands import split_turns, tool_groups
+from proxy.core.budget import TrimmerParams
 
 
 class StackParams(Params):
@@ -29,8 +29,7 @@ class Stack(ContextManager):
     async def manage_history(self, view: HistoryView) -> HistoryResult:
         params: Any = self.params
         cap = params.max_messages
-        flat = [m for turn in view.turns for m in turn]
-        tokens = [t for turn in view.message_tokens for t in turn]
+        flat = [item for turn in view.turns for item in turn]
         if cap is None or len(flat) <= cap:
             return HistoryResult.unchanged(view)
         step = params.cut_step or max(1, math.ceil(cap / 4))
@@ -45,10 +44,6 @@ class Stack(ContextManager):
         kept = flat[cut:]
         return HistoryResult(
             turns=split_turns(kept),
-            turns_dropped=sum(1 for m in flat[:cut] if m.get("role") == "user"),
-            removed={"windowed": sum(tokens[:cut])},
+            turns_dropped=sum(1 for item in flat[:cut] if item.starts_turn),
+            removed={"windowed": sum(item.tokens for item in flat[:cut])},
         )
-
-    def limits(self) -> dict[str, Any]:
-        cap = self.params.max_messages  # type: ignore[attr-defined]
-        return {"max_messages": cap} if cap is not None else {}

@@ -26,8 +26,8 @@ from plugins.base import (
     SummaryUnavailable,
     window,
 )
-from proxy.budget import TrimmerParams
-from proxy.messages import Message
+from proxy.core.budget import TrimmerParams
+from proxy.core.items import Item
 
 
 class SummarisingParams(Params):
@@ -41,11 +41,12 @@ class SummarisingParams(Params):
     trimmer: TrimmerParams | None = None
 
 
-def summary_message(summary: CachedSummary) -> Message:
-    return {
-        "role": "system",
-        "content": f"[Conversation summary — {summary.covered_turns} earlier turns]\n{summary.text}",
-    }
+def summary_text(covered_turns: int, text: str) -> str:
+    """The text every wire renders as its summary item."""
+    return f"[Conversation summary — {covered_turns} earlier turns]\n{text}"
+
+
+WOULD_SUMMARISE = "[ctxproxy explain: a summary of these turns would be created here]"
 
 
 class Summarising(ContextManager):
@@ -65,19 +66,24 @@ class Summarising(ContextManager):
             return self._drop(view)
         scope = SummaryScope(services.tenant, self.summarizer.settings_id(services))
         found = await services.summaries.lookup(scope, view.chain)
-        if found is not None and view.payload_tokens(
-            found.covered_turns, self._summary_tokens(view, found)
-        ) <= budget.hard_budget:
-            return self._with(view, found, "reused")
+        if found is not None:
+            reused = self._with(view, found, "reused")
+            if reused.summary is not None and view.payload_tokens(
+                    found.covered_turns, reused.summary.tokens) <= budget.hard_budget:
+                return reused
         cut = self._cut(view, services.summary_tokens)
         if view.payload_tokens(cut, services.summary_tokens) > budget.hard_budget:
             return self._drop(view)  # not even a summary would fit: keep the recent turns, trim the rest
         if cut == 0 or (found is not None and cut <= found.covered_turns):
             return self._with(view, found, "reused") if found is not None else HistoryResult.unchanged(view)
+        if services.dry_run:
+            return self._would_create(view, cut, found)
         try:
-            made, fresh = await services.summaries.obtain(scope, view.chain, cut, view.turns, found, summarize)
+            made, fresh = await services.summaries.obtain(scope, view.chain, cut, view.turns, found, summarize,
+                                                          request_id=services.request_id)
         except SummaryUnavailable as exc:
-            return HistoryResult(turns=view.turns, summary_status="failed", notes=[str(exc)])
+            status = "pending" if exc.reason == "pending" else "failed"
+            return HistoryResult(turns=view.turns, summary_status=status, detail={"reason": exc.reason})
         return self._with(view, made, "created" if fresh else "reused")
 
     def _cut(self, view: HistoryView, summary_tokens: int) -> int:
@@ -92,26 +98,36 @@ class Summarising(ContextManager):
             cut += 1
         return cut
 
-    def _summary_tokens(self, view: HistoryView, summary: CachedSummary) -> int:
-        return view.counter.message(summary_message(summary))
-
     def _with(self, view: HistoryView, summary: CachedSummary, status: str) -> HistoryResult:
         k = summary.covered_turns
-        message = summary_message(summary)
+        item: Item = view.summary_item(summary_text(k, summary.text), k)
         replaced = sum(view.turn_tokens[:k])
         return HistoryResult(
             turns=view.turns[k:],
-            summary=message,
+            summary=item,
             turns_summarised=k,
             summary_status=status,
-            removed={"summarised": max(0, replaced - view.counter.message(message))},
+            removed={"summarised": max(0, replaced - item.tokens)},
+            detail={"turns": k, "tokens_replaced": replaced, "cached": True},
+        )
+
+    def _would_create(self, view: HistoryView, cut: int, found: CachedSummary | None) -> HistoryResult:
+        """Explain and ``assemble``: what a summary would replace, with a placeholder, and nobody billed."""
+        item: Item = view.summary_item(WOULD_SUMMARISE, cut)
+        replaced = sum(view.turn_tokens[:cut])
+        return HistoryResult(
+            turns=view.turns[cut:],
+            summary=item,
+            turns_summarised=cut,
+            summary_status="would_create",
+            removed={"summarised": max(0, replaced - view.services.summary_tokens)},
+            detail={"turns": cut, "tokens_replaced": replaced, "cached": False,
+                    "cached_prefix_turns": found.covered_turns if found is not None else 0,
+                    "summary_tokens_at_most": view.services.summary_tokens},
         )
 
     def _drop(self, view: HistoryView) -> HistoryResult:
         params: Any = self.params
         return window(view, params.keep_turns, params.cut_step)
-
-    def limits(self) -> dict[str, Any]:
-        return {"keep_turns": self.params.keep_turns}  # type: ignore[attr-defined]
 
 

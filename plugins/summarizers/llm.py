@@ -14,16 +14,13 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-import orjson
 from pydantic import Field
 
 from plugins.base import Completion, Params, Services, SummarizeFn, Summarizer, SummaryUnavailable
-from proxy.messages import Message, role_of
+from proxy.core.items import Item
 
-PROMPT_VERSION = "1"
-TOOL_RESULT_CHARS = 1500
+PROMPT_VERSION = "2"
 LABEL_TOKENS = 12  # "TOOL RESULT <id>: ", "TOOL CALL <id> name(" ... per rendered line
-ARGUMENT_CHARS = 600
 
 PROMPT = """You compress the earlier part of a conversation between a user and an AI assistant that uses tools.
 Write a summary that lets the assistant continue the conversation without the original turns.
@@ -60,19 +57,21 @@ class LLMSummarizer(Summarizer):
         model = self._model(services)
         prompt = params.instructions or PROMPT
         counter = services.counter
-        # room for one chunk: the window minus the prompt, the answer and a margin
-        room = max(2_000, int(services.summarizer_window * 0.8) - services.summary_tokens - 1_000)
+        # room for one chunk: the summariser model's own window minus the prompt, the answer and a margin
+        window = services.window_of(model) if services.window_of is not None else services.summarizer_window
+        room = max(1_000, int(window * 0.8) - services.summary_tokens - 1_000)
 
-        async def summarize(previous: str | None, turns: Sequence[Sequence[Message]]) -> Completion:
+        async def summarize(previous: str | None, turns: Sequence[Sequence[Item]]) -> Completion:
             # rendering and counting ~100k tokens of aged turns takes a while: keep it off the event loop
             count = counter.text if counter else _approx
-            chunks = await asyncio.to_thread(_render_chunks, turns, room, count, counter)
+            chunks = await asyncio.to_thread(_render_chunks, turns, room, count)
             if len(chunks) > services.summarizer_max_calls:
                 # bound the summariser work one request can cause: the oldest aged turns are dropped
                 chunks = chunks[-services.summarizer_max_calls:]
                 chunks[0].insert(0, "[Older turns were dropped without being summarised.]")
             running = previous
             prompt_tokens = completion_tokens = 0
+            upstream_model = ""
             for chunk in chunks:
                 body = ""
                 if running:
@@ -84,24 +83,24 @@ class LLMSummarizer(Summarizer):
                     max_tokens=services.summary_tokens,
                     timeout=services.summarizer_timeout,
                     purpose="summarize",
+                    request_id=services.request_id,
                 )
                 if not out.text.strip():
                     raise SummaryUnavailable("the summariser returned an empty answer")
                 running = _cap(out.text.strip(), services.summary_tokens, count)
                 prompt_tokens += out.prompt_tokens
                 completion_tokens += out.completion_tokens
-            return Completion(running or "", model, prompt_tokens, completion_tokens)
+                upstream_model = out.upstream_model
+            return Completion(running or "", model, prompt_tokens, completion_tokens, upstream_model)
 
         return summarize
 
 
-def _render_chunks(turns: Sequence[Sequence[Message]], room: int, count: Any, counter: Any) -> list[list[str]]:
+def _render_chunks(turns: Sequence[Sequence[Item]], room: int, count: Any) -> list[list[str]]:
     rendered = [render_turn(t) for t in turns]
-    if counter is None:
-        return _chunks(rendered, [count(r) for r in rendered], room, count)
     # A rendered turn never has more tokens than the turn itself (rendering only shortens) plus its
-    # line labels, and the turns' counts are already cached: no second pass of the tokenizer.
-    bounds = [sum(counter.messages(list(t))) + LABEL_TOKENS * len(t) for t in turns]
+    # line labels, and the items' counts are known: no second pass of the tokenizer.
+    bounds = [sum(item.tokens for item in t) + LABEL_TOKENS * max(1, len(t)) for t in turns]
     return _chunks(rendered, bounds, room, count)
 
 
@@ -134,50 +133,6 @@ def _chunks(rendered: list[str], sizes: list[int], room: int, count: Any) -> lis
     return chunks
 
 
-def _shorten(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]} […{len(text) - limit} chars…] {text[-half:]}"
-
-
-def _content(message: Message) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict):
-                continue
-            if part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            elif part.get("type") == "image_url":
-                parts.append("[image]")
-            else:
-                parts.append(f"[{part.get('type', 'part')}]")
-        return " ".join(parts)
-    return ""
-
-
-def render_turn(turn: Sequence[Message]) -> str:
-    """One turn as compact text for the summariser."""
-    lines = []
-    for message in turn:
-        role = role_of(message)
-        text = _content(message)
-        if role in ("tool", "function"):
-            ident = message.get("name") or message.get("tool_call_id") or ""
-            lines.append(f"TOOL RESULT {ident}: {_shorten(text, TOOL_RESULT_CHARS)}")
-            continue
-        if text:
-            lines.append(f"{role.upper()}: {text}")
-        calls = message.get("tool_calls")
-        if isinstance(calls, list):
-            for call in calls:
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict):
-                    args = fn.get("arguments")
-                    args = args if isinstance(args, str) else orjson.dumps(args).decode()
-                    lines.append(f"TOOL CALL {call.get('id', '')} {fn.get('name')}({_shorten(args, ARGUMENT_CHARS)})")
-    return "\n".join(lines)
+def render_turn(turn: Sequence[Item]) -> str:
+    """One turn as compact text for the summariser: every item as its wire describes it."""
+    return "\n".join(text for text in (item.describe() for item in turn) if text)

@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_WINDOW = 128_000
 DEFAULT_RESERVE = 4_096
+# With no max_tokens in the request, the completion reserve is the model's max output, but never more than
+# this share of the window: many models list a max output equal to their window, which left no input budget.
+RESERVE_WINDOW_SHARE = 0.25
 
 
 class TrimmerParams(BaseModel):
@@ -21,7 +24,7 @@ class TrimmerParams(BaseModel):
     )
     reserve_tokens: int | None = Field(
         None, ge=0, description="Completion reserve; default: the request's max_(completion_)tokens, "
-        "else the model's max output tokens."
+        "else the model's max output tokens capped at a quarter of the window."
     )
     safety_margin_ratio: float = Field(
         0.1, description="Fraction of the window held back for estimate error (clamped to [0, 0.5])."
@@ -55,6 +58,7 @@ class Budget:
     hard_budget: int
     threshold: int
     hysteresis_ratio: float
+    limited_by: str = "window"  # what set B: window (window - reserve - margin), budget (trimmer.max_tokens), cap (tenant)
 
     @property
     def step(self) -> int:
@@ -71,19 +75,44 @@ def compute_budget(
     tenant_cap: int | None,
     hysteresis_ratio: float = 0.1,
     summary_threshold: int = 0,
+    calibration: float = 1.0,
 ) -> Budget:
+    """B and T in the proxy's own token count.
+
+    ``calibration`` is the provider's count over the proxy's for this model (``proxy.store.calibration``):
+    B holds in the provider's count, so in the proxy's own count it is B / calibration.
+    """
     if trimmer.reserve_tokens is not None:
         reserve = trimmer.reserve_tokens
     elif request_max_tokens is not None:
         reserve = request_max_tokens
     else:
         reserve = model_max_output if model_max_output is not None else DEFAULT_RESERVE
+        reserve = min(reserve, int(window * RESERVE_WINDOW_SHARE))
     ratio = min(0.5, max(0.0, trimmer.safety_margin_ratio))
     margin = math.ceil(ratio * window)
-    hard = trimmer.max_tokens if trimmer.max_tokens is not None else window - reserve - margin
-    if tenant_cap is not None:
-        hard = min(hard, tenant_cap)
+    derived = window - reserve - margin
+    hard, limited_by = derived, "window"
+    if trimmer.max_tokens is not None:
+        hard, limited_by = trimmer.max_tokens, "budget"
+    if tenant_cap is not None and tenant_cap < hard:
+        hard, limited_by = tenant_cap, "cap"
+    if calibration > 0 and calibration != 1.0:
+        hard = int(hard / calibration)
     hard = max(0, hard)
     ratio_h = max(0.0, hysteresis_ratio)
     threshold = summary_threshold if summary_threshold > 0 else int(hard / (1 + ratio_h))
-    return Budget(window, reserve, margin, hard, min(threshold, hard), ratio_h)
+    return Budget(window, reserve, margin, hard, min(threshold, hard), ratio_h, limited_by)
+
+
+def why(budget: Budget) -> str:
+    """The real cause of the hard budget, in words, for a refusal message."""
+    if budget.limited_by == "budget":
+        return "the configured token budget (trimmer.max_tokens)"
+    if budget.limited_by == "cap":
+        return "this key's context cap (max_context_tokens)"
+    text = (f"window {budget.window} - completion reserve {budget.reserve} - safety margin {budget.margin}")
+    if budget.window - budget.reserve - budget.margin <= 0:
+        text += ": the completion reserve (the request's max_tokens, or the model's max output) leaves no room " \
+                "for input; lower max_tokens"
+    return text

@@ -1,16 +1,17 @@
-"""The one seam to providers: pooled aiohttp sessions, headers, timeouts and error mapping.
+"""OpenAI-compatible HTTP upstreams: pooled aiohttp sessions, headers, timeouts and error mapping.
 
-OpenAI-compatible upstreams get one pooled ``aiohttp.ClientSession`` per base
-URL. Every failure below HTTP becomes an ``UpstreamError`` (502 unreachable,
-504 timeout); an upstream 4xx/5xx becomes ``UpstreamStatus`` with an
-OpenAI-shaped body. The summariser's engine goes through the same routes.
+Upstreams get one pooled ``aiohttp.ClientSession`` per base URL. Every failure
+below HTTP becomes an ``UpstreamError`` (502 unreachable, 504 timeout); an
+upstream 4xx/5xx becomes ``UpstreamStatus`` with an OpenAI-shaped body. The
+upstream's own key never reaches a client: it is blanked out of error bodies and
+of answers, streamed or not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -19,19 +20,19 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from plugins.base import Completion
-from proxy.deadline import deadline
-from proxy.errors import (
+from proxy.core.deadline import deadline
+from proxy.core.errors import (
     UpstreamError,
     UpstreamStatus,
     UpstreamTimeout,
     UpstreamUnreachable,
     normalise_error_body,
 )
-from proxy.messages import Message
 from proxy.settings import ServerSettings, UpstreamSettings
+from proxy.upstream.base import Outgoing
 
 if TYPE_CHECKING:
-    from proxy.runtime import Runtime
+    from proxy.policy import ModelRoute
 
 log = logging.getLogger("ctxproxy")
 
@@ -160,46 +161,134 @@ async def read_error(response: aiohttp.ClientResponse, idle_timeout: float,
     except orjson.JSONDecodeError:
         payload = raw.decode("utf-8", "replace")
     return UpstreamStatus(response.status, normalise_error_body(response.status, payload),
-                          dict(response_headers(response.headers)))
+                          dict(response_headers(response.headers)), payload)
 
 
-class UpstreamEngine:
-    """The summariser's engine: a non-streaming chat call through the proxy's own routes."""
+class Redactor:
+    """Blanks a secret out of a byte stream, also when it is split across chunks.
 
-    def __init__(self, runtime: Runtime, pool: UpstreamPool) -> None:
-        self.runtime = runtime
+    Only a chunk's tail that could be the start of the secret is held back (usually nothing),
+    so streaming is not delayed.
+    """
+
+    def __init__(self, secret: str | None) -> None:
+        self.secret = secret.encode() if secret else b""
+        self._held = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self.secret:
+            return chunk
+        data = self._held + chunk
+        data = data.replace(self.secret, REDACTED)
+        keep = 0
+        for n in range(min(len(self.secret) - 1, len(data)), 0, -1):
+            if self.secret.startswith(data[-n:]):
+                keep = n
+                break
+        self._held = data[len(data) - keep:] if keep else b""
+        return data[: len(data) - keep] if keep else data
+
+    def flush(self) -> bytes:
+        held, self._held = self._held, b""
+        return held
+
+
+REDACTED = b"[redacted]"
+
+
+class HTTPAnswer:
+    """An aiohttp response as an ``Answer`` (``proxy.upstream.base``)."""
+
+    def __init__(self, response: aiohttp.ClientResponse, secret: str | None) -> None:
+        self.response = response
+        self.status = response.status
+        self.headers = response_headers(response.headers)
+        self.streaming = response.content_type == "text/event-stream"
+        self._secret = secret
+
+    async def chunks(self, idle_timeout: float) -> AsyncIterator[bytes]:
+        redactor = Redactor(self._secret)
+        while True:
+            try:
+                async with deadline(idle_timeout):
+                    chunk = await self.response.content.readany()
+            except asyncio.TimeoutError:
+                raise UpstreamTimeout(f"The upstream stream stalled for more than {idle_timeout:g}s.") from None
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError):
+                raise UpstreamUnreachable("The upstream closed the stream before it was complete.") from None
+            if not chunk:
+                tail = redactor.flush()
+                if tail:
+                    yield tail
+                return
+            out = redactor.feed(chunk)
+            if out:
+                yield out
+
+    async def read(self, idle_timeout: float) -> bytes:
+        try:
+            async with deadline(idle_timeout):
+                raw = await self.response.read()
+        except asyncio.TimeoutError:
+            self.response.close()
+            raise UpstreamTimeout("The upstream stalled while sending its answer.") from None
+        except aiohttp.ClientError:
+            self.response.close()
+            raise UpstreamUnreachable("The upstream closed the connection before its answer was complete.") from None
+        finally:
+            self.response.release()
+        if self._secret and self._secret.encode() in raw:
+            raw = raw.replace(self._secret.encode(), REDACTED)
+        return raw
+
+    def close(self, clean: bool) -> None:
+        if clean:
+            self.response.release()
+        else:
+            self.response.close()
+
+
+class HTTPProvider:
+    """An OpenAI-compatible HTTP API (``api: openai``) as a ``Provider``."""
+
+    def __init__(self, upstream: UpstreamSettings, pool: UpstreamPool, *, forward_client_auth: bool) -> None:
+        self.upstream = upstream
         self.pool = pool
+        self.forward_client_auth = forward_client_auth
+
+    def url(self, path: str) -> str:
+        return self.upstream.base_url + path
+
+    async def send(self, route: ModelRoute, call: Outgoing) -> HTTPAnswer:
+        headers = upstream_headers(call.client_headers, self.upstream, forward_client_auth=self.forward_client_auth,
+                                   request_id=call.request_id)
+        headers["Content-Type"] = "application/json"
+        response = await open_request(self.pool.session(self.upstream), "POST", self.url(call.path), data=call.data,
+                                      headers=headers, first_byte_timeout=self.pool.server.first_byte_timeout)
+        if response.status >= 400:
+            raise await read_error(response, self.pool.server.idle_timeout, self.upstream.api_key)
+        return HTTPAnswer(response, self.upstream.api_key)
 
     async def complete(
-        self, model: str, messages: list[Message], *, max_tokens: int, timeout: float, purpose: str
+        self, route: ModelRoute, messages: list[dict[str, Any]], *, max_tokens: int, timeout: float,
+        request_id: str,
     ) -> Completion:
-        route = self.runtime.route(model)
         body: dict[str, Any] = {"model": route.upstream_model, "messages": messages, "max_tokens": max_tokens,
                                 "temperature": 0}
-        if route.provider == "litellm":
-            from proxy.litellm_route import complete_once
-
-            upstream = self.runtime.config.settings.upstreams.get(route.upstream)
-            return await asyncio.wait_for(complete_once(route, body, upstream), timeout=timeout)
-        upstream = self.runtime.config.settings.upstreams[route.upstream]
-        headers = upstream_headers({"Content-Type": "application/json", "x-ctxproxy-purpose": purpose}, upstream,
-                                   forward_client_auth=False, request_id=f"ctxproxy-{purpose}")
-        headers["x-ctxproxy-purpose"] = purpose
-        session = self.pool.session(upstream)
-
-        async def call() -> Completion:
-            response = await open_request(session, "POST", upstream.base_url + "/chat/completions",
-                                          data=orjson.dumps(body), headers=headers, first_byte_timeout=timeout)
-            if response.status >= 400:
-                raise await read_error(response, timeout)
-            async with response:
-                payload = orjson.loads(await response.read())
-            return completion_from(payload, route.name)
-
-        return await asyncio.wait_for(call(), timeout=timeout)
+        headers = upstream_headers({"Content-Type": "application/json"}, self.upstream, forward_client_auth=False,
+                                   request_id=request_id)
+        headers["x-ctxproxy-purpose"] = "summarize"
+        response = await open_request(self.pool.session(self.upstream), "POST", self.url("/chat/completions"),
+                                      data=orjson.dumps(body), headers=headers, first_byte_timeout=timeout)
+        if response.status >= 400:
+            raise await read_error(response, timeout, self.upstream.api_key)
+        async with response:
+            payload = orjson.loads(await response.read())
+        return completion_from(payload, route)
 
 
-def completion_from(payload: Any, model: str) -> Completion:
+def completion_from(payload: Any, route: ModelRoute) -> Completion:
+    """A Chat Completions answer as the summariser's ``Completion`` (priced on the upstream model)."""
     text = ""
     try:
         content = payload["choices"][0]["message"].get("content")
@@ -208,4 +297,9 @@ def completion_from(payload: Any, model: str) -> Completion:
         text = ""
     usage = payload.get("usage") if isinstance(payload, dict) else None
     usage = usage if isinstance(usage, dict) else {}
-    return Completion(text, model, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+    return Completion(text, route.name, _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")),
+                      route.upstream_model)
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -1,6 +1,6 @@
 """One structured JSON line per request (logger ``ctxproxy.requests``).
 
-Fields: request id, tenant, model, status, tokens in/out, what was removed and
+Fields: request id, wire, tenant, model, status, tokens in/out, what was removed and
 how, summary status, repairs, overhead and upstream latency. Keys and prompt
 text are never part of a record.
 """
@@ -22,6 +22,8 @@ log = logging.getLogger("ctxproxy.requests")
 class RequestRecord:
     request_id: str
     started: float
+    wire: str = "chat"
+    event: str = "request"
     tenant: str = "default"
     model: str | None = None
     status: int = 0
@@ -34,8 +36,9 @@ class RequestRecord:
 
     def fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "event": "request",
+            "event": self.event,
             "request_id": self.request_id,
+            "wire": self.wire,
             "tenant": self.tenant,
             "model": self.model[:200] if self.model else None,
             "status": self.status,

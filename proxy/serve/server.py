@@ -11,11 +11,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from proxy.settings import Config
+
+if TYPE_CHECKING:
+    from proxy.serve.state import State
 
 log = logging.getLogger("ctxproxy")
 
@@ -45,7 +48,8 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None, w
 
 
 async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> None:
-    from proxy.app import STATE, create_app
+    from proxy.serve.app import create_app
+    from proxy.serve.state import STATE
 
     app = create_app(config, config_path=None if config.source == "<memory>" else config.source)
     state = app[STATE]
@@ -73,7 +77,7 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> Non
     log.info("stopped")
 
 
-def _warm_up(state: Any) -> None:
+def _warm_up(state: State) -> None:
     state.shared.tokenizers.get("o200k_base")
     state.shared.model_map.get("gpt-4o")
     # Everything loaded so far (modules, config, litellm's model map: ~10^5 objects) lives as long as

@@ -1,4 +1,4 @@
-"""Model routes with ``provider: litellm``: ``litellm.acompletion`` translated back to OpenAI's shapes.
+"""Model routes with ``provider: litellm``: a ``Provider`` over ``litellm.acompletion``, in OpenAI's shapes.
 
 litellm is imported on first use only (its import costs seconds and ~150 MB),
 with its local model map so nothing is fetched at run time.
@@ -6,22 +6,28 @@ with its local model map so nothing is fetched at run time.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import os
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from multidict import CIMultiDict
 
 from plugins.base import Completion
-from proxy.errors import (
+from proxy.core.deadline import deadline
+from proxy.core.errors import (
+    BadRequest,
     CtxProxyError,
     UpstreamStatus,
     UpstreamTimeout,
     UpstreamUnreachable,
     normalise_error_body,
 )
+from proxy.core.modelinfo import offline_environment
 from proxy.settings import UpstreamSettings
+from proxy.upstream.base import Outgoing
+from proxy.upstream.http import completion_from
 
 if TYPE_CHECKING:
     from proxy.policy import ModelRoute
@@ -31,8 +37,7 @@ log = logging.getLogger("ctxproxy")
 
 
 def _litellm() -> Any:
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    os.environ.setdefault("LITELLM_TELEMETRY", "False")
+    offline_environment()
     import litellm
 
     litellm.telemetry = False
@@ -107,13 +112,57 @@ async def open_stream(
     return events()
 
 
-async def complete_once(route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None) -> Completion:
-    """One summariser call through litellm."""
-    out = await chat(route, body, upstream)
-    text = ""
-    try:
-        text = out["choices"][0]["message"].get("content") or ""
-    except (KeyError, IndexError, TypeError):
-        text = ""
-    usage = out.get("usage") or {}
-    return Completion(text, route.name, int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+class LiteLLMAnswer:
+    """A litellm result as an ``Answer``: a JSON body, or SSE events as litellm yields them."""
+
+    def __init__(self, body: bytes | None = None, events: AsyncIterator[bytes] | None = None) -> None:
+        self.status = 200
+        self.streaming = events is not None
+        self.headers: CIMultiDict[str] = CIMultiDict(
+            {"Content-Type": "text/event-stream" if self.streaming else "application/json"})
+        self._body = body or b""
+        self._events = events
+
+    async def chunks(self, idle_timeout: float) -> AsyncIterator[bytes]:
+        if self._events is None:
+            yield self._body
+            return
+        iterator = self._events.__aiter__()
+        while True:
+            try:
+                async with deadline(idle_timeout):
+                    event = await iterator.__anext__()
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise UpstreamTimeout(f"The upstream stream stalled for more than {idle_timeout:g}s.") from None
+            yield event
+
+    async def read(self, idle_timeout: float) -> bytes:
+        return self._body
+
+    def close(self, clean: bool) -> None:
+        """Nothing to release: litellm's stream closes its connection when its generator is collected."""
+
+
+class LiteLLMProvider:
+    """Any provider through litellm (``provider: litellm`` routes); the Chat Completions wire."""
+
+    def __init__(self, upstream: UpstreamSettings | None) -> None:
+        self.upstream = upstream
+
+    async def send(self, route: ModelRoute, call: Outgoing) -> LiteLLMAnswer:
+        if call.wire != "chat":
+            raise BadRequest(f"The model {route.name!r} is served through litellm, which this proxy offers on "
+                             "the Chat Completions wire only.", param="model", code="unsupported_wire")
+        if call.stream:
+            return LiteLLMAnswer(events=await open_stream(route, call.body, self.upstream))
+        return LiteLLMAnswer(body=orjson.dumps(await chat(route, call.body, self.upstream)))
+
+    async def complete(
+        self, route: ModelRoute, messages: list[dict[str, Any]], *, max_tokens: int, timeout: float,
+        request_id: str,
+    ) -> Completion:
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        out = await asyncio.wait_for(chat(route, body, self.upstream), timeout=timeout)
+        return completion_from(out, route)

@@ -10,6 +10,7 @@
     │   └── OutputLimitExceeded        code=max_tokens_exceeded (tenant policy: refuse)
     ├── BodyTooLarge (413)             code=request_too_large
     ├── AuthenticationError (401)      code=invalid_api_key
+    ├── PermissionDenied (403)         code=not_allowed (a relayed path a tenant may not use)
     ├── ModelNotFound (404)            code=model_not_found
     ├── NotFound (404)                 code=not_found
     └── UpstreamError                  the provider side
@@ -18,9 +19,15 @@
         ├── SummarizerFailed (502)     code=summarizer_failed (on_summarizer_error: fail)
         └── UpstreamStatus (relayed)   the provider's status and normalised body
 
-    ConfigError                        startup / validate only, never sent to a client
+    InternalError                      never sent to a client as such
+    ├── ConfigError                    startup / validate / reload: one line per problem
+    ├── BindingError                   a plugin binding that cannot be resolved
+    ├── OverrideRejected               a per-request override ignored (a warning header says why)
+    ├── SummaryUnavailable             the summariser failed or is backing off (the trimmer serves)
+    └── CacheBackendError              a cache backend failed (SafeCache turns it into "no cache")
 
-``to_openai`` is the only place an error becomes a response body.
+``to_openai`` gives an error's OpenAI-shaped body; a wire adapter renders it in its
+own shape (``proxy.wire``), so every body a client sees comes from this tree.
 """
 
 from __future__ import annotations
@@ -82,6 +89,12 @@ class AuthenticationError(CtxProxyError):
     code = "invalid_api_key"
 
 
+class PermissionDenied(CtxProxyError):
+    status = 403
+    type = "permission_error"
+    code = "not_allowed"
+
+
 class ModelNotFound(CtxProxyError):
     status = 404
     type = "invalid_request_error"
@@ -116,24 +129,54 @@ class SummarizerFailed(UpstreamError):
 class UpstreamStatus(UpstreamError):
     """An upstream 4xx/5xx, relayed with its status and an OpenAI-shaped body."""
 
-    def __init__(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None,
+                 raw: Any = None) -> None:
         err = body.get("error")
         message = err.get("message") if isinstance(err, dict) else None
         super().__init__(str(message or f"upstream answered {status}"))
         self.status = status
         self.body = body
         self.headers = headers or {}
+        self.raw = raw  # the upstream's own parsed body (a wire relays it as is when it is in its shape)
 
     def to_openai(self) -> dict[str, Any]:
         return self.body
 
 
-class ConfigError(Exception):
+class InternalError(Exception):
+    """Base of the errors that are handled inside the proxy and never reach a client as such."""
+
+
+class ConfigError(InternalError):
     """An invalid configuration: one line per problem, each naming its key path."""
 
     def __init__(self, problems: list[str]) -> None:
         super().__init__("\n".join(problems))
         self.problems = problems
+
+
+class BindingError(InternalError):
+    """A binding that cannot be resolved; ``problems`` are (key path, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        super().__init__("; ".join(f"{p}: {m}" if p else m for p, m in problems))
+        self.problems = problems
+
+
+class OverrideRejected(InternalError):
+    """A per-request ``x-ctxproxy-context-manager`` override that is ignored (and why)."""
+
+
+class SummaryUnavailable(InternalError):
+    """The summariser failed (error, timeout, empty answer) or is backing off; ``reason`` is a metric label."""
+
+    def __init__(self, message: str, reason: str = "error") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class CacheBackendError(InternalError):
+    """A cache backend could not complete an operation (I/O error, corrupt data, backend down)."""
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

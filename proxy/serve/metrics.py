@@ -29,6 +29,7 @@ series, so a process keeps one instance and calls ``set_labels`` on reload.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterable
@@ -38,18 +39,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client import values as prom_values
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from proxy.core.pairing import REPAIR_KINDS
+from proxy.pipeline import REMOVED_HOW, SUMMARY_STATUSES
+from proxy.upstream.engine import FAILURE_REASONS
+
 if TYPE_CHECKING:
     from plugins.base import Completion
-    from proxy.modelinfo import ModelMap
+    from proxy.core.modelinfo import ModelMap
     from proxy.pipeline import Report
+    from proxy.policy import ModelRoute
+
+log = logging.getLogger("ctxproxy")
 
 OTHER = "other"
-REMOVED_HOW = frozenset({"summarised", "windowed", "trimmed", "wm_capped"})
-SUMMARY_RESULTS = frozenset({"created", "reused", "failed"})
-REPAIR_KINDS = frozenset({
-    "orphan_result", "duplicate_result", "moved_result", "missing_result", "unanswered_calls", "empty_assistant",
-})
-CACHE_OPERATIONS = frozenset({"get", "set", "lock", "ping"})
+SUMMARY_RESULTS = SUMMARY_STATUSES - {"none"}
+WIRES = frozenset({"chat", "responses", "messages"})
+CACHE_OPERATIONS = frozenset({"get", "set", "lock", "unlock", "renew", "ping"})
 ERROR_CODE = re.compile(r"[a-z_]{1,40}")
 MAX_ERROR_CODES = 50
 
@@ -77,6 +82,7 @@ class Metrics:
         self._tenants: frozenset[str] = frozenset()
         self._models: frozenset[str] = frozenset()
         self._error_codes: set[str] = set()
+        self._unpriced_logged: set[str] = set()
         self.set_labels(tenants, models)
 
         def counter(name: str, doc: str, labels: tuple[str, ...]) -> Counter:
@@ -85,11 +91,17 @@ class Metrics:
         def histogram(name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, labels, registry=self.registry, buckets=buckets)
 
-        self.requests = counter("ctxproxy_requests", "Chat-completions requests by HTTP status.", (*TM, "status"))
+        self.requests = counter("ctxproxy_requests", "Managed requests by wire and HTTP status.",
+                                (*TM, "wire", "status"))
         self.tokens_received = counter("ctxproxy_tokens_received", "Prompt tokens the clients sent.", TM)
         self.tokens_forwarded = counter("ctxproxy_tokens_forwarded", "Prompt tokens forwarded upstream.", TM)
         self.tokens_removed = counter("ctxproxy_tokens_removed", "Prompt tokens removed, by how.", (*TM, "how"))
         self.summaries = counter("ctxproxy_summaries", "Requests that used a summary, by result.", ("tenant", "result"))
+        self.summarizer_failures = counter(
+            "ctxproxy_summarizer_failures", "Summariser calls that failed, by reason.", ("tenant", "reason"))
+        self.unpriced = counter(
+            "ctxproxy_unpriced_model", "Cost figures skipped: the model has no price in litellm's map or the config.",
+            ("model",))
         self.summarizer_tokens = counter(
             "ctxproxy_summarizer_tokens", "Tokens spent by the summariser.", (*TM, "kind"))
         self.summarizer_cost = counter(
@@ -133,20 +145,34 @@ class Metrics:
     # -- events ---------------------------------------------------------------------------------------
 
     def summary_call(self, tenant: str, completion: Completion) -> None:
-        """One summariser call (Observer)."""
+        """One summariser call, priced on the model the provider ran (not the alias it was routed by)."""
         t, m = self.tenant_label(tenant), self.model_label(completion.model)
         self.summarizer_tokens.labels(t, m, "prompt").inc(max(0, completion.prompt_tokens))
         self.summarizer_tokens.labels(t, m, "completion").inc(max(0, completion.completion_tokens))
-        cost = self.model_map.cost(completion.model, completion.prompt_tokens, completion.completion_tokens)
-        self.summarizer_cost.labels(t, m).inc(max(0.0, cost))
+        cost = self.model_map.cost(completion.priced_model, completion.prompt_tokens, completion.completion_tokens)
+        if cost is None:
+            self._unpriced(completion.priced_model)
+        else:
+            self.summarizer_cost.labels(t, m).inc(max(0.0, cost))
+
+    def summary_failed(self, tenant: str, reason: str) -> None:
+        self.summarizer_failures.labels(self.tenant_label(tenant), reason if reason in FAILURE_REASONS else OTHER).inc()
+
+    def _unpriced(self, model: str) -> None:
+        label = self.model_label(model)
+        if model not in self._unpriced_logged and len(self._unpriced_logged) < 1000:
+            self._unpriced_logged.add(model)
+            log.warning("model %r has no price in litellm's map or the config: its cost figures are not counted "
+                        "(set models[].input_cost_per_token / output_cost_per_token)", model[:100])
+        self.unpriced.labels(label).inc()
 
     def cache_error(self, operation: str, exc: BaseException) -> None:
         """One summary-cache error (Observer); the exception is not recorded."""
         self.cache_errors.labels(operation if operation in CACHE_OPERATIONS else OTHER).inc()
 
-    def assembled(self, tenant: str, model: str, report: Report) -> None:
-        """What the pipeline did to one request."""
-        t, m = self.tenant_label(tenant), self.model_label(model)
+    def assembled(self, tenant: str, route: ModelRoute, report: Report) -> None:
+        """What the pipeline did to one request; savings priced on the route's upstream model."""
+        t, m = self.tenant_label(tenant), self.model_label(route.name)
         self.tokens_received.labels(t, m).inc(max(0, report.tokens_before))
         self.tokens_forwarded.labels(t, m).inc(max(0, report.tokens_after))
         removed = 0
@@ -160,7 +186,11 @@ class Metrics:
             if n > 0:
                 self.repairs.labels(kind if kind in REPAIR_KINDS else OTHER).inc(n)
         if removed:
-            self.savings.labels(t, m).inc(removed * self.model_map.input_price(model))
+            price = self.model_map.input_price(route.upstream_model)
+            if price is None:
+                self._unpriced(route.upstream_model)
+            else:
+                self.savings.labels(t, m).inc(removed * price)
 
     def finished(
         self,
@@ -172,10 +202,11 @@ class Metrics:
         upstream: float | None,
         ttft: float | None,
         usage: dict[str, Any] | None,
+        wire: str = "chat",
     ) -> None:
         """One finished request: status, timings, and the provider's usage block if any."""
         t, m = self.tenant_label(tenant), self.model_label(model)
-        self.requests.labels(t, m, str(status) if 100 <= status <= 599 else OTHER).inc()
+        self.requests.labels(t, m, wire if wire in WIRES else OTHER, str(status) if 100 <= status <= 599 else OTHER).inc()
         if overhead is not None:
             self.overhead.observe(max(0.0, overhead))
         if upstream is not None:

@@ -1,0 +1,92 @@
+"""Bands, turns and tool groups over neutral items (DESIGN §2).
+
+system band | committed history | current user turn | in-turn working memory.
+A turn starts at a user item; items before the first one form a preamble turn.
+A tool group is a call item (or, on wires that merge them, a run of call items)
+with the results right after it; groups are atomic for trimming and caps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from proxy.core.items import NO_GROUP, SYSTEM, USER, Item
+
+
+@dataclass
+class Bands:
+    """system band | committed history | current user turn | in-turn working memory."""
+
+    system: list[Item]
+    history: list[Item]
+    current: Item | None
+    working_memory: list[Item] = field(default_factory=list)
+
+    def flatten(self, summary: Item | None = None) -> list[Item]:
+        out = list(self.system)
+        if summary is not None:
+            out.append(summary)
+        out.extend(self.history)
+        if self.current is not None:
+            out.append(self.current)
+        out.extend(self.working_memory)
+        return out
+
+
+def split_bands(items: list[Item]) -> Bands:
+    """Split a (repaired) item list into its four bands."""
+    n = len(items)
+    start = 0
+    while start < n and items[start].role == SYSTEM:
+        start += 1
+    last_user = -1
+    for i in range(n - 1, start - 1, -1):
+        if items[i].role == USER:
+            last_user = i
+            break
+    if last_user < 0:
+        return Bands(items[:start], [], None, items[start:])
+    return Bands(items[:start], items[start:last_user], items[last_user], items[last_user + 1 :])
+
+
+def split_turns(history: list[Item]) -> list[list[Item]]:
+    """A turn starts at a user item; anything before the first one is a preamble turn."""
+    turns: list[list[Item]] = []
+    current: list[Item] | None = None
+    for item in history:
+        if current is None or item.role == USER:
+            current = [item]
+            turns.append(current)
+        else:
+            current.append(item)
+    return turns
+
+
+def assign_groups(items: list[Item], merge_call_runs: bool) -> None:
+    """Number the atomic groups of a paired list: a call item (or a run of them) with its results."""
+    group = 0
+    open_call = False  # the current group is a call group still taking results (or further calls)
+    previous_was_call = False
+    for item in items:
+        if item.result_id is not None and open_call:
+            previous_was_call = False
+        elif item.call_ids and merge_call_runs and previous_was_call:
+            pass
+        else:
+            group += 1
+            open_call = bool(item.call_ids)
+            previous_was_call = open_call
+        item.group = group
+
+
+def tool_groups(items: list[Item]) -> list[list[Item]]:
+    """Atomic units for trimming, in order (an item without a group is a group of its own)."""
+    groups: list[list[Item]] = []
+    last = NO_GROUP
+    for item in items:
+        if item.group != NO_GROUP and item.group == last and groups:
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+        last = item.group
+    return groups

@@ -1,0 +1,61 @@
+"""A parsed request, wire-neutral, and the contract a wire adapter fulfils (DESIGN §7).
+
+A wire adapter (``proxy.wire.chat``, ``.responses``, ``.anthropic``) turns a request
+body into a ``Conversation`` (``parse``) and the managed items back into a body of
+the same wire (``render``). Everything the pipeline needs from a wire beyond that
+is here too: the two pairing edits, the summary item, and the output-limit fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from proxy.core.items import Item
+from proxy.core.tokens import TokenCounter
+
+
+@dataclass
+class Conversation:
+    """A request body as neutral items, plus what counts toward the budget outside them.
+
+    ``fixed_tokens``: reply priming, tool schemas and pinned body fields that are not items
+    (Responses ``instructions``, Anthropic ``system``). ``paired``: the wire already knows
+    pairing is valid (its fast scan), so the repair pass can be skipped. ``notes``: warnings
+    the wire raised while parsing (e.g. provider-held state the proxy cannot see).
+    """
+
+    items: list[Item]
+    fixed_tokens: int
+    paired: bool | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class WireAdapter(Protocol):
+    """One wire protocol: parse a body into items, render items back into a body of the same wire."""
+
+    name: str  # the bounded ``wire`` label: chat | responses | messages
+    field: str  # the body field that holds the conversation (for error params and explain)
+    merge_call_runs: bool  # consecutive call items form one tool group (their results follow the run)
+    output_fields: tuple[str, ...]  # the body's output-limit fields, in order of precedence
+
+    def parse(self, body: dict[str, Any], counter: TokenCounter) -> Conversation:
+        """Validate ``body`` (raise PayloadError/BadRequest) and return its items, counted."""
+
+    def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
+        """The body to forward: ``body`` with its conversation replaced by ``items`` and ``changes`` applied."""
+
+    def count(self, item: Item, counter: TokenCounter) -> None:
+        """Set ``item.key`` and ``item.tokens`` (items the wire made itself: placeholders, edited calls)."""
+
+    def summary(self, text: str, covered_turns: int, counter: TokenCounter) -> Item:
+        """The summary of older turns as this wire's own item, counted."""
+
+    def without_calls(self, item: Item) -> Item | None:
+        """``item`` with its calls removed (None: nothing worth keeping is left)."""
+
+    def placeholder(self, call: Item, call_id: str) -> Item | None:
+        """An explicit "no result was recorded" result for ``call_id`` (None: this kind of call has none)."""
+
+    def output_field(self, upstream_model: str) -> str:
+        """The field to add when a tenant's output cap applies and the request sets none."""

@@ -1,0 +1,111 @@
+"""The wire-neutral conversation: items, their roles, and the ids that pair calls with results.
+
+A wire adapter (``proxy.wire``) parses a request body into a list of ``Item`` and
+renders the managed list back. Everything between (bands, pairing, budget, the
+context managers, the summary cache) works on items and never on a wire's JSON.
+
+An item keeps a reference to the client's own JSON for it (``raw``): a Chat
+Completions message, a Responses input item (with the reasoning items that precede
+it), an Anthropic message or content block. An item the pipeline keeps unchanged is
+rendered from that object, so fields the proxy does not interpret (unknown keys,
+encrypted content, cache markers, signatures) are forwarded byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
+
+SYSTEM = "system"
+USER = "user"
+ASSISTANT = "assistant"
+TOOL = "tool"  # a result: answers a call by its id
+OTHER = "other"  # anything else a wire carries in the conversation (kept in place, never a turn start)
+
+NO_GROUP = -1
+
+
+class Item:
+    """One unit of a conversation.
+
+    ``role``: system, user (a turn starts here), assistant, tool (a result), other.
+    ``call_ids``: the ids of the calls this item makes; ``result_id``: the call it answers.
+    ``source``: the index of the client's top-level element it came from (a message or an
+    input item); items a wire splits out of one element share it. ``pinned``: never dropped
+    or summarised away. ``key``/``tokens``: content key and token count, set by the wire.
+    ``group``: items with the same group are one atomic tool group (set after pairing repair).
+    """
+
+    __slots__ = ("call_ids", "group", "key", "pinned", "raw", "result_id", "role", "source", "tokens")
+
+    def __init__(
+        self,
+        raw: Any,
+        role: str,
+        *,
+        call_ids: tuple[str, ...] = (),
+        result_id: str | None = None,
+        source: int = -1,
+        pinned: bool = False,
+        key: int = 0,
+        tokens: int = 0,
+    ) -> None:
+        self.raw = raw
+        self.role = role
+        self.call_ids = call_ids
+        self.result_id = result_id
+        self.source = source
+        self.pinned = pinned
+        self.key = key
+        self.tokens = tokens
+        self.group = NO_GROUP
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.role}, calls={self.call_ids}, result={self.result_id}, src={self.source})"
+
+    @property
+    def starts_turn(self) -> bool:
+        return self.role == USER
+
+    def describe(self) -> str:
+        """The item as compact text for the summariser (calls, results, refusals, media placeholders)."""
+        return ""
+
+    def atoms(self) -> Iterator[tuple[str, ...]]:
+        """The item's meaning, wire-neutral: ``(kind, field, ...)`` tuples.
+
+        Kinds: ``("text", role, text)``, ``("call", id, name, arguments)``,
+        ``("result", id, output)``, ``("media", role, digest)``. The same conversation yields the
+        same atoms on every wire, so summary cache keys do not depend on the wire it came on.
+        """
+        return iter(())
+
+
+class ItemFactory(Protocol):
+    """What a wire lends the neutral pairing repair: the two edits it may need."""
+
+    def without_calls(self, item: Item) -> Item | None:
+        """``item`` with its calls removed (None: nothing worth keeping is left)."""
+
+    def placeholder(self, call: Item, call_id: str) -> Item | None:
+        """An explicit "no result was recorded" result for ``call_id`` (None: this kind of call has none)."""
+
+
+def turn_digest(link: bytes, items: Iterable[Item]) -> bytes:
+    """The next link of a chained hash: ``link`` plus every atom of ``items`` (stable across hosts)."""
+    h = hashlib.blake2b(link, digest_size=16)
+    for item in items:
+        for atom in item.atoms():
+            for part in atom:
+                h.update(part.encode("utf-8", "surrogatepass"))
+                h.update(b"\x1f")
+            h.update(b"\x1e")
+    return h.digest()
+
+
+def media_digest(data: str) -> str:
+    """A short digest of an image/audio/file reference (a data URL's payload, a URL or a file id)."""
+    if data.startswith("data:") and "," in data:
+        data = data.split(",", 1)[1]
+    return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()

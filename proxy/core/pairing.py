@@ -1,0 +1,170 @@
+"""The pairing pass and the pairing check over neutral items (DESIGN §5).
+
+``repair`` makes every call have exactly one result, right after its call item
+(or, on wires that merge them, right after its run of call items), counting
+each repair by kind. ``check`` is the proxy's ProviderPayloadError for pairing:
+whatever is still unpaired is refused, never forwarded. Pairing works group by
+group, so the same id may appear in two different groups.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.core.errors import PayloadError
+from proxy.core.items import Item, ItemFactory
+
+PLACEHOLDER = "[ctxproxy: no result was recorded for this tool call]"
+
+# Repair kinds, as counted in reports, headers and metrics (the one list of them).
+ORPHAN = "orphan_result"
+DUPLICATE = "duplicate_result"
+MOVED = "moved_result"
+PLACEHOLDER_FILLED = "missing_result"
+CALLS_DROPPED = "unanswered_calls"
+EMPTY_DROPPED = "empty_assistant"
+REPAIR_KINDS = frozenset({ORPHAN, DUPLICATE, MOVED, PLACEHOLDER_FILLED, CALLS_DROPPED, EMPTY_DROPPED})
+
+
+@dataclass
+class _Group:
+    calls: list[Item]
+    ids: list[str]
+    results: dict[str, Item] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    taking_calls: bool = True  # no result yet: a merged run may still grow
+
+
+def repair(items: list[Item], factory: ItemFactory, merge_call_runs: bool = False) -> tuple[list[Item], Counter[str]]:
+    """Return the repaired list (the same list object when nothing changed) and repairs by kind."""
+    repairs: Counter[str] = Counter()
+    out_items: list[Item | _Group] = []
+    open_by_id: dict[str, _Group] = {}
+    answered: set[str] = set()
+    last: _Group | None = None  # the group the previous kept item belongs to
+    for item in items:
+        if item.call_ids:
+            if merge_call_runs and last is not None and last.taking_calls:
+                group = last
+                group.calls.append(item)
+                group.ids.extend(item.call_ids)
+            else:
+                group = _Group([item], list(item.call_ids))
+                out_items.append(group)
+            for cid in item.call_ids:
+                open_by_id[cid] = group
+                answered.discard(cid)
+            last = group
+            continue
+        if item.result_id is not None:
+            owner = open_by_id.get(item.result_id)
+            if owner is None:
+                repairs[DUPLICATE if item.result_id in answered else ORPHAN] += 1
+                continue
+            if owner is not last:
+                repairs[MOVED] += 1
+            owner.results[item.result_id] = item
+            owner.order.append(item.result_id)
+            owner.taking_calls = False
+            del open_by_id[item.result_id]
+            answered.add(item.result_id)
+            continue
+        out_items.append(item)
+        last = None
+
+    changed = bool(repairs)
+    out: list[Item] = []
+    for entry in out_items:
+        if not isinstance(entry, _Group):
+            out.append(entry)
+            continue
+        if not entry.results:
+            for call in entry.calls:
+                repairs[CALLS_DROPPED] += 1
+                changed = True
+                stripped = factory.without_calls(call)
+                if stripped is not None:
+                    out.append(stripped)
+                else:
+                    repairs[EMPTY_DROPPED] += 1
+            continue
+        seen = set(entry.order)
+        for call in entry.calls:
+            absent = [cid for cid in dict.fromkeys(call.call_ids) if cid not in seen]
+            if not absent:
+                out.append(call)
+                continue
+            placeholders = [factory.placeholder(call, cid) for cid in absent]
+            if any(p is None for p in placeholders):
+                if len(absent) < len(call.call_ids):
+                    raise PayloadError(f"tool call(s) {absent[:5]} got no result, and this kind of call cannot be "
+                                       "given a placeholder", param="messages", code="unpaired_tool_call")
+                # none of this item's calls was answered and it cannot get placeholders: drop its calls
+                repairs[CALLS_DROPPED] += 1
+                changed = True
+                stripped = factory.without_calls(call)
+                if stripped is not None:
+                    out.append(stripped)
+                else:
+                    repairs[EMPTY_DROPPED] += 1
+                continue
+            out.append(call)
+            for cid, placeholder in zip(absent, placeholders):
+                assert placeholder is not None
+                seen.add(cid)
+                repairs[PLACEHOLDER_FILLED] += 1
+                changed = True
+                entry.results[cid] = placeholder
+                entry.order.append(cid)
+        out.extend(entry.results[cid] for cid in entry.order)
+    return (out if changed else items), repairs
+
+
+def is_paired(items: list[Item], merge_call_runs: bool = False) -> bool:
+    """Whether every call has exactly one result right after its call item (or run) and no result is stray."""
+    try:
+        check(items, merge_call_runs)
+    except PayloadError:
+        return False
+    return True
+
+
+def check(items: list[Item], merge_call_runs: bool = False, where: str = "messages") -> None:
+    """Raise PayloadError (HTTP 400) unless pairing is valid; ``where`` names the body field in messages."""
+    pending: set[str] = set()
+    taking_calls = False
+    group_open = False
+    for item in items:
+        param = f"{where}[{item.source}]" if item.source >= 0 else where
+        if item.result_id is not None:
+            if not group_open or item.result_id not in pending:
+                raise PayloadError(f"{param} answers tool call {_short(item.result_id)}, which is not pending "
+                                   "right before it", param=param, code="unpaired_tool_result")
+            pending.discard(item.result_id)
+            taking_calls = False
+            continue
+        if item.call_ids and merge_call_runs and taking_calls:
+            for cid in item.call_ids:
+                if cid in pending:
+                    raise PayloadError(f"{param} repeats the call id {_short(cid)}", param=param,
+                                       code="duplicate_tool_call_id")
+                pending.add(cid)
+            continue
+        if pending:
+            raise PayloadError(f"tool call(s) {sorted(pending)[:5]} got no result before {param}",
+                               param=param, code="unpaired_tool_call")
+        pending = set(item.call_ids)
+        if len(pending) != len(item.call_ids):
+            raise PayloadError(f"{param} makes two calls with the same id", param=param,
+                               code="duplicate_tool_call_id")
+        group_open = taking_calls = bool(item.call_ids)
+    if pending:
+        raise PayloadError(f"tool call(s) {sorted(pending)[:5]} got no result", param=where,
+                           code="unpaired_tool_call")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,170 @@
+"""Token counting with the model's tiktoken encoding, cached per content key.
+
+A wire adapter supplies the per-item formula (``proxy.wire``): the counter only
+encodes text and remembers each item's count under its content key in a bounded
+LRU, so a growing conversation only encodes its new items. A request adds
+``REPLY_PRIMING`` tokens and the JSON of its tool schemas (``tools``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from xxhash import xxh3_128_intdigest
+
+from proxy.core.errors import PayloadError
+from proxy.core.modelinfo import offline_environment
+
+REPLY_PRIMING = 3
+
+O200K = "o200k_base"
+CL100K = "cl100k_base"
+Formula = Callable[["TokenCounter", Any], int]
+
+
+def encoding_for(model: str, override: str | None = None) -> str:
+    """tiktoken's encoding for an OpenAI model (``provider/`` prefixes ignored); o200k_base for any other.
+
+    o200k_base is the closest public encoding for current non-OpenAI models too; the
+    usage calibration corrects what it gets wrong (``proxy.store.calibration``).
+    """
+    if override:
+        return override
+    import tiktoken
+
+    name = model.rsplit("/", 1)[-1]
+    try:
+        return tiktoken.encoding_name_for_model(name)
+    except KeyError:
+        return O200K
+
+
+def use_bundled_encodings() -> None:
+    """Point tiktoken at the encodings litellm ships, so nothing is fetched at run time."""
+    offline_environment()
+
+
+def content_key(raw: Any) -> int:
+    """A 128-bit key of one item's content (its JSON as sent, key order included).
+
+    xxh3 is stable across processes and hosts, so the same key serves the token LRU,
+    prefix tracking and the chained hashes that address cached summaries; it runs at
+    memory speed, so hashing a 1.6 MB conversation costs about a millisecond.
+    """
+    try:
+        data = orjson.dumps(raw)
+    except TypeError as exc:
+        if "Recursion limit" in str(exc):
+            # orjson reads 1024 levels of nesting but writes only 254: such a message could never be forwarded
+            raise PayloadError("A message is nested too deeply (more than 254 levels).", param="messages",
+                               code="invalid_message") from None
+        data = repr(raw).encode()
+    return xxh3_128_intdigest(data)
+
+
+class TokenCounter:
+    """Counts tokens for one encoding, caching per-item counts by content key (bounded LRU)."""
+
+    def __init__(self, encoding: str, cache_size: int = 100_000) -> None:
+        import tiktoken
+
+        use_bundled_encodings()
+        self.encoding_name = encoding
+        self._enc = tiktoken.get_encoding(encoding)
+        self._cache: OrderedDict[int, int] = OrderedDict()
+        self._cache_size = cache_size
+        self._small: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        """Forget every cached count (benchmarks use it to measure a cold request)."""
+        with self._lock:
+            self._cache.clear()
+
+    def text(self, text: str) -> int:
+        if len(text) <= 16:
+            n = self._small.get(text)
+            if n is None:
+                n = len(self._enc.encode_ordinary(text))
+                if len(self._small) < 4096:
+                    self._small[text] = n
+            return n
+        return len(self._enc.encode_ordinary(text))
+
+    def json(self, value: Any) -> int:
+        """Tokens of a value's compact JSON (what a provider sees of structured content)."""
+        try:
+            return self.text(orjson.dumps(value).decode())
+        except TypeError:
+            return 0
+
+    def cached(self, key: int, raw: Any, formula: Formula) -> int:
+        """``formula(self, raw)``, remembered under ``key``."""
+        with self._lock:
+            n = self._cache.get(key)
+            if n is not None:
+                self._cache.move_to_end(key)
+                return n
+        n = formula(self, raw)
+        with self._lock:
+            self._cache[key] = n
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return n
+
+    def many(self, keys: list[int], raws: list[Any], formula: Formula) -> list[int]:
+        """Counts for many items (cached ones cost a dict lookup under one lock).
+
+        Texts are encoded one by one on purpose: tiktoken's threaded batch encoder was
+        slower here (it holds the GIL), and per-call encoding lets other threads run in between.
+        """
+        out: list[int] = []
+        missing: list[int] = []
+        with self._lock:
+            cache = self._cache
+            for i, key in enumerate(keys):
+                n = cache.get(key)
+                if n is None:
+                    missing.append(i)
+                    out.append(0)
+                else:
+                    cache.move_to_end(key)
+                    out.append(n)
+        for i in missing:
+            out[i] = self.cached(keys[i], raws[i], formula)
+        return out
+
+    def tools(self, tools: Any) -> int:
+        """A request's tool schemas, counted as their JSON (cached: agents resend the same tools)."""
+        if not tools:
+            return 0
+        try:
+            raw = orjson.dumps(tools)
+        except TypeError:
+            return 0
+        key = xxh3_128_intdigest(raw)
+        with self._lock:
+            cached = self._cache.get(key)
+        if cached is None:
+            cached = self.text(raw.decode())
+            with self._lock:
+                self._cache[key] = cached
+        return cached
+
+
+class Tokenizers:
+    """One TokenCounter per encoding, created on first use (the app owns one instance)."""
+
+    def __init__(self, cache_size: int = 100_000) -> None:
+        self._counters: dict[str, TokenCounter] = {}
+        self._cache_size = cache_size
+
+    def get(self, encoding: str) -> TokenCounter:
+        counter = self._counters.get(encoding)
+        if counter is None:
+            counter = self._counters[encoding] = TokenCounter(encoding, self._cache_size)
+        return counter

@@ -1,0 +1,138 @@
+"""The proxy's own endpoints: health, readiness, metrics, reload, the caller's policy, models, explain."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy.core.errors import AuthenticationError, CtxProxyError, NotFound
+from proxy.serve.explain import explain
+from proxy.serve.http import (
+    ERROR_SHAPE,
+    OVERRIDE_HEADER,
+    client_key,
+    json_response,
+    read_body,
+    request_id,
+    state,
+)
+from proxy.serve.requestlog import RequestRecord
+from proxy.upstream.http import open_request, upstream_headers
+from proxy.wire import WIRES
+
+
+async def explain_handler(request: web.Request) -> web.Response:
+    """POST /v1/ctxproxy/explain[/<wire>] (or ``?wire=``): what the pipeline would forward, nobody billed.
+
+    ``?summarize=true`` makes a summary that would be created (and bills the summariser).
+    """
+    st = state(request)
+    name = request.match_info.get("wire") or request.query.get("wire") or "chat"
+    wire = WIRES.get(name)
+    if wire is None:
+        raise NotFound(f"No wire {name[:40]!r}; known: {', '.join(sorted(WIRES))}.")
+    request[ERROR_SHAPE] = wire.error_shape
+    rid = request_id(request)
+    record = RequestRecord(request_id=rid, started=time.perf_counter(), wire=wire.name, event="explain")
+    status = 500
+    try:
+        tenant = st.runtime.authenticate(client_key(request))
+        record.tenant = tenant.name if tenant else "default"
+        raw = await read_body(request)
+        summarize = request.query.get("summarize", "").lower() in ("1", "true", "yes")
+        out = await explain(st.runtime, wire, raw, tenant, request.headers.get(OVERRIDE_HEADER),
+                            summarize=summarize, request_id=rid)
+        report = out["report"]
+        record.model = report.get("model")
+        status = 200
+        return json_response(out, headers={"x-request-id": rid})
+    except CtxProxyError as exc:
+        status, record.error = exc.status, exc.code
+        raise
+    finally:
+        record.status = status
+        record.overhead = time.perf_counter() - record.started
+        if st.config.settings.logging.requests:
+            record.log()
+
+
+async def policy_handler(request: web.Request) -> web.Response:
+    st = state(request)
+    tenant = st.runtime.authenticate(client_key(request))
+    policy = st.runtime.policy(tenant, None, request.headers.get(OVERRIDE_HEADER))
+    out = policy.describe()
+    if policy.warnings:
+        out["warnings"] = policy.warnings
+    return json_response(out)
+
+
+async def models_handler(request: web.Request) -> web.Response:
+    st = state(request)
+    tenant = st.runtime.authenticate(client_key(request))
+    config = st.config
+    allowed = tenant.settings.models if tenant else None
+    seen: dict[str, dict[str, Any]] = {}
+    for m in config.settings.models:
+        seen[m.name] = {"id": m.name, "object": "model", "created": 0, "owned_by": "ctxproxy"}
+    if config.settings.allow_unknown_models:
+        for item in await _upstream_models(request):
+            if isinstance(item, dict) and isinstance(item.get("id"), str):
+                seen.setdefault(item["id"], item)
+    data = [v for k, v in seen.items() if allowed is None or k in allowed]
+    return json_response({"object": "list", "data": data})
+
+
+async def _upstream_models(request: web.Request) -> list[Any]:
+    st = state(request)
+    config = st.config
+    upstream = config.settings.upstreams[config.default_upstream]
+    headers = upstream_headers(request.headers, upstream, forward_client_auth=not config.tenants,
+                               request_id=request_id(request))
+    try:
+        response = await open_request(st.shared.pool.session(upstream), "GET", upstream.base_url + "/models",
+                                      data=None, headers=headers, first_byte_timeout=3)
+        async with response:
+            if response.status != 200:
+                return []
+            payload = orjson.loads(await asyncio.wait_for(response.read(), 3))
+    except (CtxProxyError, asyncio.TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError):
+        return []
+    data = payload.get("data") if isinstance(payload, dict) else None
+    return data if isinstance(data, list) else []
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    st = state(request)
+    cache_ok = await st.shared.cache.ping()
+    body = {"status": "ready" if cache_ok and not st.draining else "not ready", "config": st.config.source,
+            "cache": st.shared.cache.name if cache_ok else "unavailable", "draining": st.draining}
+    return json_response(body, 200 if cache_ok and not st.draining else 503)
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    payload, content_type = state(request).metrics.render()
+    return web.Response(body=payload, headers={"Content-Type": content_type})
+
+
+async def admin_reload(request: web.Request) -> web.Response:
+    st = state(request)
+    key = client_key(request)
+    if not key or not st.config.is_admin_key(key):
+        raise AuthenticationError("An admin key is required for /admin/reload.")
+    problems = st.reload()
+    if problems:
+        return json_response({"reloaded": False, "problems": problems}, 400)
+    return json_response({"reloaded": True})
+
+
+async def not_found(request: web.Request) -> web.Response:
+    raise NotFound(f"No route for {request.method} {request.path}.")

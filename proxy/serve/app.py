@@ -1,0 +1,38 @@
+"""``create_app(config)``: the aiohttp application, its typed state and its lifecycle."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from proxy.core.modelinfo import ModelMap
+from proxy.serve.http import error_middleware
+from proxy.serve.metrics import Metrics
+from proxy.serve.routes import add_routes
+from proxy.serve.state import STATE, State, build_runtime, build_shared, model_names, tenant_names
+from proxy.settings import Config
+from proxy.store.cache import Cache
+
+MB = 1024 * 1024
+
+
+def create_app(config: Config, *, config_path: str | None = None, cache: Cache | None = None) -> web.Application:
+    """Build the app; shared objects are created here and closed on cleanup."""
+    model_map = ModelMap()
+    metrics = Metrics(tenant_names(config), model_names(config), model_map,
+                      multiprocess_dir=os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+    shared = build_shared(config, metrics=metrics, cache=cache, model_map=model_map)
+    state = State(build_runtime(config, shared), shared, metrics, config_path)
+    max_body = int(config.settings.server.max_body_mb * MB) + 1
+    app = web.Application(client_max_size=max_body, middlewares=[error_middleware])
+    app[STATE] = state
+    app.cleanup_ctx.append(_lifecycle)
+    add_routes(app)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    yield
+    await app[STATE].shared.close()

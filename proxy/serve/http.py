@@ -1,0 +1,114 @@
+"""Small HTTP helpers shared by the handlers: bodies, keys, request ids, JSON answers, the error middleware."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.core.errors import BadRequest, BodyTooLarge, CtxProxyError, InvalidJSON, UpstreamStatus, error_body
+from proxy.serve.state import STATE, State
+from proxy.wire.errors import anthropic_error_body
+
+log = logging.getLogger("ctxproxy")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+OVERRIDE_HEADER = "x-ctxproxy-context-manager"
+# headers every answer to this request carries, errors included (x-request-id, x-ctxproxy-*)
+RESPONSE_HEADERS = web.RequestKey("response_headers", CIMultiDict[str])
+# the wire whose error shape this request's errors take ("messages": Anthropic's; else OpenAI's)
+ERROR_SHAPE = web.RequestKey("error_shape", str)
+
+
+def state(request: web.Request) -> State:
+    return request.app[STATE]
+
+
+def json_response(payload: Any, status: int = 200, headers: Any = None) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json",
+                        headers=headers)
+
+
+def error_payload(error: CtxProxyError, shape: str) -> dict[str, Any]:
+    return anthropic_error_body(error) if shape == "messages" else error.to_openai()
+
+
+def error_response(error: CtxProxyError, headers: Any = None, shape: str = "openai") -> web.Response:
+    out: CIMultiDict[str] = CIMultiDict(headers or {})
+    out.popall("Content-Type", None)  # the upstream's, when it failed after sending its headers
+    if isinstance(error, UpstreamStatus):
+        for name, value in error.headers.items():
+            if name.lower() not in ("content-type",):
+                out[name] = value
+    return json_response(error_payload(error, shape), error.status, out)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes the wire's error shape; no traceback ever reaches a client."""
+    shape = request.get(ERROR_SHAPE, "openai")
+    try:
+        return await handler(request)
+    except CtxProxyError as exc:
+        return error_response(exc, request.get(RESPONSE_HEADERS), request.get(ERROR_SHAPE, shape))
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(BodyTooLarge("The request body is larger than this proxy accepts."),
+                              shape=request.get(ERROR_SHAPE, shape))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
+        return json_response(error_body(exc.reason, "invalid_request_error", None, code), exc.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return json_response(error_body("The proxy failed to handle this request.", "server_error", None,
+                                        "internal_error"), 500)
+
+
+def client_key(request: web.Request) -> str | None:
+    """The proxy key a client sent: ``Authorization: Bearer``, ``x-api-key`` (Anthropic clients) or ``api-key``."""
+    value = request.headers.get("Authorization", "")
+    if value[:7].lower() == "bearer ":
+        return value[7:].strip() or None
+    return request.headers.get("x-api-key") or request.headers.get("api-key") or None
+
+
+async def read_body(request: web.Request) -> bytes:
+    limit = int(state(request).config.settings.server.max_body_mb * 1024 * 1024)
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge(f"The request body is {request.content_length} bytes; the limit is {limit}.")
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BodyTooLarge(f"The request body is larger than the limit of {limit} bytes.") from None
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidJSON(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object", code="invalid_body")
+    return body
+
+
+def header_safe(text: str, limit: int = 1000) -> str:
+    """A header value from anything: printable ASCII only (no CR/LF, no control characters), cut short."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text)[:limit]
+
+
+def request_id(request: web.Request) -> str:
+    """The client's own ``x-request-id`` when it is a plain token, else a new UUID (sent upstream too)."""
+    given = request.headers.get("x-request-id", "")
+    return given if REQUEST_ID.match(given) else str(uuid.uuid4())

@@ -1,0 +1,142 @@
+"""The handler of a managed wire: authenticate, run the pipeline, forward through the route's provider, relay.
+
+One handler serves every wire (``make_handler(wire)``); a route module per wire
+(``proxy.serve.routes``) registers its paths. Everything wire-specific comes from
+the adapter: parsing and rendering, the error shape, the stream's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.core.conversation import WireAdapter
+from proxy.core.errors import BadRequest, CtxProxyError, PayloadError
+from proxy.pipeline import Assembly
+from proxy.serve.http import (
+    ERROR_SHAPE,
+    OVERRIDE_HEADER,
+    RESPONSE_HEADERS,
+    Handler,
+    client_key,
+    header_safe,
+    parse_body,
+    read_body,
+    request_id,
+    state,
+)
+from proxy.serve.requestlog import RequestRecord
+from proxy.serve.streaming import STREAM_ERROR, relay_answer
+from proxy.upstream.base import Outgoing
+from proxy.wire.sse import StreamEnd, StreamWatcher
+
+
+class ManagedWire(WireAdapter, Protocol):
+    """A wire adapter as the server uses it: plus its path, error shape and stream conventions."""
+
+    path: str
+    error_shape: str
+    stream_end: StreamEnd
+
+
+def forward_bytes(raw: bytes, assembly: Assembly) -> bytes:
+    """The client's bytes when nothing changed; else the managed body."""
+    if not assembly.changed:
+        return raw
+    try:
+        return orjson.dumps(assembly.body)
+    except TypeError:  # orjson reads 1024 levels of nesting but writes only 254
+        raise BadRequest("The request body is nested too deeply (more than 254 levels) to be forwarded.",
+                         code="invalid_json") from None
+
+
+def report_headers(assembly: Assembly, overhead: float) -> dict[str, str]:
+    r = assembly.report
+    headers = {
+        "x-ctxproxy-tokens-in": str(r.tokens_before),
+        "x-ctxproxy-tokens-out": str(r.tokens_after),
+        "x-ctxproxy-summary": r.summary,
+        "x-ctxproxy-repairs": str(sum(r.repairs.values())),
+        "x-ctxproxy-overhead-ms": f"{overhead * 1000:.2f}",
+    }
+    if r.warnings:
+        headers["x-ctxproxy-warning"] = header_safe("; ".join(r.warnings))
+    return headers
+
+
+def make_handler(wire: ManagedWire) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await _handle(request, wire)
+
+    handle.__name__ = f"{wire.name}_handler"
+    return handle
+
+
+async def _handle(request: web.Request, wire: ManagedWire) -> web.StreamResponse:
+    st = state(request)
+    served = st.served  # in-flight requests keep the policy and providers they started with
+    runtime = served.runtime
+    started = time.perf_counter()
+    rid = request_id(request)
+    request[RESPONSE_HEADERS] = CIMultiDict({"x-request-id": rid})
+    request[ERROR_SHAPE] = wire.error_shape
+    record = RequestRecord(request_id=rid, started=started, wire=wire.name)
+    status = 500
+    try:
+        tenant = runtime.authenticate(client_key(request))
+        record.tenant = tenant.name if tenant else "default"
+        raw = await read_body(request)
+        offload = len(raw) > runtime.config.settings.server.offload_bytes
+        body: dict[str, Any] = (await asyncio.get_running_loop().run_in_executor(None, parse_body, raw)) \
+            if offload else parse_body(raw)
+        record.model = body.get("model") if isinstance(body.get("model"), str) else None
+        assembly, route, _policy = await runtime.assemble(
+            wire, body, tenant=tenant, override=request.headers.get(OVERRIDE_HEADER), offload=offload,
+            request_id=rid,
+        )
+        record.report = assembly.report
+        record.model = route.name
+        st.metrics.assembled(record.tenant, route, assembly.report)
+        stable = st.prefix.observe(assembly.received, assembly.items)
+        if stable is not None:
+            st.metrics.prefix(record.tenant, route.name, stable)
+        data = forward_bytes(raw, assembly)
+        overhead = time.perf_counter() - started
+        record.overhead = overhead
+        headers: CIMultiDict[str] = CIMultiDict(report_headers(assembly, overhead))
+        headers["x-request-id"] = rid
+        request[RESPONSE_HEADERS] = headers
+        call = Outgoing(wire.name, wire.path, assembly.body, data, body.get("stream") is True, request.headers, rid)
+        sent = time.perf_counter()
+        watcher = StreamWatcher(sent, wire.stream_end)
+        try:
+            answer = await served.providers.for_route(route).send(route, call)
+            response = await relay_answer(request, answer, headers, idle_timeout=st.config.settings.server.idle_timeout,
+                                          watcher=watcher)
+        finally:
+            record.upstream = time.perf_counter() - sent
+            record.ttft, record.usage = watcher.ttft, watcher.usage
+        status = response.status
+        return response
+    except CtxProxyError as exc:
+        status = exc.status
+        if isinstance(exc, PayloadError) or exc.code == "context_length_exceeded":
+            st.metrics.payload_error(exc.code or "invalid_payload")
+        record.error = exc.code
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499  # the client went away
+        raise
+    finally:
+        record.status = status
+        if STREAM_ERROR in request:
+            record.error = request[STREAM_ERROR]
+        st.metrics.finished(record.tenant, record.model or "other", status, overhead=record.overhead,
+                            upstream=record.upstream, ttft=record.ttft, usage=record.usage, wire=wire.name)
+        if st.config.settings.logging.requests:
+            record.log()

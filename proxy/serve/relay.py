@@ -1,0 +1,154 @@
+"""Every other ``/v1/*`` path, relayed untouched to the default upstream (streaming-safe).
+
+Without tenants the client's own credentials are forwarded and every path is
+relayed. With tenants the operator's key is used upstream, so only the paths and
+methods of ``relay.allow`` are relayed (no stored-object listings by default), and
+the tenant's model allow-list holds on every body, JSON or multipart. A path that
+spells a managed wire's path differently (``/v1/chat/completions/``) goes through
+that wire's pipeline, never around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import re
+import time
+from email.parser import BytesParser
+from urllib.parse import parse_qs, unquote
+
+import aiohttp
+import orjson
+from aiohttp import web
+from yarl import URL
+
+from proxy.core.deadline import deadline
+from proxy.core.errors import ModelNotFound, NotFound, PermissionDenied
+from proxy.serve.http import Handler, client_key, read_body, request_id, state
+from proxy.serve.streaming import relay_answer
+from proxy.settings import Tenant
+from proxy.upstream.http import HTTPAnswer, open_request, read_error, response_headers, upstream_headers
+from proxy.wire.sse import StreamWatcher, stream_end_for_path
+
+_SLASHES = re.compile(r"/{2,}")
+
+
+def canonical_path(raw_path: str) -> str:
+    """The path as the upstream would route it: decoded, slashes collapsed, no trailing slash."""
+    path = unquote(raw_path.split("?", 1)[0]).replace("\\", "/")
+    path = _SLASHES.sub("/", path)
+    return path.rstrip("/") or "/"
+
+
+def make_relay(managed: dict[str, Handler]) -> Handler:
+    """The relay handler; ``managed`` maps canonical managed paths to their handlers (for POST)."""
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        path = canonical_path(request.raw_path)
+        handler = managed.get(path)
+        if handler is not None:
+            if request.method != "POST":
+                raise NotFound(f"No route for {request.method} {path}.")
+            return await handler(request)
+        return await _relay(request, path)
+
+    return relay
+
+
+async def _relay(request: web.Request, path: str) -> web.StreamResponse:
+    st = state(request)
+    config = st.config
+    tenant = st.runtime.authenticate(client_key(request))
+    if tenant is not None and not _allowed(request.method, path, config.settings.relay.allowed()):
+        raise PermissionDenied(f"{request.method} {path} is not relayed for tenants on this proxy "
+                               "(relay.allow in its configuration).")
+    upstream = config.settings.upstreams[config.default_upstream]
+    raw = await read_body(request) if request.can_read_body else None
+    if tenant is not None and raw:
+        _check_model(raw, request.headers.get("Content-Type", ""), tenant)
+    headers = upstream_headers(request.headers, upstream, forward_client_auth=not config.tenants and
+                               upstream.api_key is None, request_id=request_id(request))
+    if "Content-Type" in request.headers:
+        headers["Content-Type"] = request.headers["Content-Type"]
+    url = relay_url(upstream.base_url, request.raw_path)
+    server = config.settings.server
+    response = await open_request(st.shared.pool.session(upstream), request.method, URL(url, encoded=True),
+                                  data=raw, headers=headers, first_byte_timeout=server.first_byte_timeout)
+    if response.status >= 400:
+        raise await read_error(response, server.idle_timeout, upstream.api_key)
+    if response.content_type == "text/event-stream":
+        return await relay_answer(request, HTTPAnswer(response, upstream.api_key), response_headers({}),
+                                  idle_timeout=server.idle_timeout,
+                                  watcher=StreamWatcher(time.perf_counter(), stream_end_for_path(path)))
+    out = web.StreamResponse(status=response.status, headers=response_headers(response.headers))
+    try:
+        await out.prepare(request)
+        while True:
+            try:
+                async with deadline(server.idle_timeout):
+                    chunk = await response.content.readany()
+            except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
+                # the upstream failed after the answer started: cut the client's connection, so the
+                # truncated body can never look complete (and the client is not left waiting for the rest)
+                if request.transport is not None:
+                    request.transport.close()
+                return out
+            if not chunk:
+                break
+            await out.write(chunk)
+        await out.write_eof()
+    finally:
+        response.close()
+    return out
+
+
+def _allowed(method: str, path: str, allow: tuple[str, ...]) -> bool:
+    for entry in allow:
+        m, _, pattern = entry.partition(" ")
+        if (m == "*" or m.upper() == method) and fnmatch.fnmatchcase(path, pattern):
+            return True
+    return False
+
+
+def relay_url(base_url: str, raw_path: str) -> str:
+    """The upstream URL for a relayed ``/v1/...`` path, kept percent-encoded exactly as the client sent it.
+
+    Dot segments are refused: a relayed path may not climb out of the upstream's base path.
+    """
+    tail = raw_path[len("/v1"):] if raw_path.startswith("/v1") else raw_path
+    decoded = unquote(tail.split("?", 1)[0]).replace("\\", "/")
+    if any(segment in (".", "..") for segment in decoded.split("/")):
+        raise NotFound("Relayed paths may not contain '.' or '..' segments.")
+    return base_url + tail
+
+
+def _check_model(raw: bytes, content_type: str, tenant: Tenant) -> None:
+    """A tenant's model allow-list holds on every endpoint and body kind, not only chat completions."""
+    allowed = tenant.settings.models
+    if allowed is None:
+        return
+    model = _model_of(raw, content_type)
+    if model is not None and model not in allowed:
+        raise ModelNotFound(f"The model {model[:100]!r} does not exist or you do not have access to it.",
+                            param="model")
+
+
+def _model_of(raw: bytes, content_type: str) -> str | None:
+    kind = content_type.split(";", 1)[0].strip().lower()
+    if kind == "multipart/form-data":
+        message = BytesParser().parsebytes(b"Content-Type: " + content_type.encode("latin-1", "replace")
+                                           + b"\r\n\r\n" + raw)
+        for part in message.walk():
+            if part.get_param("name", header="content-disposition") == "model":
+                value = part.get_payload(decode=True)
+                return value.decode("utf-8", "replace").strip() if isinstance(value, bytes) else None
+        return None
+    if kind == "application/x-www-form-urlencoded":
+        values = parse_qs(raw.decode("utf-8", "replace")).get("model")
+        return values[0] if values else None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None

@@ -1,0 +1,37 @@
+"""Every route the server answers, in one readable list (a managed wire is its adapter plus its paths)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from proxy.serve import admin
+from proxy.serve.http import Handler
+from proxy.serve.managed import ManagedWire, make_handler
+from proxy.serve.relay import canonical_path, make_relay
+from proxy.wire.chat import WIRE as CHAT
+
+# a managed wire and the paths it answers (each also under /v1)
+MANAGED: tuple[tuple[ManagedWire, tuple[str, ...]], ...] = (
+    (CHAT, ("/chat/completions",)),
+)
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    managed: dict[str, Handler] = {}
+    for wire, paths in MANAGED:
+        handler = make_handler(wire)
+        for path in paths:
+            for spelling in ("/v1" + path, path):
+                r.add_post(spelling, handler)
+                managed[canonical_path(spelling)] = handler
+    r.add_post("/v1/ctxproxy/explain", admin.explain_handler)
+    r.add_post("/v1/ctxproxy/explain/{wire}", admin.explain_handler)
+    r.add_get("/v1/ctxproxy/policy", admin.policy_handler)
+    r.add_get("/v1/models", admin.models_handler)
+    r.add_get("/healthz", admin.healthz)
+    r.add_get("/readyz", admin.readyz)
+    r.add_get("/metrics", admin.metrics_handler)
+    r.add_post("/admin/reload", admin.admin_reload)
+    r.add_route("*", "/v1/ctxproxy/{tail:.*}", admin.not_found)  # the proxy's own namespace is never relayed
+    r.add_route("*", "/v1/{tail:.*}", make_relay(managed))

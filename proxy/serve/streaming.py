@@ -1,0 +1,79 @@
+"""Relaying an upstream's answer to the client: a body, or an SSE stream chunk by chunk, never buffered.
+
+A stream is relayed byte for byte and nothing is added after a clean end. Only a
+stream that breaks off (connection lost, framing error, idle timeout, or a clean
+close before the wire's terminal event) ends with one error event in the wire's
+own shape (``proxy.wire.sse``), so a client never mistakes a truncated answer for
+a complete one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.core.errors import CtxProxyError, UpstreamUnreachable
+from proxy.upstream.base import Answer
+from proxy.wire.sse import SSE_HEADERS, StreamWatcher
+
+# set when a stream failed after it started (the response status is already sent)
+STREAM_ERROR = web.RequestKey("stream_error", str)
+
+
+async def relay_answer(
+    request: web.Request,
+    answer: Answer,
+    headers: CIMultiDict[str],
+    *,
+    idle_timeout: float,
+    watcher: StreamWatcher,
+) -> web.StreamResponse:
+    """Send ``answer`` to the client with ``headers``; the watcher sees every relayed byte."""
+    out_headers: CIMultiDict[str] = CIMultiDict(headers)
+    out_headers.extend(answer.headers)
+    if not answer.streaming:
+        raw = await answer.read(idle_timeout)
+        watcher.ttft = time.perf_counter() - watcher.started
+        watcher.usage = usage_of(raw)
+        out_headers.setdefault("Content-Type", "application/json")
+        return web.Response(body=raw, status=answer.status, headers=out_headers)
+    out_headers["Content-Type"] = answer.headers.get("Content-Type", "text/event-stream")
+    out_headers.update(SSE_HEADERS)
+    response = web.StreamResponse(status=answer.status, headers=out_headers)
+    clean = False
+    try:
+        await response.prepare(request)
+        error: CtxProxyError | None = None
+        try:
+            async for chunk in answer.chunks(idle_timeout):
+                watcher.feed(chunk)
+                await response.write(chunk)
+        except CtxProxyError as exc:
+            error = exc
+        else:
+            if not watcher.complete:
+                error = UpstreamUnreachable("The upstream closed the stream before it was complete.")
+        if error is not None:
+            request[STREAM_ERROR] = error.code or "stream_error"
+            await response.write(watcher.end.error_event(error))
+        clean = error is None
+        await response.write_eof()
+        return response
+    finally:
+        answer.close(clean)  # not clean: drop the upstream connection, so the provider stops generating
+
+
+def usage_of(raw: bytes) -> dict[str, Any] | None:
+    """The ``usage`` object of a JSON answer (every wire puts it at the top level)."""
+    if b'"usage"' not in raw:
+        return None
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    return usage if isinstance(usage, dict) else None

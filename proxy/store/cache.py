@@ -1,0 +1,357 @@
+"""The cache seam: an async JSON-object store with TTL and a renewable cross-process lock.
+
+Backends: ``memory`` (``proxy.store.memory``), ``disk`` (SQLite through diskcache,
+``proxy.store.disk``) and ``redis`` (``proxy.store.redis``). Every backend stores JSON
+objects only (serialised with orjson; never pickle) and raises ``CacheBackendError``
+on I/O failure; ``SafeCache`` (what ``open_cache`` returns) turns every such failure
+into "no cache" so requests keep flowing.
+
+Cancellation: every backend operation runs to completion in its own task/thread even if the awaiting
+coroutine is cancelled (``asyncio.shield``). A Redis connection is therefore never returned to the
+pool with an unread reply (the redis-py #2624 class of bug), and a lock acquired by a call whose caller
+was cancelled is released in the background instead of being leaked until its TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Protocol, TypeVar
+
+import orjson
+
+from proxy.core.errors import CacheBackendError
+
+__all__ = ["Cache", "CacheBackendError", "LockHandle", "SafeCache", "open_cache"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+ErrorHook = Callable[[str, BaseException], None]
+Ready = Callable[[], Awaitable[bool]]
+
+LOCK_PREFIX = "__lock__:"  # lock keys live next to the values; callers' keys must not use this prefix
+_POLL_INTERVAL = 0.025  # seconds between lock attempts while waiting
+_DRAIN_TIMEOUT = 2.0  # close(): how long to let in-flight operations finish
+
+
+class LockHandle:
+    """A lock attempt's outcome: ``acquired``, and ``renew()`` to extend a held lock's expiry."""
+
+    def __init__(self, acquired: bool, renew: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.acquired = acquired
+        self._renew = renew
+
+    async def renew(self) -> None:
+        if self.acquired and self._renew is not None:
+            await self._renew()
+
+
+class Cache(Protocol):
+    """Async key -> JSON-object store with TTL and a cross-process lock."""
+
+    name: str
+    """Backend name: ``"disk"``, ``"redis"`` or ``"memory"``."""
+
+    async def get(self, key: str) -> dict[str, Any] | None:
+        """Return the stored object, or None when missing or expired."""
+        ...
+
+    async def get_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
+        """``get`` for many keys in one round trip (one MGET, one disk transaction)."""
+        ...
+
+    async def set(self, key: str, value: dict[str, Any], ttl: float | None = None) -> None:
+        """Store ``value`` (a JSON object) for ``ttl`` seconds (None: the backend's default TTL)."""
+        ...
+
+    def lock(self, key: str, ttl: float, wait: float, ready: Ready | None = None) -> AbstractAsyncContextManager[LockHandle]:
+        """Cross-process mutual exclusion on ``key``.
+
+        The lock expires after ``ttl`` seconds unless its holder renews it (``LockHandle.renew``),
+        so a crashed holder cannot block forever. Waits up to ``wait`` seconds to acquire, and stops
+        waiting early when ``ready()`` says the work the lock guards is done; the handle says whether
+        it was acquired. Releasing only deletes the lock if this holder still owns it.
+        """
+        ...
+
+    async def ping(self) -> bool:
+        """True when the backend is usable (for /readyz)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections, threads and file handles."""
+        ...
+
+
+def dumps(value: dict[str, Any]) -> bytes:
+    if not isinstance(value, dict):
+        raise CacheBackendError(f"cache values must be JSON objects, not {type(value).__name__}")
+    try:
+        return orjson.dumps(value)
+    except TypeError as exc:  # orjson.JSONEncodeError
+        raise CacheBackendError(f"cache value is not JSON-serialisable: {exc}") from exc
+
+
+def loads(raw: bytes | str) -> dict[str, Any]:
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise CacheBackendError("corrupt cache entry (not JSON)") from exc
+    if not isinstance(value, dict):
+        raise CacheBackendError("corrupt cache entry (not a JSON object)")
+    return value
+
+
+class BaseCache:
+    """Shared TTL default, cancellation guard and the polling, renewable lock."""
+
+    name: str
+
+    def __init__(self, ttl: float | None) -> None:
+        self._default_ttl = ttl
+        self._inflight: set[asyncio.Future[Any]] = set()
+
+    def _ttl(self, ttl: float | None) -> float | None:
+        return self._default_ttl if ttl is None else ttl
+
+    def _track(self, fut: asyncio.Future[Any]) -> None:
+        self._inflight.add(fut)
+        fut.add_done_callback(self._untrack)
+
+    def _untrack(self, fut: asyncio.Future[Any]) -> None:
+        self._inflight.discard(fut)
+        if not fut.cancelled():
+            fut.exception()  # mark as retrieved: an abandoned failure must not be logged as "never retrieved"
+
+    async def _guarded(self, aw: Awaitable[T], on_orphan: Callable[[T], None] | None = None) -> T:
+        """Await ``aw`` but let it run to completion if the caller is cancelled.
+
+        ``on_orphan`` receives the result of an operation whose caller was cancelled (to undo it).
+        """
+        fut = asyncio.ensure_future(aw)
+        self._track(fut)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if on_orphan is not None:
+                callback = on_orphan
+
+                def _undo(done: asyncio.Future[T]) -> None:
+                    if not done.cancelled() and done.exception() is None:
+                        callback(done.result())
+
+                fut.add_done_callback(_undo)
+            raise
+
+    async def _drain(self) -> None:
+        if self._inflight:
+            await asyncio.wait(set(self._inflight), timeout=_DRAIN_TIMEOUT)
+
+    async def get(self, key: str) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    async def get_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
+        return [await self.get(key) for key in keys]
+
+    async def _try_acquire(self, lock_key: str, token: str, ttl: float) -> bool:
+        raise NotImplementedError
+
+    async def _renew(self, lock_key: str, token: str, ttl: float) -> None:
+        raise NotImplementedError
+
+    async def _release(self, lock_key: str, token: str) -> None:
+        raise NotImplementedError
+
+    def lock(self, key: str, ttl: float, wait: float, ready: Ready | None = None) -> AbstractAsyncContextManager[LockHandle]:
+        return self._lock(LOCK_PREFIX + key, ttl, wait, ready)
+
+    @asynccontextmanager
+    async def _lock(self, lock_key: str, ttl: float, wait: float, ready: Ready | None) -> AsyncIterator[LockHandle]:
+        token = secrets.token_hex(16)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, wait)
+
+        def release_orphan(acquired: bool) -> None:
+            if acquired:
+                self._track(asyncio.ensure_future(self._release(lock_key, token)))
+
+        while True:
+            acquired = await self._guarded(self._try_acquire(lock_key, token, ttl), release_orphan)
+            remaining = deadline - loop.time()
+            if acquired or remaining <= 0 or (ready is not None and await ready()):
+                break
+            await asyncio.sleep(min(_POLL_INTERVAL, remaining))
+
+        async def renew() -> None:
+            await self._guarded(self._renew(lock_key, token, ttl))
+
+        try:
+            yield LockHandle(acquired, renew)
+        finally:
+            if acquired:
+                await self._guarded(self._release(lock_key, token))
+
+
+_WRITES = frozenset({"set", "lock", "unlock", "renew"})
+
+
+def _kind(operation: str) -> str:
+    return "write" if operation in _WRITES else "read"
+
+
+class SafeCache:
+    """Wraps a backend so cache failures never fail a request.
+
+    Every backend exception is swallowed: ``get`` -> None, ``set`` -> no-op, ``lock`` -> an acquired
+    handle (fail open: proceed without the cross-process lock), ``ping`` -> False. Each failure is reported
+    to ``on_error(operation, exc)``; a warning is logged once per error streak (again only after a
+    success followed by a new failure). A streak that began with a failed write (``set``/``lock``/``unlock``)
+    is ended only by a write that works: a full disk still serves reads, and must not log on every request.
+    ``asyncio.CancelledError`` is never swallowed.
+    """
+
+    def __init__(self, inner: Cache, on_error: ErrorHook | None = None) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self._on_error = on_error
+        self._failing: str | None = None  # "read" or "write": the kind of operation that began the streak
+
+    def _failed(self, operation: str, exc: BaseException) -> None:
+        if self._on_error is not None:
+            try:
+                self._on_error(operation, exc)
+            except Exception:
+                log.exception("cache on_error hook failed")
+        if self._failing is not None:
+            log.debug("cache %s %s failed: %s", self.name, operation, exc)
+            return
+        self._failing = _kind(operation)
+        log.warning(
+            "cache backend %r: %s failed (%s: %s); continuing without cache "
+            "(further errors are not logged until it recovers)",
+            self.name,
+            operation,
+            type(exc).__name__,
+            exc,
+        )
+
+    def _ok(self, operation: str) -> None:
+        if self._failing is not None and self._failing == _kind(operation):
+            self._failing = None
+            log.info("cache backend %r recovered", self.name)
+
+    async def get(self, key: str) -> dict[str, Any] | None:
+        try:
+            value = await self.inner.get(key)
+        except Exception as exc:
+            self._failed("get", exc)
+            return None
+        self._ok("get")
+        return value
+
+    async def get_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
+        try:
+            values = await self.inner.get_many(keys)
+        except Exception as exc:
+            self._failed("get", exc)
+            return [None] * len(keys)
+        self._ok("get")
+        return values
+
+    async def set(self, key: str, value: dict[str, Any], ttl: float | None = None) -> None:
+        try:
+            await self.inner.set(key, value, ttl)
+        except Exception as exc:
+            self._failed("set", exc)
+            return
+        self._ok("set")
+
+    def lock(self, key: str, ttl: float, wait: float, ready: Ready | None = None) -> AbstractAsyncContextManager[LockHandle]:
+        return self._lock(key, ttl, wait, ready)
+
+    @asynccontextmanager
+    async def _lock(self, key: str, ttl: float, wait: float, ready: Ready | None) -> AsyncIterator[LockHandle]:
+        held: AbstractAsyncContextManager[LockHandle] | None = None
+        handle = LockHandle(True)  # fail open
+        try:
+            cm = self.inner.lock(key, ttl, wait, ready)
+            inner = await cm.__aenter__()
+            held = cm
+        except Exception as exc:
+            self._failed("lock", exc)
+        else:
+            self._ok("lock")
+            handle = LockHandle(inner.acquired, self._renewer(inner))
+        try:
+            yield handle
+        finally:
+            if held is not None:
+                try:
+                    # The body's own exception (if any) keeps propagating; the inner lock only releases.
+                    await held.__aexit__(None, None, None)
+                except Exception as exc:
+                    self._failed("unlock", exc)
+
+    def _renewer(self, inner: LockHandle) -> Callable[[], Awaitable[None]]:
+        async def renew() -> None:
+            try:
+                await inner.renew()
+            except Exception as exc:
+                self._failed("renew", exc)
+
+        return renew
+
+    async def ping(self) -> bool:
+        try:
+            ok = await self.inner.ping()
+        except Exception as exc:
+            self._failed("ping", exc)
+            return False
+        if ok:
+            self._ok("ping")
+        return ok
+
+    async def close(self) -> None:
+        try:
+            await self.inner.close()
+        except Exception as exc:
+            self._failed("close", exc)
+
+
+def open_cache(
+    backend: str,
+    *,
+    path: str,
+    url: str | None,
+    ttl: float | None,
+    size_limit_mb: int,
+    on_error: ErrorHook | None = None,
+) -> SafeCache:
+    """Build the configured backend wrapped in :class:`SafeCache`.
+
+    Never does I/O: an unusable disk directory, a corrupt database or a down Redis surface later as
+    swallowed errors (requests continue without caching). Raises ValueError for a bad configuration
+    (unknown backend, redis without url, malformed url).
+    """
+    inner: Cache
+    if backend == "memory":
+        from proxy.store.memory import MemoryCache
+
+        inner = MemoryCache(ttl)
+    elif backend == "disk":
+        from proxy.store.disk import DiskCache
+
+        inner = DiskCache(path, ttl, size_limit_mb)
+    elif backend == "redis":
+        if not url:
+            raise ValueError("cache backend 'redis' requires cache.url")
+        from proxy.store.redis import RedisCache
+
+        inner = RedisCache(url, ttl)
+    else:
+        raise ValueError(f"unknown cache backend {backend!r} (expected 'disk', 'redis' or 'memory')")
+    return SafeCache(inner, on_error)

@@ -1,0 +1,41 @@
+"""Prefix stability: does this request forward the previous request's items as its prefix?
+
+Providers bill a cached prompt prefix at a fraction of the price, so the share of
+requests whose forwarded items start with the previous request's forwarded items
+(same conversation) is what compaction must keep high. A conversation is
+recognised by its system band and first item; the tracker keeps, per
+conversation, the length and hash of the last forwarded list in a bounded LRU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from proxy.core.items import SYSTEM, Item
+
+
+class PrefixTracker:
+    def __init__(self, size: int = 10_000) -> None:
+        self._last: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._size = size
+
+    def observe(self, received: list[Item], forwarded: list[Item]) -> bool | None:
+        """True/False: the forwarded list does/does not extend the previous one; None: first request seen."""
+        if not received or not forwarded:
+            return None
+        head: list[int] = []
+        for item in received:
+            head.append(item.key)
+            if item.role != SYSTEM:
+                break
+        conversation = hash(tuple(head))
+        sent = tuple(item.key for item in forwarded)
+        previous = self._last.get(conversation)
+        self._last[conversation] = (len(sent), hash(sent))
+        self._last.move_to_end(conversation)
+        if len(self._last) > self._size:
+            self._last.popitem(last=False)
+        if previous is None:
+            return None
+        n, digest = previous
+        return len(sent) >= n and hash(sent[:n]) == digest

@@ -1,0 +1,230 @@
+"""The summary cache: content-addressed, persistent, single-flight (DESIGN §3).
+
+A summary is stored under tenant + summariser settings + the chained hash of the
+turns it covers, so identical histories share it, any edit misses it, and one
+tenant never sees another's. The chained hashes are wire-neutral (``Item.atoms``),
+so one conversation summarised once is reused whatever wire it arrives on.
+
+A lookup asks the cache for every prefix of the conversation at once (one
+``get_many``: one Redis MGET, one disk transaction) and takes the longest hit, so
+there is no per-conversation index to lose updates or overflow: each summary is
+its own entry, bounded by the cache's TTL and size.
+
+Concurrent requests needing the same summary wait for one summariser call: in
+one process through a shared task, across processes and replicas through the
+cache's lock, which its holder renews while it works. A request that cannot get
+the lock within ``lock_wait`` while another holder is alive is served without the
+summary (status ``pending``) and never makes a second one. A failure caches nothing
+and starts a per-conversation back-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from plugins.base import CachedSummary, Completion, SummarizeFn, SummaryScope
+from proxy.core.errors import SummaryUnavailable
+from proxy.core.items import Item
+from proxy.store.cache import Cache, LockHandle
+
+log = logging.getLogger("ctxproxy.summaries")
+
+FAILURES_TRACKED = 10_000
+LOCK_TTL = 30.0  # seconds; the holder renews it every LOCK_TTL / 3 while it summarises
+
+SummaryCall = Callable[[str, Completion], None]
+SummaryFailure = Callable[[str, str], None]  # (tenant, reason)
+
+
+def summary_key(scope: SummaryScope, link: str) -> str:
+    raw = f"{scope.tenant}\x00{scope.settings_id}\x00{link}".encode()
+    return f"sum:{hashlib.sha256(raw).hexdigest()}"
+
+
+@dataclass
+class _Flight:
+    """One summary being made in this process; the first request to get a fresh result reports it created."""
+
+    task: asyncio.Task[tuple[CachedSummary, bool]]
+    claimed: bool = False
+
+
+class SummaryService:
+    """Implements ``plugins.base.SummaryStore`` over a ``proxy.store.cache.Cache``."""
+
+    def __init__(
+        self,
+        cache: Cache,
+        *,
+        ttl: float | None,
+        lock_wait: float,
+        backoff_first: float,
+        backoff_max: float,
+        lock_ttl: float = LOCK_TTL,
+        on_call: SummaryCall | None = None,
+        on_failure: SummaryFailure | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cache = cache
+        self.ttl = ttl
+        self.lock_wait = lock_wait
+        self.lock_ttl = lock_ttl
+        self.backoff_first = backoff_first
+        self.backoff_max = backoff_max
+        self.on_call = on_call
+        self.on_failure = on_failure
+        self.clock = clock
+        self._flights: dict[str, _Flight] = {}
+        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()
+
+    async def lookup(self, scope: SummaryScope, chain: Sequence[str]) -> CachedSummary | None:
+        if not chain:
+            return None
+        records = await self.cache.get_many([summary_key(scope, link) for link in chain])
+        for k in range(len(chain), 0, -1):
+            summary = _summary(records[k - 1], k, chain[k - 1])
+            if summary is not None:
+                return summary
+        return None
+
+    async def obtain(
+        self,
+        scope: SummaryScope,
+        chain: Sequence[str],
+        cut: int,
+        turns: Sequence[Sequence[Item]],
+        previous: CachedSummary | None,
+        summarize: SummarizeFn,
+        request_id: str = "",
+    ) -> tuple[CachedSummary, bool]:
+        conversation = summary_key(scope, "conversation:" + chain[0])
+        failing = self._failures.get(conversation)
+        if failing is not None and self.clock() < failing[1]:
+            raise SummaryUnavailable(f"summariser backing off for {failing[1] - self.clock():.0f}s after a failure",
+                                     reason="backoff")
+        key = summary_key(scope, chain[cut - 1])
+        flight = self._flights.get(key)
+        if flight is None:
+            job = _Job(key, conversation, scope, chain[cut - 1], cut, list(turns[:cut]), previous, summarize,
+                       request_id)
+            flight = _Flight(asyncio.create_task(self._make(job)))
+            self._flights[key] = flight
+            flight.task.add_done_callback(lambda _t: self._flights.pop(key, None))
+        # shielded: a client that disconnects must not cancel the summary others are waiting for
+        summary, fresh = await asyncio.shield(flight.task)
+        created = fresh and not flight.claimed
+        if created:
+            flight.claimed = True
+        return summary, created
+
+    async def _make(self, job: _Job) -> tuple[CachedSummary, bool]:
+        try:
+            record, fresh = await self._record(job)
+        except SummaryUnavailable as exc:
+            if exc.reason != "pending":
+                self._failed(job, exc)
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an engine or plugin bug: never fail the client's request for it
+            failure = SummaryUnavailable(f"summariser failed: {type(exc).__name__}: {exc}", reason="error")
+            self._failed(job, failure)
+            raise failure from exc
+        summary = _summary(record, job.cut, job.link)
+        if summary is None:
+            raise SummaryUnavailable("cached summary is unreadable", reason="error")
+        return summary, fresh
+
+    async def _record(self, job: _Job) -> tuple[dict[str, Any], bool]:
+        """The cached record, or a new one made under the cross-process lock (never two at once)."""
+        record = await self.cache.get(job.key)
+        if record is not None:
+            return record, False
+        async with self.cache.lock("lock:" + job.key, ttl=self.lock_ttl, wait=self.lock_wait,
+                                   ready=lambda: self._ready(job.key)) as held:
+            record = await self.cache.get(job.key)  # another replica may have made it meanwhile
+            if record is not None:
+                return record, False
+            if not held.acquired:
+                raise SummaryUnavailable("another request is making this summary; served without it for now",
+                                         reason="pending")
+            return await self._summarise(job, held), True
+
+    async def _ready(self, key: str) -> bool:
+        return await self.cache.get(key) is not None
+
+    async def _summarise(self, job: _Job, held: LockHandle) -> dict[str, Any]:
+        previous, cut = job.previous, job.cut
+        start = previous.covered_turns if previous is not None and previous.covered_turns < cut else 0
+        renewing = asyncio.create_task(self._renew(held))
+        try:
+            completion = await job.summarize(previous.text if previous is not None and start else None,
+                                             job.turns[start:])
+        finally:
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewing
+        text = completion.text.strip()
+        if not text:
+            raise SummaryUnavailable("the summariser returned an empty answer", reason="empty")
+        self._failures.pop(job.conversation, None)
+        if self.on_call is not None:
+            self.on_call(job.scope.tenant, completion)
+        record = {"text": text, "turns": cut, "chain": job.link, "model": completion.model,
+                  "incremental": bool(start), "created": time.time()}
+        await self.cache.set(job.key, record, self.ttl)
+        return record
+
+    async def _renew(self, held: LockHandle) -> None:
+        while True:
+            await asyncio.sleep(self.lock_ttl / 3)
+            await held.renew()
+
+    def _failed(self, job: _Job, exc: SummaryUnavailable) -> None:
+        if exc.reason != "backoff":
+            count = self._failures.get(job.conversation, (0, 0.0))[0] + 1
+            delay = min(self.backoff_max, self.backoff_first * 2 ** (count - 1)) if self.backoff_first else 0.0
+            self._failures[job.conversation] = (count, self.clock() + delay)
+            self._failures.move_to_end(job.conversation)
+            while len(self._failures) > FAILURES_TRACKED:
+                self._failures.popitem(last=False)
+        log.warning("summariser failed for request %s (tenant %s, reason %s): %s; serving with the trimmer alone",
+                    job.request_id or "-", job.scope.tenant, exc.reason, exc)
+        if self.on_failure is not None:
+            self.on_failure(job.scope.tenant, exc.reason)
+
+    async def close(self) -> None:
+        for flight in list(self._flights.values()):
+            flight.task.cancel()
+        self._flights.clear()
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One summary to make: turns[:cut] of a conversation, from ``previous`` when there is one."""
+
+    key: str
+    conversation: str
+    scope: SummaryScope
+    link: str  # the chained hash of turns[:cut]
+    cut: int
+    turns: list[Sequence[Item]]
+    previous: CachedSummary | None
+    summarize: SummarizeFn
+    request_id: str
+
+
+def _summary(record: dict[str, Any] | None, turns: int, chain: str) -> CachedSummary | None:
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str) or not record["text"]:
+        return None
+    if record.get("chain") not in (None, chain):
+        return None
+    return CachedSummary(turns, chain, record["text"])

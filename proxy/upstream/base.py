@@ -1,0 +1,67 @@
+"""The one seam to providers (STYLE 7): a ``Provider`` sends a managed request and completes a summary.
+
+Implementations: ``proxy.upstream.http.HTTPProvider`` (an OpenAI-compatible or
+Anthropic HTTP API over a pooled aiohttp session) and
+``proxy.upstream.litellm.LiteLLMProvider`` (any provider through litellm). A route
+picks its provider once (``Providers.for_route``); nothing else branches on the
+provider. Tests put a fake behind this seam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from multidict import CIMultiDict
+
+from plugins.base import Completion
+
+if TYPE_CHECKING:
+    from proxy.policy import ModelRoute
+
+
+@dataclass
+class Outgoing:
+    """One managed request on its way upstream.
+
+    ``wire``: chat | responses | messages; ``path``: the wire's path below the API root
+    (``/chat/completions``); ``body``: the managed body; ``data``: its bytes (the client's
+    own when nothing changed); ``client_headers``: the client's request headers.
+    """
+
+    wire: str
+    path: str
+    body: dict[str, Any]
+    data: bytes
+    stream: bool
+    client_headers: Mapping[str, str]
+    request_id: str
+
+
+class Answer(Protocol):
+    """An upstream's answer once its headers arrived (status < 400; errors are raised)."""
+
+    status: int
+    headers: CIMultiDict[str]
+    streaming: bool
+
+    def chunks(self, idle_timeout: float) -> AsyncIterator[bytes]:
+        """The body as it arrives; raises UpstreamTimeout/UpstreamUnreachable if it breaks off."""
+
+    async def read(self, idle_timeout: float) -> bytes:
+        """The whole body."""
+
+    def close(self, clean: bool) -> None:
+        """Release the connection (``clean``) or drop it, so the provider stops generating."""
+
+
+class Provider(Protocol):
+    async def send(self, route: ModelRoute, call: Outgoing) -> Answer:
+        """Send ``call``; raise an UpstreamError for a transport failure or an upstream 4xx/5xx."""
+
+    async def complete(
+        self, route: ModelRoute, messages: list[dict[str, Any]], *, max_tokens: int, timeout: float,
+        request_id: str,
+    ) -> Completion:
+        """One non-streaming summariser call (Chat Completions messages in, text out)."""

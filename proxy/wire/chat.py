@@ -1,0 +1,459 @@
+"""Chat Completions (``POST /v1/chat/completions``): the first wire adapter.
+
+Every message is one item; its ``raw`` is the client's own message object, so a
+kept message is forwarded exactly as received. Calls pair by ``tool_call_id``
+(every tool-call type: ``function``, ``custom`` …); legacy ``function_call`` pairs
+with a ``function`` message by name. Errors and stream events have OpenAI's shape;
+a stream ends with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+
+from proxy.core import describe, media
+from proxy.core.conversation import Conversation
+from proxy.core.errors import PayloadError
+from proxy.core.items import ASSISTANT, SYSTEM, TOOL, USER, Item, media_digest
+from proxy.core.pairing import PLACEHOLDER, is_paired
+from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key
+from proxy.wire.sse import CHAT as CHAT_STREAM
+from proxy.wire.sse import StreamEnd
+
+NAME = "chat"
+TOKENS_PER_MESSAGE = 3
+TOKENS_PER_NAME = 1
+TOOL_CALL_OVERHEAD = 3
+KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+_ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL,
+          "function": TOOL}
+_SALT = 0x1  # content keys of chat messages, distinct from other wires' formulas in the shared LRU
+LEGACY = "fn:"  # legacy function_call ids: the function's name, kept apart from tool_call ids
+COMPLETION_ONLY = ("o1", "o3", "o4", "gpt-5")  # models that accept only max_completion_tokens
+
+Message = dict[str, Any]
+
+
+def count_message(counter: TokenCounter, message: Message) -> int:
+    """OpenAI's per-message formula: 3 + every string field (+1 for ``name``) + parts + calls."""
+    n = TOKENS_PER_MESSAGE
+    for key, value in message.items():
+        if isinstance(value, str):
+            n += counter.text(value)
+            if key == "name":
+                n += TOKENS_PER_NAME
+        elif key == "content" and isinstance(value, list):
+            n += _count_parts(counter, value)
+        elif key == "tool_calls" and isinstance(value, list):
+            for call in value:
+                if isinstance(call, dict):
+                    n += TOOL_CALL_OVERHEAD + _count_call(counter, call)
+        elif key == "function_call" and isinstance(value, dict):
+            for part in (value.get("name"), value.get("arguments")):
+                if isinstance(part, str):
+                    n += counter.text(part)
+        elif key == "audio" and isinstance(value, dict):
+            transcript = value.get("transcript")
+            n += counter.text(transcript) if isinstance(transcript, str) else 0
+    return n
+
+
+def _count_call(counter: TokenCounter, call: dict[str, Any]) -> int:
+    body = call.get("function")
+    if not isinstance(body, dict):
+        kind = call.get("type")
+        body = call.get(kind) if isinstance(kind, str) else None
+    if not isinstance(body, dict):
+        return counter.json(call)
+    n = 0
+    for value in body.values():
+        n += counter.text(value) if isinstance(value, str) else counter.json(value)
+    return n
+
+
+def _count_parts(counter: TokenCounter, parts: list[Any]) -> int:
+    n = 0
+    for part in parts:
+        if not isinstance(part, dict):
+            continue
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            n += counter.text(part["text"])
+        elif kind == "image_url":
+            image = part.get("image_url")
+            n += media.image_tokens(image.get("detail") if isinstance(image, dict) else None)
+        elif kind == "input_audio":
+            audio = part.get("input_audio")
+            if isinstance(audio, dict) and isinstance(audio.get("data"), str):
+                n += media.audio_tokens(audio["data"], audio.get("format"))
+            else:
+                n += counter.json(part)
+        elif kind == "file":
+            file = part.get("file")
+            data = file.get("file_data") if isinstance(file, dict) else None
+            n += media.file_tokens(data if isinstance(data, str) else None)
+        else:
+            n += counter.json(part)
+    return n
+
+
+def _text_of(content: Any) -> tuple[str, list[str]]:
+    """The text of a content field, and placeholders for its media parts."""
+    if isinstance(content, str):
+        return content, []
+    texts: list[str] = []
+    media_parts: list[str] = []
+    if isinstance(content, list):
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind == "image_url":
+                media_parts.append("[image]")
+            elif kind == "input_audio":
+                media_parts.append("[audio]")
+            elif kind == "file":
+                file = part.get("file")
+                name = file.get("filename") if isinstance(file, dict) else None
+                media_parts.append(f"[file {name}]" if isinstance(name, str) else "[file]")
+            else:
+                media_parts.append(f"[{kind if isinstance(kind, str) else 'part'}]")
+    return "\n".join(texts), media_parts
+
+
+def _media_atoms(role: str, content: Any) -> Iterator[tuple[str, ...]]:
+    if not isinstance(content, list):
+        return
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") == "text":
+            continue
+        body = part.get(part.get("type")) if isinstance(part.get("type"), str) else None
+        ref = None
+        if isinstance(body, dict):
+            ref = body.get("url") or body.get("data") or body.get("file_data") or body.get("file_id")
+        yield ("media", role, media_digest(ref if isinstance(ref, str) else describe.as_text(part)))
+
+
+def canonical_arguments(arguments: Any) -> str:
+    """Call arguments as compact sorted JSON when they parse, else as sent (so wires agree)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return str(arguments)
+    try:
+        return orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError:
+        return describe.as_text(arguments)
+
+
+def _call_parts(call: dict[str, Any]) -> tuple[str, Any, Any]:
+    """(id, name, arguments/input) of any tool-call type."""
+    cid: str = call["id"] if isinstance(call.get("id"), str) else ""
+    body = call.get("function")
+    if isinstance(body, dict):
+        return cid, body.get("name"), body.get("arguments")
+    kind = call.get("type")
+    body = call.get(kind) if isinstance(kind, str) else None
+    if isinstance(body, dict):
+        return cid, body.get("name"), body.get("input", body.get("arguments"))
+    return cid, kind, None
+
+
+class ChatItem(Item):
+    __slots__ = ()
+
+    def describe(self) -> str:
+        m: Message = self.raw
+        role = m.get("role") if isinstance(m.get("role"), str) else ""
+        text, media_parts = _text_of(m.get("content"))
+        if self.role == TOOL:
+            ident = self.result_id or ""
+            ident = ident[len(LEGACY):] if ident.startswith(LEGACY) else ident
+            return describe.result(ident, " ".join([text, *media_parts]).strip())
+        audio = m.get("audio")
+        transcript = audio.get("transcript") if isinstance(audio, dict) else None
+        lines = [describe.said(str(role), " ".join([text, *media_parts]).strip())]
+        if isinstance(transcript, str):
+            lines.append(describe.said(str(role), f"[audio: {transcript}]"))
+        if isinstance(m.get("refusal"), str) and m["refusal"]:
+            lines.append(f"REFUSAL: {m['refusal']}")
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            for call in calls:
+                if isinstance(call, dict):
+                    lines.append(describe.call(*_call_parts(call)))
+        legacy = m.get("function_call")
+        if isinstance(legacy, dict):
+            lines.append(describe.call("", legacy.get("name"), legacy.get("arguments")))
+        return describe.lines(*lines)
+
+    def atoms(self) -> Iterator[tuple[str, ...]]:
+        m: Message = self.raw
+        content = m.get("content")
+        text, _ = _text_of(content)
+        if self.role == TOOL:
+            yield ("result", self.result_id or "", text)
+            yield from _media_atoms(TOOL, content)
+            return
+        if text:
+            yield ("text", self.role, text)
+        yield from _media_atoms(self.role, content)
+        if isinstance(m.get("refusal"), str) and m["refusal"]:
+            yield ("text", "refusal", m["refusal"])
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            for call in calls:
+                if isinstance(call, dict):
+                    cid, name, arguments = _call_parts(call)
+                    yield ("call", cid, str(name), canonical_arguments(arguments))
+        legacy = m.get("function_call")
+        if isinstance(legacy, dict):
+            name = str(legacy.get("name"))
+            yield ("call", LEGACY + name, name, canonical_arguments(legacy.get("arguments")))
+
+
+def _item(message: Message, source: int) -> ChatItem:
+    role = message["role"]
+    neutral = _ROLES[role]
+    if neutral == ASSISTANT:
+        calls = message.get("tool_calls")
+        if calls:
+            return ChatItem(message, ASSISTANT, call_ids=tuple(c["id"] for c in calls), source=source)
+        legacy = message.get("function_call")
+        if isinstance(legacy, dict):
+            return ChatItem(message, ASSISTANT, call_ids=(LEGACY + legacy["name"],), source=source)
+        return ChatItem(message, ASSISTANT, source=source)
+    if neutral == TOOL:
+        rid = message["tool_call_id"] if role == "tool" else LEGACY + message["name"]
+        return ChatItem(message, TOOL, result_id=rid, source=source)
+    return ChatItem(message, neutral, source=source)
+
+
+class ChatWire:
+    """The Chat Completions adapter (stateless; one shared instance)."""
+
+    name = NAME
+    field = "messages"
+    merge_call_runs = False
+    output_fields: tuple[str, ...] = ("max_completion_tokens", "max_tokens")
+    path = "/chat/completions"
+    error_shape = "openai"
+    stream_end: StreamEnd = CHAT_STREAM
+
+    def parse(self, body: dict[str, Any], counter: TokenCounter) -> Conversation:
+        messages = body.get("messages")
+        paired = scan(messages)
+        assert isinstance(messages, list)
+        items: list[Item] = [_item(m, i) for i, m in enumerate(messages)]
+        keys = [content_key(m) ^ _SALT for m in messages]
+        counts = counter.many(keys, messages, count_message)
+        for item, key, n in zip(items, keys, counts):
+            item.key, item.tokens = key, n
+        if paired is None:
+            paired = is_paired(items)
+        fixed = REPLY_PRIMING + counter.tools(body.get("tools")) + counter.tools(body.get("functions"))
+        return Conversation(items, fixed, paired)
+
+    def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
+        out = dict(body)
+        out["messages"] = [item.raw for item in items]
+        out.update(changes)
+        return out
+
+    def count(self, item: Item, counter: TokenCounter) -> None:
+        item.key = content_key(item.raw) ^ _SALT
+        item.tokens = counter.cached(item.key, item.raw, count_message)
+
+    def summary(self, text: str, covered_turns: int, counter: TokenCounter) -> Item:
+        item = ChatItem({"role": "system", "content": text}, SYSTEM)
+        self.count(item, counter)
+        return item
+
+    def without_calls(self, item: Item) -> Item | None:
+        stripped = {k: v for k, v in item.raw.items() if k not in ("tool_calls", "function_call")}
+        if not _has_content(stripped):
+            return None
+        return ChatItem(stripped, ASSISTANT, source=item.source)
+
+    def placeholder(self, call: Item, call_id: str) -> Item | None:
+        if call_id.startswith(LEGACY):
+            raw: Message = {"role": "function", "name": call_id[len(LEGACY):], "content": PLACEHOLDER}
+        else:
+            raw = {"role": "tool", "tool_call_id": call_id, "content": PLACEHOLDER}
+        return ChatItem(raw, TOOL, result_id=call_id, source=call.source)
+
+    def output_field(self, upstream_model: str) -> str:
+        name = upstream_model.rsplit("/", 1)[-1]
+        return "max_completion_tokens" if name.startswith(COMPLETION_ONLY) else "max_tokens"
+
+
+WIRE = ChatWire()
+
+
+def _has_content(message: Message) -> bool:
+    content = message.get("content")
+    if isinstance(content, str) and content.strip():
+        return True
+    if isinstance(content, list) and content:
+        return True
+    return bool(message.get("refusal")) or bool(message.get("audio"))
+
+
+# -- the shape check: the fast scan and the precise checks behind it ---------------------------------
+
+
+def check_shape(messages: Any) -> None:
+    """Raise PayloadError unless every message is well formed (pairing aside: the repair fixes that)."""
+    if not isinstance(messages, list):
+        raise PayloadError("'messages' must be an array of message objects", param="messages",
+                           code="invalid_messages")
+    if not messages:
+        raise PayloadError("'messages' must contain at least one message", param="messages",
+                           code="empty_messages")
+    for i, message in enumerate(messages):
+        _check_one(message, i)
+
+
+def scan(messages: Any) -> bool | None:
+    """One fast pass: raise PayloadError for a malformed message; return whether pairing is valid.
+
+    None: the list has legacy ``function_call`` messages, and pairing must be checked on items.
+    This runs on every request, so the common case (string contents, well-formed tool calls)
+    costs a few dict lookups per message; anything unusual gets the precise checks.
+    """
+    if type(messages) is not list or not messages:
+        check_shape(messages)
+    pending: set[str] | None = None
+    valid = True
+    legacy = False
+    for i, m in enumerate(messages):
+        if type(m) is not dict:
+            check_shape(messages)
+        role = m.get("role")
+        content = m.get("content")
+        if role == "tool":
+            tid = m.get("tool_call_id")
+            if type(tid) is not str or type(content) is not str:
+                _check_one(m, i)
+            if pending is not None and tid in pending:
+                pending.discard(tid)
+            else:
+                valid = False
+            continue
+        if pending:
+            valid = False
+        pending = None
+        if role == "assistant":
+            if m.get("function_call") is not None:
+                _check_one(m, i)
+                legacy = True
+            calls = m.get("tool_calls")
+            if calls is not None:
+                if type(calls) is not list:
+                    _check_one(m, i)
+                ids: set[str] = set()
+                for call in calls:
+                    fn = call.get("function") if type(call) is dict else None
+                    cid = call.get("id") if type(call) is dict else None
+                    if type(cid) is not str or not cid or type(fn) is not dict or type(fn.get("name")) is not str \
+                            or not fn["name"]:
+                        _check_one(m, i)  # another tool-call type, or an invalid call
+                    if cid in ids:
+                        valid = False  # the same id twice: the pairing check names it
+                    ids.add(cid)  # type: ignore[arg-type]
+                pending = ids or None
+            if content is not None and type(content) is not str:
+                _check_one(m, i)
+        elif role == "user" or role == "system" or role == "developer":
+            if type(content) is not str:
+                _check_one(m, i)
+        elif role == "function":
+            _check_one(m, i)
+            legacy = True
+        else:
+            _check_one(m, i)
+    if legacy:
+        return None
+    return valid and not pending
+
+
+def _check_one(message: Any, i: int) -> None:
+    """The precise checks for one message that the fast scan found unusual (it may well be valid)."""
+    param = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise PayloadError(f"{param} must be an object", param=param, code="invalid_message")
+    role = message.get("role")
+    if not isinstance(role, str) or role not in KNOWN_ROLES:  # (a dict or list role is not even hashable)
+        raise PayloadError(f"{param}.role must be one of {sorted(KNOWN_ROLES)}, got {_short(role)}",
+                           param=f"{param}.role", code="invalid_role")
+    _check_content(message, param, role)
+    if role == "assistant":
+        _check_calls(message, param)
+    elif role == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise PayloadError(f"{param} (tool) has no tool_call_id", param=f"{param}.tool_call_id",
+                           code="missing_tool_call_id")
+    elif role == "function" and not isinstance(message.get("name"), str):
+        raise PayloadError(f"{param} (function) has no name", param=f"{param}.name", code="missing_tool_call_id")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_content(message: Message, param: str, role: str) -> None:
+    content = message.get("content")
+    if content is None:
+        if role in ("user", "system", "developer", "tool") and "content" not in message:
+            raise PayloadError(f"{param} ({role}) has no content", param=f"{param}.content", code="missing_content")
+        return
+    if isinstance(content, str):
+        return
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise PayloadError(f"{param}.content[{j}] must be an object with a 'type'",
+                                   param=f"{param}.content[{j}]", code="invalid_content")
+        return
+    raise PayloadError(f"{param}.content must be a string, an array of parts or null",
+                       param=f"{param}.content", code="invalid_content")
+
+
+def _check_calls(message: Message, param: str) -> None:
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise PayloadError(f"{param}.tool_calls must be an array", param=f"{param}.tool_calls",
+                               code="invalid_tool_call")
+        for j, call in enumerate(calls):
+            where = f"{param}.tool_calls[{j}]"
+            if not isinstance(call, dict) or not isinstance(call.get("id"), str) or not call["id"]:
+                raise PayloadError(f"{where} has no id", param=f"{where}.id", code="invalid_tool_call")
+            kind = call.get("type", "function")
+            body = call.get("function") if kind == "function" else call.get(kind) if isinstance(kind, str) else None
+            if kind in ("function", "custom") and (
+                    not isinstance(body, dict) or not isinstance(body.get("name"), str) or not body["name"]):
+                raise PayloadError(f"{where} has no {kind} name", param=f"{where}.{kind}.name",
+                                   code="invalid_tool_call")
+    legacy = message.get("function_call")
+    if legacy is not None and (not isinstance(legacy, dict) or not isinstance(legacy.get("name"), str)):
+        raise PayloadError(f"{param}.function_call has no name", param=f"{param}.function_call",
+                           code="invalid_tool_call")
+
+
+# -- conveniences for callers that hold chat messages (tests, tools) ---------------------------------
+
+
+def items_of(messages: list[Message], counter: TokenCounter | None = None) -> list[Item]:
+    """Chat messages as items (counted when a counter is given)."""
+    items: list[Item] = [_item(m, i) for i, m in enumerate(messages)]
+    if counter is not None:
+        for item in items:
+            WIRE.count(item, counter)
+    return items

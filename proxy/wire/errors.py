@@ -1,0 +1,37 @@
+"""Errors in each wire's own shape: OpenAI's for Chat Completions and Responses, Anthropic's for Messages.
+
+Every body a client sees comes from the error tree (``proxy.core.errors``); this
+module only re-shapes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.core.errors import CtxProxyError, UpstreamStatus
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors)
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+
+
+def openai_error_body(error: CtxProxyError) -> dict[str, Any]:
+    return error.to_openai()
+
+
+def anthropic_error_body(error: CtxProxyError) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}``; an Anthropic upstream's own error body as it came."""
+    if isinstance(error, UpstreamStatus) and isinstance(error.raw, dict) and error.raw.get("type") == "error":
+        return error.raw
+    kind = ANTHROPIC_TYPES.get(error.status)
+    if kind is None:
+        kind = "invalid_request_error" if 400 <= error.status < 500 else "api_error"
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
