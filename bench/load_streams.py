@@ -245,7 +245,7 @@ async def run_inprocess(args: argparse.Namespace, folder: Path) -> Result:
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     from aiohttp import web
 
-    from proxy.app import create_app
+    from proxy.serve.app import create_app
     from proxy.server import setup_logging
     from proxy.settings import load_config
     from proxy.tokens import use_bundled_encodings

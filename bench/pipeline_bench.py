@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from plugins.base import Completion  # noqa: E402
-from proxy.cache import MemoryCache  # noqa: E402
-from proxy.modelinfo import ModelMap  # noqa: E402
+from proxy.store.memory import MemoryCache  # noqa: E402
+from proxy.core.modelinfo import ModelMap  # noqa: E402
 from proxy.pairing import is_valid  # noqa: E402
 from proxy.runtime import Runtime, open_shared  # noqa: E402
 from proxy.settings import load_config  # noqa: E402
@@ -88,12 +88,12 @@ async def run_case(name: str, manager: Any, budget: int, runs: int, tokenizers: 
         runtime = Runtime(cfg, shared, InstantEngine())
         b0 = copy.deepcopy(body)
         t = time.perf_counter()
-        a, _, _ = await runtime.assemble(b0, tenant=None)
+        a, _, _ = await runtime.assemble(CHAT, b0, tenant=None)
         cold.append(time.perf_counter() - t)
         for i in range(3):
             b = grown(body, i)
             t = time.perf_counter()
-            a, _, _ = await runtime.assemble(b, tenant=None)
+            a, _, _ = await runtime.assemble(CHAT, b, tenant=None)
             warm.append(time.perf_counter() - t)
             body_i = b  # noqa: F841
         out_tokens, valid = a.report.tokens_after, is_valid(a.messages)

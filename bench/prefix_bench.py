@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.pipeline_bench import PAYLOADS, InstantEngine  # noqa: E402
-from proxy.cache import MemoryCache  # noqa: E402
+from proxy.store.memory import MemoryCache  # noqa: E402
 from proxy.pairing import is_valid  # noqa: E402
-from proxy.prefix import PrefixTracker  # noqa: E402
+from proxy.store.prefix import PrefixTracker  # noqa: E402
 from proxy.runtime import Runtime, open_shared  # noqa: E402
 from proxy.settings import load_config  # noqa: E402
 
@@ -62,7 +62,7 @@ async def share(manager: Any, budget: int, count: int, payload: str) -> tuple[fl
     compacted = 0
     for n in points[1:]:
         request = dict(body, messages=messages[:n])
-        assembly, _, _ = await runtime.assemble(request, tenant=None)
+        assembly, _, _ = await runtime.assemble(CHAT, request, tenant=None)
         assert is_valid(assembly.messages) and assembly.report.tokens_after <= budget
         if assembly.report.tokens_before > budget * 0.9 or results:
             stable = tracker.observe(assembly.received, assembly.messages, assembly.keys)

@@ -76,6 +76,7 @@ class Assembly:
     report: Report
     received: list[Item] = field(default_factory=list)
     field_name: str = "messages"
+    body_changes: dict[str, Any] = field(default_factory=dict)  # output caps and the upstream model name
 
     @property
     def messages(self) -> Any:
@@ -209,7 +210,7 @@ async def assemble(
             check(repaired, wire.merge_call_runs, wire.field)
         changed = bool(repairs) or bool(changes)
         out = wire.render(body, repaired, changes) if changed else body
-        return Assembly(out, repaired, changed, report, received, wire.field)
+        return Assembly(out, repaired, changed, report, received, wire.field, changes)
 
     def toks(items: list[Item]) -> int:
         return sum(item.tokens for item in items)
@@ -270,7 +271,7 @@ async def assemble(
     check(final, wire.merge_call_runs, wire.field)
     changed = len(final) != len(received) or any(a is not b for a, b in zip(final, received)) or bool(changes)
     out = wire.render(body, final, changes) if changed else body
-    return Assembly(out, final, changed, report, received, wire.field)
+    return Assembly(out, final, changed, report, received, wire.field, changes)
 
 
 def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibration: float) -> Budget:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,12 +10,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy.tokens import use_bundled_encodings
+from proxy.core.modelinfo import offline_environment
 from tests.fake_upstream import FakeUpstream
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-os.environ.setdefault("LITELLM_TELEMETRY", "False")
-use_bundled_encodings()
+offline_environment()
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -34,7 +31,7 @@ class RunningProxy:
 
     @property
     def state(self) -> Any:
-        from proxy.app import STATE
+        from proxy.serve.state import STATE
 
         return self.app[STATE]
 
@@ -63,7 +60,7 @@ StartProxy = Callable[..., Awaitable[RunningProxy]]
 
 @pytest.fixture
 async def start_proxy() -> AsyncIterator[StartProxy]:
-    from proxy.app import create_app
+    from proxy.serve.app import create_app
     from proxy.settings import load_config
 
     runners: list[web.AppRunner] = []

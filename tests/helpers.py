@@ -6,12 +6,13 @@ code under test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,16 +20,17 @@ from typing import Any
 import pytest
 from hypothesis import strategies as st
 
-from proxy.tokens import use_bundled_encodings
+from proxy.core.modelinfo import offline_environment
 
-use_bundled_encodings()  # tiktoken must never reach the network in tests
+offline_environment()  # tiktoken must never reach the network in tests
 
 import tiktoken  # noqa: E402  (after use_bundled_encodings)
 
 from plugins.base import Completion, Services  # noqa: E402
-from proxy.cache import MemoryCache  # noqa: E402
+from proxy.runtime import Runtime  # noqa: E402
 from proxy.settings import Config, load_config  # noqa: E402
-from proxy.summaries import SummaryService  # noqa: E402
+from proxy.store.memory import MemoryCache  # noqa: E402
+from proxy.store.summaries import SummaryService  # noqa: E402
 
 Message = dict[str, Any]
 
@@ -316,7 +318,8 @@ class FakeEngine:
         self.calls: list[list[Message]] = []
 
     async def complete(
-        self, model: str, messages: list[Message], *, max_tokens: int, timeout: float, purpose: str
+        self, model: str, messages: list[Message], *, max_tokens: int, timeout: float, purpose: str,
+        request_id: str = "",
     ) -> Completion:
         self.calls.append(messages)
         await asyncio.sleep(0)
@@ -328,10 +331,23 @@ def summary_service(cache: MemoryCache | None = None) -> SummaryService:
         cache or MemoryCache(),
         ttl=None,
         lock_wait=5,
-        lock_ttl=30,
         backoff_first=0,
         backoff_max=0,
     )
+
+
+@contextlib.asynccontextmanager
+async def running(config: Config, engine: Any = None) -> AsyncIterator[Runtime]:
+    """A runtime built as the server builds it (memory cache per config), closed afterwards."""
+    from proxy.serve.state import build_runtime, build_shared
+
+    shared = build_shared(config)
+    runtime = build_runtime(config, shared, engine=False).runtime
+    runtime.engine = engine
+    try:
+        yield runtime
+    finally:
+        await shared.close()
 
 
 def services(counter: Any, engine: Any = None, summaries: Any = None, **extra: Any) -> Services:
@@ -492,10 +508,12 @@ def working_memory(messages: Sequence[Message]) -> list[Message]:
 
 
 def minimal_payload(messages: Sequence[Message]) -> list[Message]:
-    """What can never be dropped (DESIGN §4): system band, current user turn, last WM tool group
-    (or the last WM message when WM has no tool group)."""
+    """What can never be dropped (DESIGN §4): system band, current user turn, the last WM tool group
+    (the live round) and the last WM group (an assistant prefill after the live round included)."""
     wm = working_memory(messages)
-    keep = last_tool_group(wm) or wm[-1:]
+    keep = last_tool_group(wm)
+    if wm and not any(m is wm[-1] for m in keep):
+        keep = keep + wm[-1:]
     current = last_user(messages)
     return leading_system(messages) + ([current] if current is not None else []) + keep
 
@@ -509,8 +527,8 @@ def assembly_problems(
     ``before`` is the client's list as sent, ``after`` the same list after the call (mutation check),
     ``fixed`` the tokens of the request's tool schemas.
     """
-    from proxy.errors import PayloadError
-    from proxy.pairing import check
+    from proxy.core.errors import PayloadError
+    from proxy.wire.chat import check_messages as check
 
     problems: list[str] = []
     out = assembly.messages

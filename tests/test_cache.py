@@ -21,16 +21,11 @@ import pytest
 import redis.asyncio as aioredis
 import redis.asyncio.connection as redis_connection
 
-from proxy import cache as cache_mod
-from proxy.cache import (
-    Cache,
-    CacheBackendError,
-    DiskCache,
-    MemoryCache,
-    RedisCache,
-    SafeCache,
-    open_cache,
-)
+from proxy.store import disk as cache_mod
+from proxy.store.cache import Cache, CacheBackendError, SafeCache, open_cache
+from proxy.store.disk import DiskCache
+from proxy.store.memory import MemoryCache
+from proxy.store.redis import RedisCache
 from tests.redis_server import RedisServer, redis_server_fixture
 
 redis_server = redis_server_fixture(scope="module")
@@ -140,36 +135,36 @@ async def _hold(c: Cache, key: str, wait: float) -> tuple[bool, float]:
 async def test_lock_excludes_second_holder_then_waiter_gets_it(make: Factory) -> None:
     a, b = make(), make()
     async with a.lock("job", ttl=5, wait=0) as got_a:
-        assert got_a is True
+        assert got_a.acquired is True
         t0 = time.monotonic()
         async with b.lock("job", ttl=5, wait=0.2) as got_b:
-            assert got_b is False  # gave up after `wait`
+            assert got_b.acquired is False  # gave up after `wait`
         assert 0.18 <= time.monotonic() - t0 < 2
         async with b.lock("other-job", ttl=5, wait=0) as got_other:
-            assert got_other is True  # different key, no conflict
+            assert got_other.acquired is True  # different key, no conflict
         waiter = asyncio.create_task(_hold(b, "job", wait=3))
         await asyncio.sleep(0.15)
         assert not waiter.done()
         released_at = time.monotonic()
     got, acquired_at = await asyncio.wait_for(waiter, 3)
-    assert got is True
+    assert got.acquired is True
     assert acquired_at >= released_at
     async with a.lock("job", ttl=5, wait=0) as again:
-        assert again is True  # the waiter released it
+        assert again.acquired is True  # the waiter released it
 
 
 async def test_expired_lock_is_taken_over_and_stale_holder_cannot_release_it(make: Factory) -> None:
     a, b = make(), make()
     crashed = a.lock("job", ttl=0.3, wait=0)
-    assert await crashed.__aenter__() is True  # holder "crashes": never releases in time
+    assert (await crashed.__aenter__()).acquired is True  # holder "crashes": never releases in time
     async with b.lock("job", ttl=5, wait=0) as got:
-        assert got is False
+        assert got.acquired is False
     await asyncio.sleep(0.4)
     async with b.lock("job", ttl=5, wait=0.5) as got_b:
-        assert got_b is True
+        assert got_b.acquired is True
         await crashed.__aexit__(None, None, None)  # stale holder wakes up and "releases"
         async with a.lock("job", ttl=5, wait=0) as got_a:
-            assert got_a is False  # ...but b's lock survived: release is compare-and-delete
+            assert got_a.acquired is False  # ...but b's lock survived: release is compare-and-delete
 
 
 # ---------------------------------------------------------------- disk
@@ -286,16 +281,16 @@ async def test_disk_corrupt_database_is_served_as_miss(
     )
     assert isinstance(safe, SafeCache) and safe.name == "disk"
     try:
-        with caplog.at_level(logging.DEBUG, logger="proxy.cache"):
+        with caplog.at_level(logging.DEBUG, logger="ctxproxy.cache"):
             for _ in range(3):
                 assert await safe.get("k") is None
                 await safe.set("k", VALUE)
             async with safe.lock("k", ttl=1, wait=0) as got:
-                assert got is True  # fail open
+                assert got.acquired is True  # fail open
             assert await safe.ping() is False
         assert [op for op, _ in errors] == ["get", "set"] * 3 + ["lock"]
         assert all(isinstance(e, CacheBackendError) for _, e in errors)
-        warnings = [r for r in caplog.records if r.name == "proxy.cache" and r.levelno == logging.WARNING]
+        warnings = [r for r in caplog.records if r.name == "ctxproxy.cache" and r.levelno == logging.WARNING]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
         # Opening is retried: removing the corrupt file heals the cache without a restart.
         (path / "cache.db").unlink()
@@ -319,7 +314,7 @@ async def test_disk_unusable_directory_is_served_as_miss(tmp_path: Path) -> None
         assert await safe.get("k") is None
         await safe.set("k", VALUE)
         async with safe.lock("k", ttl=1, wait=0.1) as got:
-            assert got is True
+            assert got.acquired is True
         assert await safe.ping() is False
         assert [op for op, _ in errors] == ["get", "set", "lock"]
         assert isinstance(errors[0][1], CacheBackendError)
@@ -451,7 +446,7 @@ async def test_redis_lock_acquired_by_cancelled_caller_is_released(redis_server:
         await sleeper
         # The SET NX did run; without the orphan release the lock would be stuck for 30 s.
         async with cache.lock("job", ttl=5, wait=5.0) as got:
-            assert got is True
+            assert got.acquired is True
     finally:
         await cache.close()
         await blocker.aclose()
@@ -469,7 +464,7 @@ async def test_redis_down_and_back() -> None:
             assert await safe.get("k") is None
             await safe.set("k", VALUE)
             async with safe.lock("k", ttl=1, wait=0.1) as got:
-                assert got is True  # fail open
+                assert got.acquired is True  # fail open
             assert await safe.ping() is False
             assert time.monotonic() - t0 < 3
             assert [op for op, _ in errors] == ["get", "set", "lock"]
@@ -526,9 +521,13 @@ class _Flaky:
         self._check()
         await self.inner.set(key, value, ttl)
 
-    def lock(self, key: str, ttl: float, wait: float) -> contextlib.AbstractAsyncContextManager[bool]:
+    async def get_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
         self._check()
-        return self.inner.lock(key, ttl, wait)
+        return await self.inner.get_many(keys)
+
+    def lock(self, key: str, ttl: float, wait: float, ready: Any = None) -> contextlib.AbstractAsyncContextManager[Any]:
+        self._check()
+        return self.inner.lock(key, ttl, wait, ready)
 
     async def ping(self) -> bool:
         self._check()
@@ -544,9 +543,9 @@ async def test_safe_cache_logs_once_per_error_streak(caplog: pytest.LogCaptureFi
     safe = SafeCache(flaky, on_error=_recorder(errors))
 
     def warnings() -> int:
-        return sum(1 for r in caplog.records if r.name == "proxy.cache" and r.levelno == logging.WARNING)
+        return sum(1 for r in caplog.records if r.name == "ctxproxy.cache" and r.levelno == logging.WARNING)
 
-    with caplog.at_level(logging.INFO, logger="proxy.cache"):
+    with caplog.at_level(logging.INFO, logger="ctxproxy.cache"):
         await safe.set("k", {"v": 1})
         flaky.fail = CacheBackendError("down")
         assert await safe.get("k") is None
@@ -568,19 +567,19 @@ async def test_safe_cache_lock_fails_open_and_keeps_body_exceptions() -> None:
     safe = SafeCache(flaky, on_error=_recorder(errors))
     flaky.fail = CacheBackendError("down")
     async with safe.lock("k", ttl=1, wait=0) as got:
-        assert got is True
+        assert got.acquired is True
     with pytest.raises(ValueError, match="body"):
         async with safe.lock("k", ttl=1, wait=0):
             raise ValueError("body")
     flaky.fail = None
     with pytest.raises(ValueError, match="body"):
         async with safe.lock("k", ttl=5, wait=0) as got:
-            assert got is True
+            assert got.acquired is True
             raise ValueError("body")
     async with safe.lock("k", ttl=5, wait=0) as got:
-        assert got is True  # released despite the exception
+        assert got.acquired is True  # released despite the exception
         async with safe.lock("k", ttl=5, wait=0) as second:
-            assert second is False  # a working lock is still a lock
+            assert second.acquired is False  # a working lock is still a lock
     assert [op for op, _ in errors] == ["lock", "lock"]
 
 

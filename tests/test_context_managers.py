@@ -11,14 +11,15 @@ import pytest
 
 from plugins.base import CachedSummary, HistoryView, Services, SummaryScope
 from plugins.registry import BindingError, default_registry
-from proxy.budget import TrimmerParams, compute_budget
-from proxy.errors import ContextLengthExceeded
-from proxy.messages import split_bands, split_turns
-from proxy.modelinfo import ModelMap
+from proxy.core.bands import assign_groups, split_bands, split_turns
+from proxy.core.budget import TrimmerParams, compute_budget
+from proxy.core.errors import ContextLengthExceeded
+from proxy.core.modelinfo import ModelMap
+from proxy.core.tokens import TokenCounter
 from proxy.pipeline import Assembly, assemble, chain_hashes
 from proxy.policy import Routes, policy_for
-from proxy.runtime import Runtime, open_shared
-from proxy.tokens import TokenCounter, content_key
+from proxy.wire.chat import WIRE as CHAT
+from proxy.wire.chat import items_of
 from tests.helpers import (
     MODEL,
     AgentSim,
@@ -28,6 +29,8 @@ from tests.helpers import (
     call,
     make_config,
     pairing_problems,
+    recount,
+    running,
     services,
     summary_service,
     system,
@@ -47,19 +50,22 @@ def manager(binding: Any) -> Any:
 def view(messages: list[dict[str, Any]], *, hard: int = 100_000, threshold: int = 0,
          svc: Services | None = None) -> HistoryView:
     """A HistoryView as the pipeline builds it, for calling a plugin directly."""
-    bands = split_bands(messages)
+    items = items_of(messages, COUNTER)
+    assign_groups(items, merge_call_runs=False)
+    bands = split_bands(items)
     turns = split_turns(bands.history)
-    tokens = [[COUNTER.message(m) for m in t] for t in turns]
-    pinned = 3 + sum(COUNTER.message(m) for m in [*bands.system, *bands.working_memory])
+    pinned = 3 + sum(item.tokens for item in [*bands.system, *bands.working_memory])
     if bands.current is not None:
-        pinned += COUNTER.message(bands.current)
+        pinned += bands.current.tokens
     budget = compute_budget(window=10**7, request_max_tokens=None, model_max_output=None,
                             trimmer=TrimmerParams(max_tokens=hard), tenant_cap=None, summary_threshold=threshold)
     return HistoryView(
-        turns=turns, message_tokens=tokens, turn_tokens=[sum(t) for t in tokens],
-        chain_fn=lambda: chain_hashes(turns, {id(m): content_key(m) for t in turns for m in t}),
+        turns=turns, turn_tokens=[sum(item.tokens for item in t) for t in turns],
+        chain_fn=lambda: chain_hashes(turns),
         pinned_tokens=pinned, budget=budget, counter=COUNTER, services=svc or services(COUNTER),
+        summary_item=lambda text, covered: CHAT.summary(text, covered, COUNTER),
     )
+
 
 
 def agent_history(turns: int, rounds: int = 2, parallel: bool = True) -> list[dict[str, Any]]:
@@ -74,8 +80,9 @@ def agent_history(turns: int, rounds: int = 2, parallel: bool = True) -> list[di
     return [*msgs, user("current question")]
 
 
-def flat(turns: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
-    return [m for t in turns for m in t]
+def flat(turns: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
+    """The client's messages of item turns, in order."""
+    return [item.raw for t in turns for item in t]
 
 
 class Pipe:
@@ -89,7 +96,7 @@ class Pipe:
         self.services = services(COUNTER, engine=engine, summaries=summary_service() if engine else None)
 
     async def __call__(self, messages: list[dict[str, Any]]) -> Assembly:
-        return await assemble({"model": MODEL, "messages": messages}, route=self.route, policy=self.policy,
+        return await assemble({"model": MODEL, "messages": messages}, wire=CHAT, route=self.route, policy=self.policy,
                               counter=COUNTER, services=self.services)
 
 
@@ -246,19 +253,16 @@ def _summary_history(turns: int) -> list[dict[str, Any]]:
 async def test_summarising_with_engine_places_one_summary_after_the_system_band() -> None:
     engine = FakeEngine()
     config = make_config(window=4_000, context_manager={"type": "summarising", "params": {"keep_turns": 2}})
-    runtime = Runtime(config, open_shared(config), engine=engine)
     msgs = _summary_history(12)
     before = copy.deepcopy(msgs)
-    try:
-        a, _, _ = await runtime.assemble({"model": MODEL, "messages": msgs}, tenant=None)
-    finally:
-        await runtime.shared.summaries.close()
-        await runtime.shared.cache.close()
+    async with running(config, engine) as runtime:
+        a, _, _ = await runtime.assemble(CHAT, {"model": MODEL, "messages": msgs}, tenant=None)
     assert not assembly_problems(before, msgs, a)
-    # the summariser's own window is the 4k model's: the aged part is summarised in two chunks,
-    # the second folding the first chunk's summary in
-    assert a.report.summary == "created" and len(engine.calls) == 2
+    # the summariser's own window is the 4k model's: the aged part is summarised in chunks that fit it,
+    # each folding the previous chunk's summary in
+    assert a.report.summary == "created" and len(engine.calls) >= 2
     assert "Previous summary:\n- the user booked flight HAT001 (reservation ZFA04Y) (call 1)" in engine.calls[1][1]["content"]
+    assert all(recount(call) + 1024 <= 4_000 for call in engine.calls)  # prompt + answer fit the window
     n = a.report.turns_summarised
     assert n >= 10
     out = a.messages
@@ -266,7 +270,7 @@ async def test_summarising_with_engine_places_one_summary_after_the_system_band(
     summary = out[2]
     assert summary["role"] == "system"
     assert summary["content"].startswith(f"[Conversation summary — {n} earlier turns]\n")
-    assert summary["content"].endswith("(call 2)")
+    assert summary["content"].endswith(f"(call {len(engine.calls)})")
     assert sum(1 for m in out if m["role"] == "system") == 2
     kept_users = [m for m in out if m["role"] == "user"]
     assert kept_users[-1] is msgs[-1]
@@ -275,7 +279,7 @@ async def test_summarising_with_engine_places_one_summary_after_the_system_band(
     # the summariser was asked to keep identifiers and saw the aged turns
     prompt, body = engine.calls[0]
     assert prompt["role"] == "system" and all(w in prompt["content"] for w in ("ids", "names", "numbers", "paths"))
-    assert "ZFA00" in body["content"] and f"ZFA0{n - 1}" in engine.calls[1][1]["content"]
+    assert "ZFA00" in body["content"] and f"ZFA0{n - 1}" in engine.calls[-1][1]["content"]
 
 
 async def test_summary_is_reused_then_extended_incrementally() -> None:
@@ -314,9 +318,9 @@ class FakeStore:
         return best
 
     async def obtain(self, scope: SummaryScope, chain: Sequence[str], cut: int, turns: Any, previous: Any,
-                     summarize: Any) -> tuple[CachedSummary, bool]:
+                     summarize: Any, request_id: str = "") -> tuple[CachedSummary, bool]:
         completion = await summarize(None, turns[:cut])
-        made = CachedSummary(cut, chain[cut - 1], completion.text, 0)
+        made = CachedSummary(cut, chain[cut - 1], completion.text)
         self.made[(scope.settings_id, chain[cut - 1])] = made
         return made, True
 
@@ -330,7 +334,7 @@ async def test_summarising_with_a_fake_summary_store() -> None:
     assert result.summary_status == "created" and store.lookups == 1 and len(engine.calls) == 1
     n = result.turns_summarised
     assert result.turns == v.turns[n:] and n >= 8
-    assert result.summary == {"role": "system",
+    assert result.summary is not None and result.summary.raw == {"role": "system",
                               "content": f"[Conversation summary — {n} earlier turns]\nshort summary (call 1)"}
     again = await manager({"type": "summarising", "params": {"keep_turns": 2}}).manage_history(v)
     assert again.summary_status == "reused" and len(engine.calls) == 1

@@ -12,9 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from plugins.base import Completion
-from proxy.metrics import Metrics
-from proxy.modelinfo import ModelMap
+from proxy.core.modelinfo import ModelMap
 from proxy.pipeline import Report
+from proxy.serve.metrics import Metrics
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "config" / "grafana-dashboard.json"
 METRIC = re.compile(r"\bctxproxy_[A-Za-z0-9_:]*")

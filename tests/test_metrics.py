@@ -13,9 +13,9 @@ from prometheus_client import values as prom_values
 from prometheus_client.parser import text_string_to_metric_families
 
 from plugins.base import Completion
-from proxy.metrics import MAX_ERROR_CODES, Metrics
-from proxy.modelinfo import ModelMap
+from proxy.core.modelinfo import ModelMap
 from proxy.pipeline import Report
+from proxy.serve.metrics import MAX_ERROR_CODES, Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gpt-4o-mini"
@@ -60,10 +60,10 @@ def test_unknown_tenant_and_model_become_other(metrics: Metrics) -> None:
     metrics.finished("intruder", "no-such-model-xyz", 200, overhead=None, upstream=None, ttft=None, usage=None)
     metrics.finished("acme", "my-alias", 200, overhead=None, upstream=None, ttft=None, usage=None)
     metrics.finished("acme", MODEL, 502, overhead=None, upstream=None, ttft=None, usage=None)
-    assert value(metrics, "ctxproxy_requests_total", tenant="other", model="other", status="200") == 1
-    assert value(metrics, "ctxproxy_requests_total", tenant="acme", model="my-alias", status="200") == 1
+    assert value(metrics, "ctxproxy_requests_total", tenant="other", model="other", wire="chat", status="200") == 1
+    assert value(metrics, "ctxproxy_requests_total", tenant="acme", model="my-alias", wire="chat", status="200") == 1
     # Not configured, but an exact name in litellm's model map.
-    assert value(metrics, "ctxproxy_requests_total", tenant="acme", model=MODEL, status="502") == 1
+    assert value(metrics, "ctxproxy_requests_total", tenant="acme", model=MODEL, wire="chat", status="502") == 1
 
 
 def test_default_tenant_only_without_tenants(model_map: ModelMap) -> None:
@@ -98,7 +98,7 @@ def test_key_like_strings_never_reach_the_output(metrics: Metrics) -> None:
     assert value(metrics, "ctxproxy_repairs_total", kind="other") == 1
     assert value(metrics, "ctxproxy_summaries_total", tenant="other", result="other") == 1
     assert value(metrics, "ctxproxy_cache_errors_total", operation="other") == 1
-    assert value(metrics, "ctxproxy_requests_total", tenant="acme", model=MODEL, status="other") == 1
+    assert value(metrics, "ctxproxy_requests_total", tenant="acme", model=MODEL, wire="chat", status="other") == 1
 
 
 def test_assembled_counts_tokens_removals_repairs_and_savings(metrics: Metrics, model_map: ModelMap) -> None:
@@ -154,7 +154,7 @@ def test_cached_tokens_and_timings(metrics: Metrics) -> None:
     assert value(metrics, "ctxproxy_overhead_seconds_bucket", le="0.0001") == 0
     assert value(metrics, "ctxproxy_upstream_seconds_sum", **t) == 2.0
     assert value(metrics, "ctxproxy_upstream_ttft_seconds_count", **t) == 1
-    assert value(metrics, "ctxproxy_requests_total", **t, status="200") == 6
+    assert value(metrics, "ctxproxy_requests_total", **t, wire="chat", status="200") == 6
 
 
 def test_prefix_stability(metrics: Metrics) -> None:
@@ -212,8 +212,8 @@ def test_multiprocess_dir_requires_the_environment(tmp_path: Path, model_map: Mo
 WORKER = textwrap.dedent("""
     import os, sys
     from plugins.base import Completion
-    from proxy.metrics import Metrics
-    from proxy.modelinfo import ModelMap
+    from proxy.serve.metrics import Metrics
+    from proxy.core.modelinfo import ModelMap
     from proxy.pipeline import Report
 
     m = Metrics(["acme"], [], ModelMap(), multiprocess_dir=os.environ["PROMETHEUS_MULTIPROC_DIR"])
@@ -228,8 +228,8 @@ WORKER = textwrap.dedent("""
 
 RENDER = textwrap.dedent("""
     import os, sys
-    from proxy.metrics import Metrics
-    from proxy.modelinfo import ModelMap
+    from proxy.serve.metrics import Metrics
+    from proxy.core.modelinfo import ModelMap
 
     m = Metrics(["acme"], [], ModelMap(), multiprocess_dir=os.environ["PROMETHEUS_MULTIPROC_DIR"])
     body, _ = m.render()
@@ -261,7 +261,7 @@ def test_multiprocess_render_sums_all_workers(tmp_path: Path, model_map: ModelMa
     def v(name: str, **labels: str) -> float:
         return got.get((name, frozenset(labels.items())), 0.0)
 
-    assert v("ctxproxy_requests_total", **t, status="200") == 7
+    assert v("ctxproxy_requests_total", **t, wire="chat", status="200") == 7
     assert v("ctxproxy_tokens_received_total", **t) == 700
     assert v("ctxproxy_tokens_removed_total", **t, how="windowed") == 70
     assert v("ctxproxy_estimated_savings_usd_total", **t) == pytest.approx(70 * model_map.input_price(MODEL))

@@ -23,7 +23,7 @@ import yaml
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.modelinfo import ModelMap
+from proxy.core.modelinfo import ModelMap
 from tests.conftest import base_config
 from tests.fake_upstream import FakeUpstream
 from tests.test_summarisation import conversation
@@ -169,9 +169,9 @@ async def test_metrics_after_a_summarising_run(upstream: FakeUpstream, start_pro
     assert savings == pytest.approx(removed * model_map.input_price(MODEL))
 
     # requests, tokens, summaries
-    assert value(m, "ctxproxy_requests_total", **t, status="200") == 4
-    assert value(m, "ctxproxy_requests_total", **t, status="400") == 1
-    assert value(m, "ctxproxy_requests_total", tenant="other", model="other", status="401") == 1
+    assert value(m, "ctxproxy_requests_total", **t, wire="chat", status="200") == 4
+    assert value(m, "ctxproxy_requests_total", **t, wire="chat", status="400") == 1
+    assert value(m, "ctxproxy_requests_total", tenant="other", model="other", wire="chat", status="401") == 1
     received = value(m, "ctxproxy_tokens_received_total", **t)
     forwarded = value(m, "ctxproxy_tokens_forwarded_total", **t)
     assert received > forwarded > 0
@@ -195,7 +195,7 @@ async def test_metrics_after_a_summarising_run(upstream: FakeUpstream, start_pro
     assert value(m, "ctxproxy_upstream_seconds_count", tenant="acme", model="other") == 1
 
     # labels: the unknown model is "other", and no key or prompt text is anywhere in the exposition
-    assert value(m, "ctxproxy_requests_total", tenant="acme", model="other", status="200") == 1
+    assert value(m, "ctxproxy_requests_total", tenant="acme", model="other", wire="chat", status="200") == 1
     assert "zz-unknown-model-7" not in text
     models = {dict(ls).get("model") for (_, ls) in m} - {None}
     assert models == {MODEL, "other"}
@@ -230,7 +230,7 @@ async def test_explain_matches_assemble_cli_and_forwards_nothing(
 
     cfg = priced_config(upstream.base_url, context_manager={
         "type": "summarising", "params": {"keep_turns": 4, "summarizer": summarizer}})
-    assert cfg["cache"] == {"backend": "memory"}  # both sides start empty, so both create the summary
+    assert cfg["cache"] == {"backend": "memory"}  # both sides start empty
     config_file = tmp_path / "ctxproxy.yaml"
     config_file.write_text(yaml.safe_dump(cfg))
     body = {"model": MODEL, "messages": with_prompt_canary(conversation(40)), "max_tokens": 500}
@@ -255,22 +255,21 @@ async def test_explain_matches_assemble_cli_and_forwards_nothing(
     assert explained["report"] == assembled["report"]
     report = explained["report"]
     assert report["tokens_before"] > report["tokens_after"]
-    assert report["summary"] == ("created" if summarizer == "llm" else "none")
+    # explain and assemble never bill anyone: what a summary would replace is reported, not made
+    assert report["summary"] == ("would_create" if summarizer == "llm" else "none")
     assert report["max_tokens_clamped"] is False and report["reserve"] == 500  # the body's max_tokens was used
     if summarizer == "llm":
         assert list(report["removed"]) == ["summarised"] and report["turns_summarised"] > 0
     else:
         assert list(report["removed"]) == ["windowed"] and report["turns_dropped"] > 0
 
-    # never forwarded: the chat endpoint saw nothing; only summariser calls reached the upstream
-    assert upstream.chat == []
     if summarizer == "llm":
-        assert via_proxy >= 1 and via_cli == via_proxy
-        assert value(m, "ctxproxy_summarizer_tokens_total", tenant="default", model=MODEL, kind="prompt") \
-            == 1000 * via_proxy
-        assert value(m, "ctxproxy_summarizer_cost_usd_total", tenant="default", model=MODEL) > 0
-    else:
-        assert upstream.summaries == []
+        detail = report["summary_detail"]
+        assert detail["turns"] == report["turns_summarised"] and detail["cached"] is False
+        assert detail["tokens_replaced"] > 0
+    # never forwarded and nobody billed: the upstream saw nothing at all
+    assert upstream.chat == [] and upstream.summaries == [] and via_proxy == via_cli == 0
+    assert total(m, "ctxproxy_summarizer_tokens_total") == 0
     # explain is not a chat completion: it neither counts as one nor as a forwarded request
     assert total(m, "ctxproxy_requests_total") == 0
     assert total(m, "ctxproxy_upstream_seconds_count") == 0

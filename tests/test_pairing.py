@@ -7,8 +7,12 @@ from typing import Any
 
 import pytest
 
-from proxy.errors import PayloadError
-from proxy.pairing import PLACEHOLDER, check, check_shape, is_valid, repair
+from proxy.core.errors import PayloadError
+from proxy.core.pairing import PLACEHOLDER
+from proxy.wire.chat import WIRE as CHAT
+from proxy.wire.chat import check_messages as check
+from proxy.wire.chat import check_shape, is_valid
+from proxy.wire.chat import repair_messages as repair
 from tests.helpers import (
     assistant,
     call,
@@ -259,16 +263,12 @@ def test_shape_errors_are_not_repaired_away() -> None:
     ],
 )
 async def test_pipeline_refuses_invalid_payloads_with_their_code(messages: Any, code: str) -> None:
-    from proxy.runtime import Runtime, open_shared
-    from tests.helpers import MODEL, make_config
+    from tests.helpers import MODEL, make_config, running
 
     config = make_config()
-    runtime = Runtime(config, open_shared(config))
-    try:
+    async with running(config) as runtime:
         with pytest.raises(PayloadError) as info:
-            await runtime.assemble({"model": MODEL, "messages": messages}, tenant=None)
-    finally:
-        await runtime.shared.cache.close()
+            await runtime.assemble(CHAT, {"model": MODEL, "messages": messages}, tenant=None)
     assert info.value.code == code
     assert set(info.value.to_openai()["error"]) == {"message", "type", "param", "code"}
 
@@ -277,7 +277,7 @@ async def test_pipeline_refuses_invalid_payloads_with_their_code(messages: Any, 
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from proxy.pairing import scan  # noqa: E402
+from proxy.wire.chat import scan  # noqa: E402
 from tests.helpers import conversations  # noqa: E402
 
 

@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 
-from proxy.errors import ContextLengthExceeded, PayloadError
-from proxy.modelinfo import ModelMap
-from proxy.pairing import repair
+from proxy.core.errors import ContextLengthExceeded, PayloadError
+from proxy.core.modelinfo import ModelMap
+from proxy.core.tokens import TokenCounter
 from proxy.pipeline import Assembly, assemble
 from proxy.policy import Routes, policy_for
-from proxy.tokens import TokenCounter
+from proxy.wire.chat import WIRE as CHAT
+from proxy.wire.chat import repair_messages as repair
 from tests.helpers import (
     MANAGERS,
     MODEL,
@@ -65,7 +66,7 @@ class Harness:
         self.services = services(COUNTER)
 
     async def run(self, body: dict[str, Any]) -> Assembly:
-        return await assemble(body, route=self.route, policy=self.policy, counter=COUNTER, services=self.services)
+        return await assemble(body, wire=CHAT, route=self.route, policy=self.policy, counter=COUNTER, services=self.services)
 
 
 async def check_case(h: Harness, messages: list[dict[str, Any]], **body: Any) -> tuple[str, list[str]]:
@@ -387,7 +388,7 @@ async def test_pairing_strict_refuses_payloads_that_need_repair() -> None:
     policy = policy_for(config, None, MODEL, None)
     msgs = [user("q"), call(("c1", "f"))]
     with pytest.raises(PayloadError) as info:
-        await assemble({"model": MODEL, "messages": msgs}, route=route, policy=policy, counter=COUNTER,
+        await assemble({"model": MODEL, "messages": msgs}, wire=CHAT, route=route, policy=policy, counter=COUNTER,
                        services=services(COUNTER))
     assert info.value.code == "invalid_tool_pairing"
 
@@ -408,7 +409,7 @@ async def test_reserve_precedence(trimmer: dict[str, Any], body: dict[str, Any],
     raw["trimmer"] = trimmer
     config = load_config(raw, env={})
     route = Routes(config, MODEL_MAP).resolve(MODEL)
-    a = await assemble({"model": MODEL, "messages": [user("x")], **body}, route=route,
+    a = await assemble({"model": MODEL, "messages": [user("x")], **body}, wire=CHAT, route=route,
                        policy=policy_for(config, None, MODEL, None), counter=COUNTER, services=services(COUNTER))
     assert a.report.reserve == reserve
     assert a.report.margin == 5_000
@@ -424,7 +425,7 @@ async def test_safety_margin_ratio_is_clamped(ratio: float, margin: int) -> None
     raw["trimmer"]["safety_margin_ratio"] = ratio
     config = load_config(raw, env={})
     route = Routes(config, MODEL_MAP).resolve(MODEL)
-    a = await assemble({"model": MODEL, "messages": [user("x")]}, route=route,
+    a = await assemble({"model": MODEL, "messages": [user("x")]}, wire=CHAT, route=route,
                        policy=policy_for(config, None, MODEL, None), counter=COUNTER, services=services(COUNTER))
     assert a.report.margin == margin
     assert a.report.hard_budget == 10_000 - 256 - margin

@@ -21,13 +21,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.errors import ContextLengthExceeded
-from proxy.messages import split_bands
-from proxy.modelinfo import ModelMap
-from proxy.pairing import check, repair
+from proxy.core.errors import ContextLengthExceeded
+from proxy.core.modelinfo import ModelMap
+from proxy.core.tokens import TokenCounter
 from proxy.pipeline import Assembly, assemble
 from proxy.policy import Routes, policy_for
-from proxy.tokens import TokenCounter
+from proxy.wire.chat import WIRE as CHAT
+from proxy.wire.chat import check_messages as check
+from proxy.wire.chat import repair_messages as repair
 from tests.helpers import (
     MANAGERS,
     MODEL,
@@ -42,6 +43,7 @@ from tests.helpers import (
     recount,
     services,
     summary_service,
+    working_memory,
 )
 
 COUNTER = TokenCounter("o200k_base")
@@ -72,7 +74,7 @@ class Setup:
                 svc = services(COUNTER, engine=FakeEngine(), summaries=summary_service())
             else:
                 svc = services(COUNTER)
-            return await assemble({"model": MODEL, "messages": messages}, route=self.route, policy=self.policy,
+            return await assemble({"model": MODEL, "messages": messages}, wire=CHAT, route=self.route, policy=self.policy,
                                   counter=COUNTER, services=svc)
 
         return asyncio.run(go())
@@ -83,13 +85,12 @@ SETUPS = {(m, b): Setup(m, b) for m in ALL_MANAGERS for b in BUDGETS}
 
 def _wm_ends_with(messages: list[dict[str, Any]], group: list[dict[str, Any]]) -> bool:
     repaired, _ = repair(messages)
-    return split_bands(repaired).working_memory[-len(group) :] == group
+    return working_memory(repaired)[-len(group) :] == group
 
 
 def _repaired_wm_group(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     repaired, _ = repair(messages)
-    bands = split_bands(repaired)
-    return last_tool_group(bands.working_memory)
+    return last_tool_group(working_memory(repaired))
 
 
 @pytest.mark.parametrize("manager", sorted(ALL_MANAGERS))

@@ -598,7 +598,7 @@ async def test_allow_unknown_models_false_answers_404(upstream: FakeUpstream, se
 
 
 async def test_tenant_listing_an_unrouted_model_is_a_config_error(upstream: FakeUpstream) -> None:
-    from proxy.errors import ConfigError
+    from proxy.core.errors import ConfigError
 
     cfg = policy_config(upstream.base_url, upstream.base_url, allow_unknown_models=False)
     cfg["tenants"][1]["models"] = [BIG, "gpt-4o"]

@@ -71,7 +71,7 @@ class Resources:
         current = asyncio.current_task()
         tasks = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
         acquired = pooled = 0
-        for session in proxy.state.pool._sessions.values():
+        for session in proxy.state.shared.pool._sessions.values():
             connector = session.connector
             acquired += len(connector._acquired)
             pooled += sum(len(v) for v in connector._conns.values())
@@ -319,7 +319,7 @@ async def _three_summarised_requests(proxy: RunningProxy) -> list[str]:
 
 def _cache_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "proxy.cache" and r.levelno >= logging.WARNING and CACHE_WARNING.search(r.getMessage())]
+            if r.name == "ctxproxy.cache" and r.levelno >= logging.WARNING and CACHE_WARNING.search(r.getMessage())]
 
 
 async def _assert_served_counted_logged_once(proxy: RunningProxy, caplog: pytest.LogCaptureFixture) -> None:
@@ -356,7 +356,7 @@ async def test_cache_database_corrupt_at_start(upstream: FakeUpstream, start_pro
         os.unlink(path / name)
     statuses = await _three_summarised_requests(proxy)
     assert statuses[-1] == "reused"
-    assert any("recovered" in r.getMessage() for r in caplog.records if r.name == "proxy.cache")
+    assert any("recovered" in r.getMessage() for r in caplog.records if r.name == "ctxproxy.cache")
 
 
 async def test_cache_database_corrupted_while_running(upstream: FakeUpstream, start_proxy: Any, tmp_path: Path,
@@ -385,7 +385,7 @@ async def test_cache_database_full(upstream: FakeUpstream, start_proxy: Any, tmp
     """SQLITE_FULL, the error a full disk gives: the database is filled up to a page limit it may not pass."""
     import diskcache
 
-    from proxy.cache import _JSONBytesDisk
+    from proxy.store.disk import _JSONBytesDisk
 
     path = tmp_path / "cache"
     stock = diskcache.Cache(str(path), disk=_JSONBytesDisk)
@@ -422,7 +422,7 @@ async def test_cache_size_limit_tiny(upstream: FakeUpstream, start_proxy: Any, t
     failing -- served, the new summary is stored and reused, no errors, and the file stays bounded."""
     import diskcache
 
-    from proxy.cache import _JSONBytesDisk
+    from proxy.store.disk import _JSONBytesDisk
 
     path = tmp_path / "cache"
     stock = diskcache.Cache(str(path), disk=_JSONBytesDisk)

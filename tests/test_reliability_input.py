@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.pairing import check
+from proxy.wire.chat import check_messages as check
 from tests.conftest import base_config
 from tests.fake_upstream import FakeUpstream
 
@@ -338,7 +338,8 @@ HOSTILE: list[tuple[str, bytes, int, str | None]] = [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "same", "type": "function", "function": {"name": "f", "arguments": "{}"}}] * 3},
         {"role": "tool", "tool_call_id": "same", "content": "r"},
-        {"role": "tool", "tool_call_id": "same", "content": "r"}]}), 200, None),
+        # one id three times: no result can say which call it answers (issue 11, item 11)
+        {"role": "tool", "tool_call_id": "same", "content": "r"}]}), 400, "duplicate_tool_call_id"),
     ("tools-not-a-list", b'{"model": "gpt-4o-mini", "tools": 5, "messages": [{"role": "user", "content": "hi"}]}',
      200, None),
     ("empty-object", b"{}", 400, "missing_model"),

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.pairing import check
 from proxy.settings import load_config
+from proxy.wire.chat import check_messages as check
 from tests.conftest import ROOT, base_config
 from tests.fake_upstream import FakeUpstream
 
@@ -35,12 +35,12 @@ def spec() -> dict[str, Any]:
 def test_openapi_document_matches_the_routes() -> None:
     from aiohttp import web
 
-    from proxy import handlers
+    from proxy.serve.routes import add_routes
 
     doc = spec()
     assert doc["openapi"].startswith("3.0")
     app = web.Application()
-    handlers.add_routes(app)
+    add_routes(app)
     served: set[tuple[str, str]] = set()
     for route in app.router.routes():
         info = route.resource.get_info() if route.resource is not None else {}

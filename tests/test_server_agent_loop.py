@@ -58,17 +58,6 @@ TOOLS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read litellm's model map once per session, not once per app (speed only)."""
-    from proxy import modelinfo
-
-    if "data" not in _MAP:
-        _MAP["data"] = modelinfo.ModelMap()._data
-    monkeypatch.setattr(modelinfo.ModelMap, "_data", property(lambda self: _MAP["data"]))
-
-
-_MAP: dict[str, Any] = {}
 
 
 # --- an independent token count: tiktoken o200k_base and OpenAI's per-message formula --------------------

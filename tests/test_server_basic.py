@@ -21,17 +21,6 @@ MESSAGES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read litellm's model map once per session, not once per app (speed only)."""
-    from proxy import modelinfo
-
-    if "data" not in _MAP:
-        _MAP["data"] = modelinfo.ModelMap()._data
-    monkeypatch.setattr(modelinfo.ModelMap, "_data", property(lambda self: _MAP["data"]))
-
-
-_MAP: dict[str, Any] = {}
 
 
 def client(proxy: Any, key: str = "sk-client-key", **kw: Any) -> openai.AsyncOpenAI:
@@ -136,7 +125,7 @@ async def test_report_headers(upstream: FakeUpstream, start_proxy: Any) -> None:
     assert h["x-ctxproxy-summary"] == "none"
     assert h["x-ctxproxy-repairs"] == "0"
     assert float(h["x-ctxproxy-overhead-ms"]) >= 0
-    assert re.fullmatch(r"[0-9a-f]{32}", h["x-request-id"])
+    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", h["x-request-id"])
     assert "x-ctxproxy-warning" not in h
     assert raw.parse().choices[0].message.content == REPLY
 
@@ -176,7 +165,7 @@ async def test_request_id_invalid_is_replaced(upstream: FakeUpstream, start_prox
     proxy = await start_proxy(base_config(upstream.base_url))
     body = json.dumps({"model": MODEL, "messages": MESSAGES}).encode()
     _, headers, _ = await post_raw(proxy.url + "/v1/chat/completions", body, {"X-Request-Id": "bad id <script>"})
-    assert re.fullmatch(r"[0-9a-f]{32}", headers["x-request-id"])
+    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", headers["x-request-id"])
     assert sent_headers(upstream.chat[-1])["x-request-id"] == headers["x-request-id"]
 
 

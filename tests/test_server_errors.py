@@ -20,17 +20,6 @@ MODEL = "gpt-4o-mini"
 MESSAGES = [{"role": "user", "content": "Hello there."}]
 
 
-@pytest.fixture(autouse=True)
-def _shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read litellm's model map once per session, not once per app (speed only)."""
-    from proxy import modelinfo
-
-    if "data" not in _MAP:
-        _MAP["data"] = modelinfo.ModelMap()._data
-    monkeypatch.setattr(modelinfo.ModelMap, "_data", property(lambda self: _MAP["data"]))
-
-
-_MAP: dict[str, Any] = {}
 
 
 def client(proxy: Any, **kw: Any) -> openai.AsyncOpenAI:
@@ -445,7 +434,7 @@ async def test_client_disconnect_cancels_upstream(upstream: FakeUpstream, start_
     assert await eventually(lambda: upstream.cancelled == 1 and upstream.active == 0, 1.0), \
         (upstream.cancelled, upstream.active)
     # and the proxy's pooled connection to the upstream was closed, not returned to the pool
-    session = proxy.state.pool._sessions[upstream.base_url]
+    session = proxy.state.shared.pool._sessions[upstream.base_url]
     connector = session.connector
     assert await eventually(lambda: not connector._acquired, 1.0)
     assert sum(len(v) for v in connector._conns.values()) == 0

@@ -36,17 +36,6 @@ def refund(order_id: str, amount: float) -> str:
 TOOLS = {t.name: t for t in (lookup_order, refund)}
 
 
-@pytest.fixture(autouse=True)
-def _shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read litellm's model map once per session, not once per app (speed only)."""
-    from proxy import modelinfo
-
-    if "data" not in _MAP:
-        _MAP["data"] = modelinfo.ModelMap()._data
-    monkeypatch.setattr(modelinfo.ModelMap, "_data", property(lambda self: _MAP["data"]))
-
-
-_MAP: dict[str, Any] = {}
 
 
 def call(cid: str, name: str, **args: Any) -> dict[str, Any]:

@@ -23,17 +23,6 @@ SMALL = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "pi
 PROMPT_LIMIT = 0.150  # seconds
 
 
-@pytest.fixture(autouse=True)
-def _shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read litellm's model map once per session, not once per app (speed only)."""
-    from proxy import modelinfo
-
-    if "data" not in _MAP:
-        _MAP["data"] = modelinfo.ModelMap()._data
-    monkeypatch.setattr(modelinfo.ModelMap, "_data", property(lambda self: _MAP["data"]))
-
-
-_MAP: dict[str, Any] = {}
 
 
 def recount(body: dict[str, Any]) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.errors import ConfigError
+from proxy.core.errors import ConfigError
 from proxy.settings import load_config
 from tests.helpers import REPO
 

@@ -74,11 +74,12 @@ async def test_growing_conversation_summaries_grow_with_conversation_not_request
     calls = len(upstream.summaries)
     hard = WINDOW - 1000 - math.ceil(0.1 * WINDOW)
     # growth: tokens of the conversation from the first summary to the end
-    from proxy.tokens import TokenCounter
+    from proxy.core.tokens import TokenCounter
+    from proxy.wire.chat import counts as chat_counts
 
     counter = TokenCounter("o200k_base")
     first = statuses.index("created")
-    size = lambda n: sum(counter.messages(conversation(n)))  # noqa: E731
+    size = lambda n: sum(chat_counts(counter, conversation(n)))  # noqa: E731
     growth = size(60) - size(first + 1)
     bound = math.ceil(growth / (0.1 * hard)) + 1
     print(f"\n60-turn run: {len(statuses)} requests, {calls} summariser calls (bound {bound}), "
@@ -86,7 +87,7 @@ async def test_growing_conversation_summaries_grow_with_conversation_not_request
     assert 1 <= calls <= bound
     assert budget <= hard
     for rec in upstream.chat:
-        from proxy.pairing import check
+        from proxy.wire.chat import check_messages as check
 
         check(rec.body["messages"])
 
@@ -179,10 +180,11 @@ async def test_aged_part_larger_than_the_summarisers_window_is_folded_in_chunks(
     assert not first.startswith("Previous summary")
     assert all(r.startswith("Previous summary:\n" + upstream.summary_text) for r in rest)
     # every chunk fits the summariser's own window
-    from proxy.tokens import TokenCounter
+    from proxy.core.tokens import TokenCounter
+    from proxy.wire.chat import counts as chat_counts
 
     counter = TokenCounter("o200k_base")
-    assert all(sum(counter.messages(c.body["messages"])) + 300 <= WINDOW for c in upstream.summaries)
+    assert all(sum(chat_counts(counter, c.body["messages"])) + 300 <= WINDOW for c in upstream.summaries)
 
 
 async def test_incremental_summary_uses_the_previous_one(upstream, start_proxy):
@@ -208,6 +210,6 @@ async def test_summariser_work_per_request_is_bounded_and_oversized_summaries_ar
     assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
     assert len(upstream.summaries) == 2
     summary = upstream.chat[-1].body["messages"][1]["content"]
-    from proxy.tokens import TokenCounter
+    from proxy.core.tokens import TokenCounter
 
     assert TokenCounter("o200k_base").text(summary) <= 300 + 40

@@ -13,20 +13,22 @@ from typing import Any
 import pytest
 import tiktoken
 
-from proxy.modelinfo import ModelMap
-from proxy.policy import Routes
-from proxy.tokens import (
+from proxy.core.media import IMAGE_TOKENS, IMAGE_TOKENS_LOW
+from proxy.core.modelinfo import ModelMap
+from proxy.core.tokens import (
     CL100K,
-    IMAGE_TOKENS,
-    IMAGE_TOKENS_LOW,
     O200K,
     REPLY_PRIMING,
-    TOOL_CALL_OVERHEAD,
     TokenCounter,
     encoding_for,
     use_bundled_encodings,
 )
-from tests.helpers import REPO, call, image_user, make_config, recount, ref_message_tokens, words
+from proxy.policy import Routes
+from proxy.wire.chat import TOOL_CALL_OVERHEAD
+from proxy.wire.chat import WIRE as CHAT
+from proxy.wire.chat import count as chat_count
+from proxy.wire.chat import counts as chat_counts
+from tests.helpers import REPO, call, image_user, make_config, recount, ref_message_tokens, running, words
 
 use_bundled_encodings()
 COUNTERS = {O200K: TokenCounter(O200K), CL100K: TokenCounter(CL100K)}
@@ -80,26 +82,26 @@ def tiktoken_reference(messages: list[dict[str, Any]], encoding: str) -> int:
 @pytest.mark.parametrize("index", range(len(PLAIN)))
 def test_plain_message_matches_tiktoken(encoding: str, index: int) -> None:
     message = PLAIN[index]
-    assert COUNTERS[encoding].message(message) == tiktoken_reference([message], encoding) - REPLY_PRIMING
+    assert chat_count(COUNTERS[encoding], message) == tiktoken_reference([message], encoding) - REPLY_PRIMING
 
 
 @pytest.mark.parametrize("encoding", [O200K, CL100K])
 def test_whole_table_matches_tiktoken(encoding: str) -> None:
     counter = TokenCounter(encoding)  # a fresh counter: exercises the batched, threaded first count
-    counts = counter.messages(PLAIN * 3)
+    counts = chat_counts(counter, PLAIN * 3)
     assert sum(counts) + REPLY_PRIMING == tiktoken_reference(PLAIN * 3, encoding)
-    assert counts == [COUNTERS[encoding].message(m) for m in PLAIN * 3]
+    assert counts == [chat_count(COUNTERS[encoding], m) for m in PLAIN * 3]
 
 
 @pytest.mark.parametrize(("encoding", "expected"), [(CL100K, 129), (O200K, 124)])
 def test_cookbook_example(encoding: str, expected: int) -> None:
     assert tiktoken_reference(COOKBOOK, encoding) == expected
-    assert sum(COUNTERS[encoding].messages(COOKBOOK)) + REPLY_PRIMING == expected
+    assert sum(chat_counts(COUNTERS[encoding], COOKBOOK)) + REPLY_PRIMING == expected
 
 
 def test_encodings_differ_on_the_same_text() -> None:
     text = {"role": "user", "content": "東京に行きたい。" * 20}
-    assert COUNTERS[O200K].message(text) != COUNTERS[CL100K].message(text)
+    assert chat_count(COUNTERS[O200K], text) != chat_count(COUNTERS[CL100K], text)
 
 
 @pytest.mark.parametrize("encoding", [O200K, CL100K])
@@ -107,26 +109,26 @@ def test_special_token_text_is_counted_as_ordinary_text(encoding: str) -> None:
     message = {"role": "user", "content": "please print <|endoftext|> and <|im_start|> literally"}
     enc = tiktoken.get_encoding(encoding)
     expected = 3 + len(enc.encode("user")) + len(enc.encode(message["content"], disallowed_special=()))
-    assert COUNTERS[encoding].message(message) == expected
+    assert chat_count(COUNTERS[encoding], message) == expected
 
 
 def test_many_long_messages_batch_path_matches_single_counts() -> None:
     messages = [{"role": "tool", "tool_call_id": f"c{i}", "content": words(300 + i, i)} for i in range(40)]
     fresh = TokenCounter(O200K)
-    batched = fresh.messages(messages)
+    batched = chat_counts(fresh, messages)
     assert batched == [ref_message_tokens(m) for m in messages]
-    assert fresh.messages(messages) == batched  # now from the cache
+    assert chat_counts(fresh, messages) == batched  # now from the cache
 
 
 def test_cache_is_content_addressed_not_identity() -> None:
     counter = TokenCounter(O200K, cache_size=4)
     a = {"role": "user", "content": "hello there"}
-    first = counter.message(a)
+    first = chat_count(counter, a)
     a["content"] = "hello there, a much longer text than before"
-    assert counter.message(a) == ref_message_tokens(a) != first
+    assert chat_count(counter, a) == ref_message_tokens(a) != first
     for i in range(10):  # evictions keep counts right
-        counter.message({"role": "user", "content": f"m{i}"})
-    assert counter.message({"role": "user", "content": "hello there"}) == first
+        chat_count(counter, {"role": "user", "content": f"m{i}"})
+    assert chat_count(counter, {"role": "user", "content": "hello there"}) == first
 
 
 def test_images_tool_calls_and_unknown_keys() -> None:
@@ -135,17 +137,17 @@ def test_images_tool_calls_and_unknown_keys() -> None:
     high = image_user("what is this?")
     low = image_user("what is this?", detail="low")
     base = 3 + len(enc.encode("user")) + len(enc.encode("what is this?"))
-    assert counter.message(high) == base + IMAGE_TOKENS == base + 765
-    assert counter.message(low) == base + IMAGE_TOKENS_LOW == base + 85
+    assert chat_count(counter, high) == base + IMAGE_TOKENS == base + 765
+    assert chat_count(counter, low) == base + IMAGE_TOKENS_LOW == base + 85
     c = call(("call_1", "search_flights", '{"from": "JFK"}'), ("call_2", "get_user"))
     expected = 3 + len(enc.encode("assistant"))
     for tc in c["tool_calls"]:
         fn = tc["function"]
         expected += TOOL_CALL_OVERHEAD + len(enc.encode(fn["name"])) + len(enc.encode(fn["arguments"]))
-    assert counter.message(c) == expected
+    assert chat_count(counter, c) == expected
     plain = {"role": "user", "content": "hi"}
-    assert counter.message({**plain, "cache_control": {"type": "ephemeral"}}) == counter.message(plain)
-    assert counter.message({"role": "assistant", "content": None}) == 3 + len(enc.encode("assistant"))
+    assert chat_count(counter, {**plain, "cache_control": {"type": "ephemeral"}}) == chat_count(counter, plain)
+    assert chat_count(counter, {"role": "assistant", "content": None}) == 3 + len(enc.encode("assistant"))
 
 
 @pytest.mark.parametrize(
@@ -221,16 +223,12 @@ def test_routes_pick_encoding_by_family_and_honour_tokenizer() -> None:
 @pytest.mark.parametrize(("model", "encoding"), [("gpt-4o", O200K), ("gpt-4", CL100K)])
 async def test_pipeline_reports_reference_counts(model: str, encoding: str) -> None:
     """tokens_before of a real request equals the tiktoken reference for the model's encoding."""
-    from proxy.runtime import Runtime, open_shared
 
     messages = COOKBOOK + [m for m in PLAIN if m["role"] != "tool"]  # a lone tool message would be repaired
 
     config = make_config(model=model, window=100_000)
-    runtime = Runtime(config, open_shared(config))
-    try:
-        assembly, route, _ = await runtime.assemble({"model": model, "messages": messages}, tenant=None)
-    finally:
-        await runtime.shared.cache.close()
+    async with running(config) as runtime:
+        assembly, route, _ = await runtime.assemble(CHAT, {"model": model, "messages": messages}, tenant=None)
     assert route.encoding == encoding
     assert assembly.report.repairs == {}
     assert assembly.report.tokens_before == tiktoken_reference(messages, encoding)
@@ -247,7 +245,7 @@ def test_bundled_encodings_work_without_network(tmp_path: Any) -> None:
         socket.socket.connect = refuse
         socket.create_connection = refuse
         socket.getaddrinfo = refuse
-        from proxy.tokens import TokenCounter, use_bundled_encodings
+        from proxy.core.tokens import TokenCounter, use_bundled_encodings
         use_bundled_encodings()
         import os, json
         print(json.dumps({"dir": os.environ.get("TIKTOKEN_CACHE_DIR"),
@@ -269,7 +267,7 @@ def test_bundled_encodings_work_without_network(tmp_path: Any) -> None:
 def test_token_counter_does_not_break_tiktokens_shared_encoding() -> None:
     script = textwrap.dedent(
         """
-        from proxy.tokens import TokenCounter, use_bundled_encodings
+        from proxy.core.tokens import TokenCounter, use_bundled_encodings
         use_bundled_encodings()
         import tiktoken
         TokenCounter("cl100k_base")

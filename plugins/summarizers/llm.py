@@ -21,6 +21,8 @@ from proxy.core.items import Item
 
 PROMPT_VERSION = "2"
 LABEL_TOKENS = 12  # "TOOL RESULT <id>: ", "TOOL CALL <id> name(" ... per rendered line
+PROMPT_TOKENS = 300  # the built-in prompt and the call's framing, rounded up
+MIN_CHUNK = 256
 
 PROMPT = """You compress the earlier part of a conversation between a user and an AI assistant that uses tools.
 Write a summary that lets the assistant continue the conversation without the original turns.
@@ -57,9 +59,10 @@ class LLMSummarizer(Summarizer):
         model = self._model(services)
         prompt = params.instructions or PROMPT
         counter = services.counter
-        # room for one chunk: the summariser model's own window minus the prompt, the answer and a margin
+        # room for one chunk: the summariser model's own window, less a 10 % margin, the prompt, the previous
+        # summary folded in and the answer (both at most summary_tokens)
         window = services.window_of(model) if services.window_of is not None else services.summarizer_window
-        room = max(1_000, int(window * 0.8) - services.summary_tokens - 1_000)
+        room = max(MIN_CHUNK, int(window * 0.9) - PROMPT_TOKENS - 2 * services.summary_tokens)
 
         async def summarize(previous: str | None, turns: Sequence[Sequence[Item]]) -> Completion:
             # rendering and counting ~100k tokens of aged turns takes a while: keep it off the event loop

@@ -36,7 +36,7 @@ def encoding_for(model: str, override: str | None = None) -> str:
         return override
     import tiktoken
 
-    name = model.rsplit("/", 1)[-1]
+    name = model.rsplit("/", 1)[-1].lower()
     try:
         return tiktoken.encoding_name_for_model(name)
     except KeyError:

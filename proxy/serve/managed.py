@@ -101,7 +101,7 @@ async def _handle(request: web.Request, wire: ManagedWire) -> web.StreamResponse
         )
         record.report = assembly.report
         record.model = route.name
-        st.metrics.assembled(record.tenant, route, assembly.report)
+        st.metrics.assembled(record.tenant, route.name, assembly.report, route.upstream_model)
         stable = st.prefix.observe(assembly.received, assembly.items)
         if stable is not None:
             st.metrics.prefix(record.tenant, route.name, stable)

@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from plugins.base import Completion
     from proxy.core.modelinfo import ModelMap
     from proxy.pipeline import Report
-    from proxy.policy import ModelRoute
 
 log = logging.getLogger("ctxproxy")
 
@@ -170,9 +169,9 @@ class Metrics:
         """One summary-cache error (Observer); the exception is not recorded."""
         self.cache_errors.labels(operation if operation in CACHE_OPERATIONS else OTHER).inc()
 
-    def assembled(self, tenant: str, route: ModelRoute, report: Report) -> None:
-        """What the pipeline did to one request; savings priced on the route's upstream model."""
-        t, m = self.tenant_label(tenant), self.model_label(route.name)
+    def assembled(self, tenant: str, model: str, report: Report, upstream_model: str | None = None) -> None:
+        """What the pipeline did to one request; savings priced on the model the route sends upstream."""
+        t, m = self.tenant_label(tenant), self.model_label(model)
         self.tokens_received.labels(t, m).inc(max(0, report.tokens_before))
         self.tokens_forwarded.labels(t, m).inc(max(0, report.tokens_after))
         removed = 0
@@ -186,9 +185,10 @@ class Metrics:
             if n > 0:
                 self.repairs.labels(kind if kind in REPAIR_KINDS else OTHER).inc(n)
         if removed:
-            price = self.model_map.input_price(route.upstream_model)
+            priced = upstream_model or model
+            price = self.model_map.input_price(priced)
             if price is None:
-                self._unpriced(route.upstream_model)
+                self._unpriced(priced)
             else:
                 self.savings.labels(t, m).inc(removed * price)
 

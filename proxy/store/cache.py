@@ -27,7 +27,7 @@ from proxy.core.errors import CacheBackendError
 
 __all__ = ["Cache", "CacheBackendError", "LockHandle", "SafeCache", "open_cache"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ctxproxy.cache")
 
 T = TypeVar("T")
 ErrorHook = Callable[[str, BaseException], None]

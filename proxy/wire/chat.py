@@ -9,6 +9,7 @@ a stream ends with ``data: [DONE]``.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,8 +18,8 @@ import orjson
 from proxy.core import describe, media
 from proxy.core.conversation import Conversation
 from proxy.core.errors import PayloadError
-from proxy.core.items import ASSISTANT, SYSTEM, TOOL, USER, Item, media_digest
-from proxy.core.pairing import PLACEHOLDER, is_paired
+from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item, media_digest
+from proxy.core.pairing import PLACEHOLDER, check, is_paired, repair
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key
 from proxy.wire.sse import CHAT as CHAT_STREAM
 from proxy.wire.sse import StreamEnd
@@ -219,19 +220,23 @@ class ChatItem(Item):
 
 
 def _item(message: Message, source: int) -> ChatItem:
-    role = message["role"]
-    neutral = _ROLES[role]
+    """A message as an item (a malformed one, which the shape check refuses anyway, as a plain item)."""
+    role = message.get("role")
+    neutral = _ROLES.get(role, OTHER) if isinstance(role, str) else OTHER
     if neutral == ASSISTANT:
         calls = message.get("tool_calls")
-        if calls:
-            return ChatItem(message, ASSISTANT, call_ids=tuple(c["id"] for c in calls), source=source)
+        if calls and isinstance(calls, list):
+            ids = tuple(c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str))
+            return ChatItem(message, ASSISTANT, call_ids=ids, source=source)
         legacy = message.get("function_call")
-        if isinstance(legacy, dict):
+        if isinstance(legacy, dict) and isinstance(legacy.get("name"), str):
             return ChatItem(message, ASSISTANT, call_ids=(LEGACY + legacy["name"],), source=source)
         return ChatItem(message, ASSISTANT, source=source)
     if neutral == TOOL:
-        rid = message["tool_call_id"] if role == "tool" else LEGACY + message["name"]
-        return ChatItem(message, TOOL, result_id=rid, source=source)
+        rid = message.get("tool_call_id") if role == "tool" else message.get("name")
+        if not isinstance(rid, str):
+            return ChatItem(message, OTHER, source=source)
+        return ChatItem(message, TOOL, result_id=rid if role == "tool" else LEGACY + rid, source=source)
     return ChatItem(message, neutral, source=source)
 
 
@@ -248,7 +253,7 @@ class ChatWire:
 
     def parse(self, body: dict[str, Any], counter: TokenCounter) -> Conversation:
         messages = body.get("messages")
-        paired = scan(messages)
+        paired = _scan(messages)
         assert isinstance(messages, list)
         items: list[Item] = [_item(m, i) for i, m in enumerate(messages)]
         keys = [content_key(m) ^ _SALT for m in messages]
@@ -320,10 +325,15 @@ def check_shape(messages: Any) -> None:
         _check_one(message, i)
 
 
-def scan(messages: Any) -> bool | None:
-    """One fast pass: raise PayloadError for a malformed message; return whether pairing is valid.
+def scan(messages: Any) -> bool:
+    """One fast pass: raise PayloadError for a malformed message; return whether pairing is valid."""
+    valid = _scan(messages)
+    return is_paired(items_of(messages)) if valid is None else valid
 
-    None: the list has legacy ``function_call`` messages, and pairing must be checked on items.
+
+def _scan(messages: Any) -> bool | None:
+    """``scan``, except that None means: legacy ``function_call`` messages, check pairing on items.
+
     This runs on every request, so the common case (string contents, well-formed tool calls)
     costs a few dict lookups per message; anything unusual gets the precise checks.
     """
@@ -457,3 +467,34 @@ def items_of(messages: list[Message], counter: TokenCounter | None = None) -> li
         for item in items:
             WIRE.count(item, counter)
     return items
+
+
+def repair_messages(messages: list[Message]) -> tuple[list[Message], Counter[str]]:
+    """The pairing repair on chat messages (the same list object when nothing changed)."""
+    items = items_of(messages)
+    repaired, repairs = repair(items, WIRE)
+    return (messages if repaired is items else [item.raw for item in repaired]), repairs
+
+
+def check_messages(messages: Any) -> None:
+    """The payload check on chat messages: shape and pairing (raises PayloadError)."""
+    scan(messages)
+    check(items_of(messages))
+
+
+def is_valid(messages: Any) -> bool:
+    """Whether chat messages pass the payload check."""
+    try:
+        check_messages(messages)
+    except PayloadError:
+        return False
+    return True
+
+
+def count(counter: TokenCounter, message: Message) -> int:
+    """One chat message's tokens (cached under its content key)."""
+    return counter.cached(content_key(message) ^ _SALT, message, count_message)
+
+
+def counts(counter: TokenCounter, messages: list[Message]) -> list[int]:
+    return counter.many([content_key(m) ^ _SALT for m in messages], messages, count_message)
