@@ -19,7 +19,6 @@ os.environ.setdefault("LITELLM_TELEMETRY", "False")
 use_bundled_encodings()
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
 
 
 @dataclass

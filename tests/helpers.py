@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gzip
 import itertools
 import json
 import math
@@ -16,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 from hypothesis import strategies as st
 
 from proxy.tokens import use_bundled_encodings
@@ -33,7 +33,7 @@ from proxy.summaries import SummaryService  # noqa: E402
 Message = dict[str, Any]
 
 REPO = Path(__file__).resolve().parents[1]
-TAU_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "tau-bench-airline.json"
+TAU_BENCH = REPO / "tests" / "data" / "tau-bench-airline.json.gz"  # provenance: tests/data/README.md
 UPSTREAM = {"u": {"base_url": "http://127.0.0.1:9"}}
 MODEL = "gpt-4o"
 
@@ -89,10 +89,7 @@ def hard_budget(window: int, reserve: int = 256, ratio: float = 0.1) -> int:
 
 @functools.lru_cache(maxsize=1)
 def _tau_raw() -> bytes:
-    if not TAU_BENCH.is_file():
-        pytest.fail(f"{TAU_BENCH} is missing: the suite expects the project's shared/ folder beside the "
-                    "checkout (CI places it there)", pytrace=False)
-    return TAU_BENCH.read_bytes()
+    return gzip.decompress(TAU_BENCH.read_bytes())
 
 
 def tau_trajectories() -> list[dict[str, Any]]:
