@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""In-process pipeline timings on the shared payloads, next to tiktoken's own encode time.
+"""In-process pipeline timings on the benchmark payloads, next to tiktoken's own encode time.
 
 cold = an empty token-count LRU and summary cache; warm = the same conversation
 plus one new turn (the common agent case), after the previous request was
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import gzip
 import json
 import statistics
 import sys
@@ -31,7 +32,14 @@ from proxy.runtime import Runtime, open_shared  # noqa: E402
 from proxy.settings import load_config  # noqa: E402
 from proxy.tokens import Tokenizers, use_bundled_encodings  # noqa: E402
 
-PAYLOADS = ROOT.parent / "shared" / "bench" / "payloads"
+PAYLOADS = ROOT / "bench" / "payloads"
+
+
+def read_payload(name: str) -> Any:
+    """A payload's JSON; agent_huge.json is kept gzip-compressed (bench/README.md)."""
+    path = PAYLOADS / name
+    raw = path.read_bytes() if path.exists() else gzip.decompress(path.with_name(name + ".gz").read_bytes())
+    return json.loads(raw)
 
 
 MODEL_MAP = ModelMap()
@@ -75,7 +83,7 @@ def grown(body: dict[str, Any], i: int) -> dict[str, Any]:
 
 
 async def run_case(name: str, manager: Any, budget: int, runs: int, tokenizers: Tokenizers) -> dict[str, Any]:
-    body = json.loads((PAYLOADS / name).read_text())
+    body = read_payload(name)
     cold, warm = [], []
     out_tokens = valid = None
     for _ in range(runs):
@@ -105,7 +113,7 @@ async def run_case(name: str, manager: Any, budget: int, runs: int, tokenizers: 
 def tiktoken_floor(name: str, runs: int) -> float:
     import tiktoken
 
-    body = json.loads((PAYLOADS / name).read_text())
+    body = read_payload(name)
     texts = []
     for m in body["messages"]:
         if isinstance(m.get("content"), str):

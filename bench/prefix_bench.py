@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.pipeline_bench import PAYLOADS, InstantEngine  # noqa: E402
+from bench.pipeline_bench import InstantEngine, read_payload  # noqa: E402
 from proxy.cache import MemoryCache  # noqa: E402
 from proxy.pairing import is_valid  # noqa: E402
 from proxy.prefix import PrefixTracker  # noqa: E402
@@ -46,7 +45,7 @@ def request_points(messages: list[dict[str, Any]]) -> list[int]:
 
 
 async def share(manager: Any, budget: int, count: int, payload: str) -> tuple[float, int, int]:
-    body = json.loads((PAYLOADS / payload).read_text())
+    body = read_payload(payload)
     messages = body["messages"]
     cfg = load_config({
         "upstreams": {"up": {"base_url": "http://127.0.0.1:9"}},
