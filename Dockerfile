@@ -10,7 +10,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     CTXPROXY_CACHE_DIR=/var/cache/ctxproxy
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY proxy ./proxy
 COPY plugins ./plugins
 COPY config ./config

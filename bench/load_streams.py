@@ -3,7 +3,7 @@
 
 Two variants (``--variant``, default both):
 
-* ``process``: starts the shared fake upstream (``shared/bench/fake_upstream.py``) and ``ctxproxy serve`` as
+* ``process``: starts the harness's fake upstream (``bench/fake_upstream.py``) and ``ctxproxy serve`` as
   subprocesses on free ports; samples the proxy's RSS, open file descriptors and threads from
   ``/proc/<pid>`` every ``--sample`` seconds.
 * ``inprocess``: the same fake upstream subprocess, but the proxy app runs in this script's own event loop,
@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_UPSTREAM = ROOT.parent / "shared" / "bench" / "fake_upstream.py"
+FAKE_UPSTREAM = ROOT / "bench" / "fake_upstream.py"
 MODEL = "gpt-4o-mini"
 BODY = {
     "model": MODEL,
@@ -171,7 +171,7 @@ async def wait_http(url: str, timeout: float = 60) -> None:
 
 
 def start_upstream(port: int, logs: Path) -> subprocess.Popen[bytes]:
-    script = SHARED_UPSTREAM
+    script = FAKE_UPSTREAM
     if not script.exists():
         raise SystemExit(f"fake upstream not found at {script}")
     with open(logs / "upstream.log", "wb") as log:  # the child keeps its own copy of the descriptor
@@ -245,10 +245,10 @@ async def run_inprocess(args: argparse.Namespace, folder: Path) -> Result:
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     from aiohttp import web
 
+    from proxy.core.tokens import use_bundled_encodings
     from proxy.serve.app import create_app
-    from proxy.server import setup_logging
+    from proxy.serve.server import setup_logging
     from proxy.settings import load_config
-    from proxy.tokens import use_bundled_encodings
 
     use_bundled_encodings()
     up_port = free_port()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""In-process pipeline timings on the shared payloads, next to tiktoken's own encode time.
+"""In-process pipeline timings on the benchmark payloads, next to tiktoken's own encode time.
 
 cold = an empty token-count LRU and summary cache; warm = the same conversation
 plus one new turn (the common agent case), after the previous request was
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import gzip
 import json
 import statistics
 import sys
@@ -24,14 +25,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from plugins.base import Completion  # noqa: E402
-from proxy.store.memory import MemoryCache  # noqa: E402
 from proxy.core.modelinfo import ModelMap  # noqa: E402
-from proxy.pairing import is_valid  # noqa: E402
-from proxy.runtime import Runtime, open_shared  # noqa: E402
-from proxy.settings import load_config  # noqa: E402
-from proxy.tokens import Tokenizers, use_bundled_encodings  # noqa: E402
+from proxy.core.tokens import Tokenizers, use_bundled_encodings  # noqa: E402
+from proxy.runtime import Runtime  # noqa: E402
+from proxy.settings import Config, load_config  # noqa: E402
+from proxy.store.memory import MemoryCache  # noqa: E402
+from proxy.store.summaries import SummaryService  # noqa: E402
+from proxy.wire.chat import WIRE as CHAT  # noqa: E402
+from proxy.wire.chat import is_valid  # noqa: E402
 
-PAYLOADS = ROOT.parent / "shared" / "bench" / "payloads"
+PAYLOADS = ROOT / "bench" / "payloads"
+
+
+def read_payload(name: str) -> Any:
+    """A payload's JSON; agent_huge.json is kept gzip-compressed (bench/README.md)."""
+    path = PAYLOADS / name
+    raw = path.read_bytes() if path.exists() else gzip.decompress(path.with_name(name + ".gz").read_bytes())
+    return json.loads(raw)
 
 
 MODEL_MAP = ModelMap()
@@ -39,8 +49,15 @@ MODEL_MAP = ModelMap()
 
 class InstantEngine:
     async def complete(self, model: str, messages: list[Any], *, max_tokens: int, timeout: float,
-                       purpose: str) -> Completion:
+                       purpose: str, request_id: str = "") -> Completion:
         return Completion("Summary of the earlier work: files read, tests run, decisions taken.", model, 1000, 50)
+
+
+def make_runtime(cfg: Config, tokenizers: Tokenizers | None = None) -> Runtime:
+    """A runtime on a fresh memory cache with an instant summariser."""
+    summaries = SummaryService(MemoryCache(), ttl=None, lock_wait=5, backoff_first=0, backoff_max=0)
+    return Runtime(cfg, tokenizers=tokenizers or Tokenizers(), model_map=MODEL_MAP, summaries=summaries,
+                   engine=InstantEngine())
 
 
 def config(manager: Any, budget: int) -> Any:
@@ -75,17 +92,15 @@ def grown(body: dict[str, Any], i: int) -> dict[str, Any]:
 
 
 async def run_case(name: str, manager: Any, budget: int, runs: int, tokenizers: Tokenizers) -> dict[str, Any]:
-    body = json.loads((PAYLOADS / name).read_text())
+    body = read_payload(name)
     cold, warm = [], []
     out_tokens = valid = None
     for _ in range(runs):
         cfg = config(manager, budget)
         # as in the server, the encoding and litellm's model map are loaded at startup: cold means
         # an empty token-count cache and summary cache, not a process that has read nothing yet
-        shared = open_shared(cfg, cache=MemoryCache(), model_map=MODEL_MAP)
-        shared.tokenizers = tokenizers
         tokenizers.get("o200k_base").clear()
-        runtime = Runtime(cfg, shared, InstantEngine())
+        runtime = make_runtime(cfg, tokenizers)
         b0 = copy.deepcopy(body)
         t = time.perf_counter()
         a, _, _ = await runtime.assemble(CHAT, b0, tenant=None)
@@ -105,7 +120,7 @@ async def run_case(name: str, manager: Any, budget: int, runs: int, tokenizers: 
 def tiktoken_floor(name: str, runs: int) -> float:
     import tiktoken
 
-    body = json.loads((PAYLOADS / name).read_text())
+    body = read_payload(name)
     texts = []
     for m in body["messages"]:
         if isinstance(m.get("content"), str):

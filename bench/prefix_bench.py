@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,12 +22,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.pipeline_bench import PAYLOADS, InstantEngine  # noqa: E402
-from proxy.store.memory import MemoryCache  # noqa: E402
-from proxy.pairing import is_valid  # noqa: E402
-from proxy.store.prefix import PrefixTracker  # noqa: E402
-from proxy.runtime import Runtime, open_shared  # noqa: E402
+from bench.pipeline_bench import make_runtime, read_payload  # noqa: E402
 from proxy.settings import load_config  # noqa: E402
+from proxy.store.prefix import PrefixTracker  # noqa: E402
+from proxy.wire.chat import WIRE as CHAT  # noqa: E402
+from proxy.wire.chat import is_valid  # noqa: E402
 
 MANAGERS: dict[str, Any] = {
     "summarising (llm)": {"type": "summarising", "params": {"keep_turns": 10}},
@@ -46,7 +44,7 @@ def request_points(messages: list[dict[str, Any]]) -> list[int]:
 
 
 async def share(manager: Any, budget: int, count: int, payload: str) -> tuple[float, int, int]:
-    body = json.loads((PAYLOADS / payload).read_text())
+    body = read_payload(payload)
     messages = body["messages"]
     cfg = load_config({
         "upstreams": {"up": {"base_url": "http://127.0.0.1:9"}},
@@ -55,7 +53,7 @@ async def share(manager: Any, budget: int, count: int, payload: str) -> tuple[fl
         "trimmer": {"max_tokens": budget},
         "cache": {"backend": "memory"},
     })
-    runtime = Runtime(cfg, open_shared(cfg, cache=MemoryCache()), InstantEngine())
+    runtime = make_runtime(cfg)
     tracker = PrefixTracker()
     points = request_points(messages)
     results: list[bool] = []
@@ -65,12 +63,12 @@ async def share(manager: Any, budget: int, count: int, payload: str) -> tuple[fl
         assembly, _, _ = await runtime.assemble(CHAT, request, tenant=None)
         assert is_valid(assembly.messages) and assembly.report.tokens_after <= budget
         if assembly.report.tokens_before > budget * 0.9 or results:
-            stable = tracker.observe(assembly.received, assembly.messages, assembly.keys)
+            stable = tracker.observe(assembly.received, assembly.items)
             if stable is not None:
                 results.append(stable)
                 compacted += assembly.changed
         else:
-            tracker.observe(assembly.received, assembly.messages, assembly.keys)
+            tracker.observe(assembly.received, assembly.items)
         if len(results) >= count:
             break
     return sum(results) / max(1, len(results)), len(results), compacted

@@ -16,7 +16,6 @@ from tests.fake_upstream import FakeUpstream
 offline_environment()
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
 
 
 @dataclass

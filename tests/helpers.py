@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gzip
 import itertools
 import json
 import math
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 from hypothesis import strategies as st
 
 from proxy.core.modelinfo import offline_environment
@@ -35,7 +35,7 @@ from proxy.store.summaries import SummaryService  # noqa: E402
 Message = dict[str, Any]
 
 REPO = Path(__file__).resolve().parents[1]
-TAU_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "tau-bench-airline.json"
+TAU_BENCH = REPO / "tests" / "data" / "tau-bench-airline.json.gz"  # provenance: tests/data/README.md
 UPSTREAM = {"u": {"base_url": "http://127.0.0.1:9"}}
 MODEL = "gpt-4o"
 
@@ -91,10 +91,7 @@ def hard_budget(window: int, reserve: int = 256, ratio: float = 0.1) -> int:
 
 @functools.lru_cache(maxsize=1)
 def _tau_raw() -> bytes:
-    if not TAU_BENCH.is_file():
-        pytest.fail(f"{TAU_BENCH} is missing: the suite expects the project's shared/ folder beside the "
-                    "checkout (CI places it there)", pytrace=False)
-    return TAU_BENCH.read_bytes()
+    return gzip.decompress(TAU_BENCH.read_bytes())
 
 
 def tau_trajectories() -> list[dict[str, Any]]:
