@@ -16,6 +16,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 from plugins.base import HistoryView, Services
@@ -23,7 +24,7 @@ from proxy.core.bands import Bands, assign_groups, split_bands, split_turns, too
 from proxy.core.budget import Budget, compute_budget, why
 from proxy.core.conversation import Conversation, WireAdapter
 from proxy.core.errors import BadRequest, ContextLengthExceeded, OutputLimitExceeded, PayloadError
-from proxy.core.items import Item, turn_digest
+from proxy.core.items import Item, atom_digests, turn_digest
 from proxy.core.pairing import check, repair
 from proxy.core.tokens import TokenCounter
 from proxy.policy import ModelRoute, Policy
@@ -125,12 +126,21 @@ def limit_output(
     return (min(limits.values()) if limits else None), changes
 
 
-def chain_hashes(turns: list[list[Item]]) -> list[str]:
-    """chain[i] identifies turns[0..i] by their wire-neutral meaning, chained (stable across hosts and wires)."""
+def chain_hashes(turns: list[list[Item]], counter: TokenCounter | None = None) -> list[str]:
+    """chain[i] identifies turns[0..i] by their wire-neutral meaning, chained (stable across hosts and wires).
+
+    Each item's atom digests are remembered by the counter under its content key, so a growing
+    conversation only digests its new items.
+    """
     out: list[str] = []
     link = b""
     for turn in turns:
-        link = turn_digest(link, turn)
+        if counter is None:
+            digests = [atom_digests(item) for item in turn]
+        else:
+            digests = [counter.digests(item.key, partial(atom_digests, item)) if item.key else atom_digests(item)
+                       for item in turn]
+        link = turn_digest(link, digests)
         out.append(link.hex())
     return out
 
@@ -228,7 +238,7 @@ async def assemble(
     view = HistoryView(
         turns=turns,
         turn_tokens=[toks(t) for t in turns],
-        chain_fn=lambda: chain_hashes(turns),
+        chain_fn=lambda: chain_hashes(turns, counter),
         pinned_tokens=pinned,
         budget=budget,
         counter=counter,

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 import tiktoken
 
 from tests.conftest import base_config

@@ -92,15 +92,23 @@ class ItemFactory(Protocol):
         """An explicit "no result was recorded" result for ``call_id`` (None: this kind of call has none)."""
 
 
-def turn_digest(link: bytes, items: Iterable[Item]) -> bytes:
-    """The next link of a chained hash: ``link`` plus every atom of ``items`` (stable across hosts)."""
+def atom_digests(item: Item) -> bytes:
+    """16 bytes per atom of ``item``: what chained hashes are built from (boundary-free across items)."""
+    out = bytearray()
+    for atom in item.atoms():
+        h = hashlib.blake2b(digest_size=16)
+        for part in atom:
+            h.update(part.encode("utf-8", "surrogatepass"))
+            h.update(b"\x1f")
+        out += h.digest()
+    return bytes(out)
+
+
+def turn_digest(link: bytes, digests: Iterable[bytes]) -> bytes:
+    """The next link of a chained hash: ``link`` plus the atom digests of a turn's items (stable across hosts)."""
     h = hashlib.blake2b(link, digest_size=16)
-    for item in items:
-        for atom in item.atoms():
-            for part in atom:
-                h.update(part.encode("utf-8", "surrogatepass"))
-                h.update(b"\x1f")
-            h.update(b"\x1e")
+    for d in digests:
+        h.update(d)
     return h.digest()
 
 

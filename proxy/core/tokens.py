@@ -76,6 +76,7 @@ class TokenCounter:
         self.encoding_name = encoding
         self._enc = tiktoken.get_encoding(encoding)
         self._cache: OrderedDict[int, int] = OrderedDict()
+        self._digests: OrderedDict[int, bytes] = OrderedDict()
         self._cache_size = cache_size
         self._small: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -137,6 +138,20 @@ class TokenCounter:
         for i in missing:
             out[i] = self.cached(keys[i], raws[i], formula)
         return out
+
+    def digests(self, key: int, compute: Callable[[], bytes]) -> bytes:
+        """A wire-neutral digest remembered per content key (chained summary-cache hashes reuse them)."""
+        with self._lock:
+            d = self._digests.get(key)
+            if d is not None:
+                self._digests.move_to_end(key)
+                return d
+        d = compute()
+        with self._lock:
+            self._digests[key] = d
+            if len(self._digests) > self._cache_size:
+                self._digests.popitem(last=False)
+        return d
 
     def tools(self, tools: Any) -> int:
         """A request's tool schemas, counted as their JSON (cached: agents resend the same tools)."""
