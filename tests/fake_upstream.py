@@ -52,6 +52,8 @@ class FakeUpstream:
     status_headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0
     summary_mode: str = "ok"  # ok | status | hang | empty
+    summary_status: int = 500  # summary_mode "status": this status, with summary_error as the error message
+    summary_error: str = "summariser down"
     summary_text: str = "Summary: user Ada (id U-42) asked about /srv/app.py; decision: use v2."
     chat: list[Received] = field(default_factory=list)
     summaries: list[Received] = field(default_factory=list)
@@ -159,7 +161,8 @@ class FakeUpstream:
         if self.summary_delay:
             await asyncio.sleep(self.summary_delay)
         if self.summary_mode == "status":
-            return web.json_response({"error": {"message": "summariser down", "type": "server_error"}}, status=500)
+            return web.json_response({"error": {"message": self.summary_error, "type": "server_error"}},
+                                     status=self.summary_status)
         if self.summary_mode == "hang":
             await asyncio.sleep(3600)
         text = "" if self.summary_mode == "empty" else self.summary_text
