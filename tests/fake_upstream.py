@@ -251,6 +251,7 @@ class FakeUpstream:
         resp.enable_chunked_encoding()
         await resp.prepare(request)
         await resp.write(_chunk(model, {"role": "assistant", "content": "OK."}))
+        await asyncio.sleep(0.2)  # the headers and the first chunk are relayed before the framing breaks
         assert request.transport is not None
         request.transport.write(b"zz-not-a-chunk-size\r\n\r\n")
         await asyncio.sleep(self.delay or 30)
