@@ -12,11 +12,31 @@ import re
 from typing import Any
 
 import aiohttp
+import pytest
 import tiktoken
 
 from tests.conftest import RunningProxy
 
 Message = dict[str, Any]
+
+_MAP: dict[str, Any] = {}
+
+
+def share_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read litellm's model map once per session instead of once per app (speed only).
+
+    The one touch of an internal: if a restructuring moves or renames the model map, this quietly
+    does nothing and the tests only run a little slower.
+    """
+    try:
+        from proxy import modelinfo
+
+        cls = modelinfo.ModelMap
+        if "data" not in _MAP:
+            _MAP["data"] = cls()._data
+    except (ImportError, AttributeError):
+        return
+    monkeypatch.setattr(cls, "_data", property(lambda self: _MAP["data"]))
 
 
 async def post(

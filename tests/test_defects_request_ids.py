@@ -22,12 +22,18 @@ import pytest
 
 from tests.conftest import RunningProxy, StartProxy
 from tests.fake_upstream import FakeUpstream, is_uuid
+from tests.outside import metric_samples, scrape, share_model_map
 from tests.test_summarisation import config, conversation
 
 MODEL = "small-model"  # 8k window: conversation(40) is summarised
 SUMMARISER = "gpt-4o-mini"  # the summariser's model route (config(): summarizer_model)
 UPSTREAM_KEY = "sk-upstream-secret"  # base_config's upstream key
 PROMPT_TEXT = "please check booking"  # appears in every turn of conversation(); never in a log
+
+
+@pytest.fixture(autouse=True)
+def _shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    share_model_map(monkeypatch)  # speed only
 
 
 async def chat(proxy: RunningProxy, messages: list[dict[str, Any]], request_id: str | None = None
@@ -44,21 +50,6 @@ async def chat(proxy: RunningProxy, messages: list[dict[str, Any]], request_id: 
 def ids(upstream: FakeUpstream, purpose: str) -> list[str | None]:
     """X-Request-ID of every request the upstream received for ``purpose`` (summarize, or a path)."""
     return [rid for p, rid in upstream.request_ids if p == purpose]
-
-
-def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    out = []
-    for line in text.splitlines():
-        match = re.fullmatch(rf"{re.escape(name)}(?:\{{(.*)\}})? (\S+)", line)
-        if match:
-            labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(1) or ""))
-            out.append((labels, float(match.group(2))))
-    return out
-
-
-async def scrape(proxy: RunningProxy) -> str:
-    async with aiohttp.ClientSession() as s, s.get(proxy.url + "/metrics") as r:
-        return await r.text()
 
 
 # --------------------------------------------------------------------------- chat requests (pass today)

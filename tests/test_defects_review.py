@@ -29,7 +29,16 @@ import yaml
 
 from tests.conftest import ROOT, StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
-from tests.outside import Message, message_tokens, metric_total, n_tokens, post, scrape, text_of
+from tests.outside import (
+    Message,
+    message_tokens,
+    metric_total,
+    n_tokens,
+    post,
+    scrape,
+    share_model_map,
+    text_of,
+)
 from tests.redis_server import RedisServer
 from tests.test_summarisation import config as summarising_config
 from tests.test_summarisation import conversation, turn
@@ -39,15 +48,7 @@ SMALL = "small-model"  # tests.test_summarisation: 8k window, max output 1000, k
 
 @pytest.fixture(autouse=True)
 def _shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read litellm's model map once per session, not once per app (speed only)."""
-    from proxy import modelinfo
-
-    if "data" not in _MAP:
-        _MAP["data"] = modelinfo.ModelMap()._data
-    monkeypatch.setattr(modelinfo.ModelMap, "_data", property(lambda self: _MAP["data"]))
-
-
-_MAP: dict[str, Any] = {}
+    share_model_map(monkeypatch)  # speed only
 
 
 def chat_body(messages: list[Message], model: str = SMALL, **extra: Any) -> dict[str, Any]:
@@ -566,6 +567,8 @@ async def test_summary_counted_created_when_the_leaders_client_disconnects(
     waiters = [asyncio.ensure_future(post(proxy, chat_body(conversation(40)))) for _ in range(2)]
     await asyncio.sleep(0.3)  # the waiters joined the flight
     leader.cancel()  # the leader's client disconnects
+    with contextlib.suppress(asyncio.CancelledError):
+        await leader
     results = await asyncio.gather(*waiters)
     assert [s for s, _, _ in results] == [200, 200]
     assert len(upstream.summaries) == 1

@@ -28,7 +28,7 @@ import yaml
 
 from tests.conftest import ROOT, RunningProxy, StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
-from tests.outside import Message, post, request, text_of
+from tests.outside import Message, post, request, share_model_map, text_of
 
 MODEL = "gpt-4o-mini"
 TENANT_KEY = "sk-tenant-acme-7f3a"
@@ -38,15 +38,7 @@ OVERRIDE = "x-ctxproxy-context-manager"
 
 @pytest.fixture(autouse=True)
 def _shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read litellm's model map once per session, not once per app (speed only)."""
-    from proxy import modelinfo
-
-    if "data" not in _MAP:
-        _MAP["data"] = modelinfo.ModelMap()._data
-    monkeypatch.setattr(modelinfo.ModelMap, "_data", property(lambda self: _MAP["data"]))
-
-
-_MAP: dict[str, Any] = {}
+    share_model_map(monkeypatch)  # speed only
 
 
 def tenant_config(upstream_url: str, **tenant: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import pytest
 
 from tests.conftest import RunningProxy, StartProxy, base_config
 from tests.fake_upstream import REPLY, FakeUpstream
+from tests.outside import share_model_map
 
 MODEL = "gpt-4o-mini"
 CLAUDE = "claude-sonnet-4-5"
@@ -35,15 +36,7 @@ Event = tuple[str | None, Any]
 
 @pytest.fixture(autouse=True)
 def _shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read litellm's model map once per session, not once per app (speed only)."""
-    from proxy import modelinfo
-
-    if "data" not in _MAP:
-        _MAP["data"] = modelinfo.ModelMap()._data
-    monkeypatch.setattr(modelinfo.ModelMap, "_data", property(lambda self: _MAP["data"]))
-
-
-_MAP: dict[str, Any] = {}
+    share_model_map(monkeypatch)  # speed only
 
 
 async def proxy_for(upstream: FakeUpstream, start_proxy: StartProxy, **server: Any) -> RunningProxy:
