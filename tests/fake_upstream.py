@@ -4,13 +4,15 @@ Behaviour is switched per test through attributes (``mode``, ``summary_mode``,
 ``status``, delays). Summariser calls are told apart by the
 ``x-ctxproxy-purpose: summarize`` header and counted separately.
 
-Besides Chat Completions it speaks, for relayed paths, the two other wires'
-streams exactly as the providers end them: ``POST /v1/responses`` (named
-``response.*`` events ending with ``response.completed`` / ``.incomplete`` /
-``.failed``, never ``data: [DONE]``) and ``POST /v1/messages`` (Anthropic
-events ending with ``message_stop``), plus ``/v1/sse-clean-close`` (an
-unknown SSE path that simply ends). ``wire_mode = "break"`` cuts those streams
-mid-way. ``require_uuid_request_id`` makes it refuse (400, empty body) every
+Besides Chat Completions it streams the two other wires exactly as the
+providers end them, for relayed requests with ``"stream": true``:
+``POST /v1/responses`` (named ``response.*`` events ending with
+``response.completed`` / ``.incomplete`` / ``.failed``, never ``data: [DONE]``)
+and ``POST /v1/messages`` (Anthropic events ending with ``message_stop``), plus
+``/v1/sse-clean-close`` (an unknown SSE path that simply ends); ``sent`` holds
+the exact bytes written and ``wire_mode = "break"`` cuts those streams mid-way.
+Every relayed request is still recorded in ``other`` and, when not streaming,
+answered with the usual echo. ``require_uuid_request_id`` makes it refuse (400, empty body) every
 request whose ``X-Request-ID`` is not a UUID, as several ASGI request-id
 middlewares do; ``request_ids`` records every id received.
 """
@@ -69,8 +71,8 @@ class FakeUpstream:
     # relayed wires (/v1/responses, /v1/messages, /v1/sse-clean-close)
     responses_end: str = "response.completed"  # | response.incomplete | response.failed
     wire_mode: str = "ok"  # ok | break (the connection is cut mid-stream)
-    responses: list[Received] = field(default_factory=list)
-    messages: list[Received] = field(default_factory=list)
+    responses: list[Received] = field(default_factory=list)  # streaming /v1/responses (also in ``other``)
+    messages: list[Received] = field(default_factory=list)  # streaming /v1/messages (also in ``other``)
     sent: bytes = b""  # the exact bytes of the last relayed-wire stream this upstream wrote
     # X-Request-ID enforcement (issue 17)
     require_uuid_request_id: bool = False
@@ -274,31 +276,40 @@ class FakeUpstream:
         await resp.write_eof()  # a clean end: the last chunk, nothing after the terminal event
         return resp
 
-    async def _record(self, request: web.Request, bucket: list[Received]) -> Any:
+    async def _record(self, request: web.Request, bucket: list[Received] | None = None) -> Any:
+        """Record a relayed request in ``other`` (as every relayed path always was) and in ``bucket``."""
         raw = await request.read()
         try:
             body = json.loads(raw) if raw else {}
         except ValueError:
             body = None
-        bucket.append(Received(request.path, dict(request.headers), raw, body))
+        rec = Received(request.path_qs, dict(request.headers), raw, body)
+        self.other.append(rec)
+        if bucket is not None:
+            bucket.append(rec)
         return body if isinstance(body, dict) else {}
 
+    async def _is_stream(self, request: web.Request) -> bool:
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            return False
+        return isinstance(body, dict) and bool(body.get("stream"))
+
     async def _responses(self, request: web.Request) -> web.StreamResponse:
+        if not await self._is_stream(request):
+            return await self._other(request)  # unchanged: recorded in ``other``, answered with an echo
         body = await self._record(request, self.responses)
-        model = str(body.get("model", "m"))
-        if not body.get("stream"):
-            return web.json_response(_response_object(model, "completed"))
-        return await self._wire_stream(request, responses_events(model, self.responses_end))
+        return await self._wire_stream(request, responses_events(str(body.get("model", "m")), self.responses_end))
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
+        if not await self._is_stream(request):
+            return await self._other(request)
         body = await self._record(request, self.messages)
-        model = str(body.get("model", "m"))
-        if not body.get("stream"):
-            return web.json_response(_anthropic_message(model))
-        return await self._wire_stream(request, anthropic_events(model))
+        return await self._wire_stream(request, anthropic_events(str(body.get("model", "m"))))
 
     async def _sse_clean_close(self, request: web.Request) -> web.StreamResponse:
-        await self._record(request, self.other)
+        await self._record(request)
         events = [f"event: progress\ndata: {json.dumps({'step': i})}\n\n".encode() for i in range(4)]
         return await self._wire_stream(request, events)
 
