@@ -3,6 +3,18 @@
 Behaviour is switched per test through attributes (``mode``, ``summary_mode``,
 ``status``, delays). Summariser calls are told apart by the
 ``x-ctxproxy-purpose: summarize`` header and counted separately.
+
+Besides Chat Completions it streams the two other wires exactly as the
+providers end them, for relayed requests with ``"stream": true``:
+``POST /v1/responses`` (named ``response.*`` events ending with
+``response.completed`` / ``.incomplete`` / ``.failed``, never ``data: [DONE]``)
+and ``POST /v1/messages`` (Anthropic events ending with ``message_stop``), plus
+``/v1/sse-clean-close`` (an unknown SSE path that simply ends); ``sent`` holds
+the exact bytes written and ``wire_mode = "break"`` cuts those streams mid-way.
+Every relayed request is still recorded in ``other`` and, when not streaming,
+answered with the usual echo. ``require_uuid_request_id`` makes it refuse (400, empty body) every
+request whose ``X-Request-ID`` is not a UUID, as several ASGI request-id
+middlewares do; ``request_ids`` records every id received.
 """
 
 from __future__ import annotations
@@ -10,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,12 +45,17 @@ class Received:
 
 @dataclass
 class FakeUpstream:
-    mode: str = "ok"  # ok | status | hang | slow_first_byte | stall | break | no_done | error_in_stream | malformed | script
+    # ok | status | hang | slow_first_byte | stall | break | no_done | error_in_stream | malformed | script
+    # | echo_key (streams the Authorization header it received back as content)
+    # | bad_chunk (a chunk-framing error after the first chunk, then the connection stays open)
+    mode: str = "ok"
     status: int = 500
     status_body: Any = None
     status_headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0
     summary_mode: str = "ok"  # ok | status | hang | empty
+    summary_status: int = 500  # summary_mode "status": this status, with summary_error as the error message
+    summary_error: str = "summariser down"
     summary_text: str = "Summary: user Ada (id U-42) asked about /srv/app.py; decision: use v2."
     chat: list[Received] = field(default_factory=list)
     summaries: list[Received] = field(default_factory=list)
@@ -46,17 +65,35 @@ class FakeUpstream:
     script: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0
     active: int = 0
+    # summariser calls: wait this long before answering; or hold every call until this many are pending
+    summary_delay: float = 0.0
+    summary_barrier: int = 0
+    # relayed wires (/v1/responses, /v1/messages, /v1/sse-clean-close)
+    responses_end: str = "response.completed"  # | response.incomplete | response.failed
+    wire_mode: str = "ok"  # ok | break (the connection is cut mid-stream)
+    responses: list[Received] = field(default_factory=list)  # streaming /v1/responses (also in ``other``)
+    messages: list[Received] = field(default_factory=list)  # streaming /v1/messages (also in ``other``)
+    sent: bytes = b""  # the exact bytes of the last relayed-wire stream this upstream wrote
+    # X-Request-ID enforcement (issue 17)
+    require_uuid_request_id: bool = False
+    request_ids: list[tuple[str, str | None]] = field(default_factory=list)  # (purpose or path, X-Request-ID)
+    rejected: list[Received] = field(default_factory=list)
     url: str = ""
     _runner: web.AppRunner | None = None
+    _pending_summaries: int = 0
+    _barrier: asyncio.Event | None = None
 
     @property
     def base_url(self) -> str:
         return self.url + "/v1"
 
     async def start(self) -> FakeUpstream:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self._request_id_check])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/responses", self._responses)
+        app.router.add_post("/v1/messages", self._messages)
+        app.router.add_route("*", "/v1/sse-clean-close", self._sse_clean_close)
         app.router.add_route("*", "/v1/{tail:.*}", self._other)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
@@ -69,6 +106,18 @@ class FakeUpstream:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    @web.middleware
+    async def _request_id_check(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        rid = request.headers.get("X-Request-ID")
+        self.request_ids.append((request.headers.get("x-ctxproxy-purpose") or request.path, rid))
+        if self.require_uuid_request_id and not is_uuid(rid):
+            raw = await request.read()
+            self.rejected.append(Received(request.path, dict(request.headers), raw, None))
+            return web.Response(status=400, body=b"")  # what a request-id middleware answers: nothing to read
+        return await handler(request)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -104,8 +153,18 @@ class FakeUpstream:
             self.active -= 1
 
     async def _summary(self, request: web.Request, body: Any) -> web.StreamResponse:
+        if self.summary_barrier:
+            if self._barrier is None:
+                self._barrier = asyncio.Event()
+            self._pending_summaries += 1
+            if self._pending_summaries >= self.summary_barrier:
+                self._barrier.set()
+            await self._barrier.wait()
+        if self.summary_delay:
+            await asyncio.sleep(self.summary_delay)
         if self.summary_mode == "status":
-            return web.json_response({"error": {"message": "summariser down", "type": "server_error"}}, status=500)
+            return web.json_response({"error": {"message": self.summary_error, "type": "server_error"}},
+                                     status=self.summary_status)
         if self.summary_mode == "hang":
             await asyncio.sleep(3600)
         text = "" if self.summary_mode == "empty" else self.summary_text
@@ -122,6 +181,10 @@ class FakeUpstream:
             await asyncio.sleep(self.delay or 3600)
         if self.mode == "script":
             return await self._scripted(request, body)
+        if self.mode == "echo_key" and body.get("stream"):
+            return await self._echo_key(request, model)
+        if self.mode == "bad_chunk" and body.get("stream"):
+            return await self._bad_chunk(request, model)
         if not body.get("stream"):
             return web.json_response(_completion(model, REPLY, USAGE))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -170,6 +233,168 @@ class FakeUpstream:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+    async def _echo_key(self, request: web.Request, model: str) -> web.StreamResponse:
+        """A 200 stream whose content repeats the credentials it was sent (as some providers' debug echoes do)."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        auth = request.headers.get("Authorization", "")
+        await resp.write(_chunk(model, {"role": "assistant", "content": ""}))
+        await resp.write(_chunk(model, {"content": f"You called me with {auth}."}))
+        await resp.write(_chunk(model, {}, "stop"))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _bad_chunk(self, request: web.Request, model: str) -> web.StreamResponse:
+        """One good chunk, then bytes that break HTTP chunked framing; the connection then stays open."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        await resp.write(_chunk(model, {"role": "assistant", "content": "OK."}))
+        await asyncio.sleep(0.2)  # the headers and the first chunk are relayed before the framing breaks
+        assert request.transport is not None
+        request.transport.write(b"zz-not-a-chunk-size\r\n\r\n")
+        await asyncio.sleep(self.delay or 30)
+        return resp
+
+    # ------------------------------------------------------------------ relayed wires
+
+    async def _wire_stream(self, request: web.Request, events: list[bytes]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        self.sent = b""
+        for i, event in enumerate(events):
+            if self.wire_mode == "break" and i == len(events) // 2:
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            self.sent += event
+            await resp.write(event)
+        await resp.write_eof()  # a clean end: the last chunk, nothing after the terminal event
+        return resp
+
+    async def _record(self, request: web.Request, bucket: list[Received] | None = None) -> Any:
+        """Record a relayed request in ``other`` (as every relayed path always was) and in ``bucket``."""
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            body = None
+        rec = Received(request.path_qs, dict(request.headers), raw, body)
+        self.other.append(rec)
+        if bucket is not None:
+            bucket.append(rec)
+        return body if isinstance(body, dict) else {}
+
+    async def _is_stream(self, request: web.Request) -> bool:
+        try:
+            body = json.loads(await request.read())
+        except ValueError:
+            return False
+        return isinstance(body, dict) and bool(body.get("stream"))
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        if not await self._is_stream(request):
+            return await self._other(request)  # unchanged: recorded in ``other``, answered with an echo
+        body = await self._record(request, self.responses)
+        return await self._wire_stream(request, responses_events(str(body.get("model", "m")), self.responses_end))
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        if not await self._is_stream(request):
+            return await self._other(request)
+        body = await self._record(request, self.messages)
+        return await self._wire_stream(request, anthropic_events(str(body.get("model", "m"))))
+
+    async def _sse_clean_close(self, request: web.Request) -> web.StreamResponse:
+        await self._record(request)
+        events = [f"event: progress\ndata: {json.dumps({'step': i})}\n\n".encode() for i in range(4)]
+        return await self._wire_stream(request, events)
+
+
+def is_uuid(value: str | None) -> bool:
+    """Whether ``value`` parses as a UUID (what request-id middlewares such as asgi-correlation-id check)."""
+    if not value:
+        return False
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def _response_object(model: str, status: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": "resp_fake", "object": "response", "created_at": 0, "status": status, "model": model,
+        "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "error": None,
+        "incomplete_details": None, "usage": None,
+    }
+    if status != "in_progress":
+        out["output"] = [{"id": "msg_fake", "type": "message", "status": "completed", "role": "assistant",
+                          "content": [{"type": "output_text", "text": REPLY, "annotations": []}]}]
+        out["usage"] = {"input_tokens": 10, "output_tokens": 12, "total_tokens": 22,
+                        "input_tokens_details": {"cached_tokens": 0},
+                        "output_tokens_details": {"reasoning_tokens": 0}}
+    if status == "incomplete":
+        out["incomplete_details"] = {"reason": "max_output_tokens"}
+    if status == "failed":
+        out["error"] = {"code": "server_error", "message": "The model failed to finish."}
+    return out
+
+
+def responses_events(model: str, end: str = "response.completed") -> list[bytes]:
+    """A Responses API stream as OpenAI sends it: named events, a terminal one, and no [DONE]."""
+    item = {"id": "msg_fake", "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+    part = {"type": "output_text", "text": "", "annotations": []}
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("response.created", {"response": _response_object(model, "in_progress")}),
+        ("response.in_progress", {"response": _response_object(model, "in_progress")}),
+        ("response.output_item.added", {"output_index": 0, "item": item}),
+        ("response.content_part.added", {"item_id": "msg_fake", "output_index": 0, "content_index": 0, "part": part}),
+    ]
+    events += [("response.output_text.delta", {"item_id": "msg_fake", "output_index": 0, "content_index": 0,
+                                               "delta": piece, "logprobs": []}) for piece in PIECES]
+    events += [
+        ("response.output_text.done", {"item_id": "msg_fake", "output_index": 0, "content_index": 0, "text": REPLY,
+                                       "logprobs": []}),
+        ("response.content_part.done", {"item_id": "msg_fake", "output_index": 0, "content_index": 0,
+                                        "part": {**part, "text": REPLY}}),
+        ("response.output_item.done", {"output_index": 0, "item": {
+            **item, "status": "completed", "content": [{**part, "text": REPLY}]}}),
+        (end, {"response": _response_object(model, end.split(".", 1)[1])}),
+    ]
+    return [sse(name, {"type": name, "sequence_number": i, **data}) for i, (name, data) in enumerate(events)]
+
+
+def _anthropic_message(model: str) -> dict[str, Any]:
+    return {"id": "msg_fake", "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": REPLY}], "stop_reason": "end_turn", "stop_sequence": None,
+            "usage": {"input_tokens": 10, "output_tokens": 12}}
+
+
+def anthropic_events(model: str) -> list[bytes]:
+    """An Anthropic Messages stream as Anthropic sends it, ending with ``message_stop``."""
+    start = {**_anthropic_message(model), "content": [], "stop_reason": None,
+             "usage": {"input_tokens": 10, "output_tokens": 1}}
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("message_start", {"message": start}),
+        ("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+        ("ping", {}),
+    ]
+    events += [("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": p}}) for p in PIECES]
+    events += [
+        ("content_block_stop", {"index": 0}),
+        ("message_delta", {"delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                           "usage": {"output_tokens": 12}}),
+        ("message_stop", {}),
+    ]
+    return [sse(name, {"type": name, **data}) for name, data in events]
 
 
 def _completion(model: str, text: str, usage: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,120 @@
+"""Helpers for tests that drive the proxy only from the outside: HTTP, /metrics and independent token counts.
+
+Nothing here imports ``proxy.*``: these helpers must keep working whatever the
+proxy's internal layout becomes (the defect tests of issues 11, 17 and 18).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from typing import Any
+
+import aiohttp
+import pytest
+import tiktoken
+
+from tests.conftest import RunningProxy
+
+Message = dict[str, Any]
+
+_MAP: dict[str, Any] = {}
+
+
+def share_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read litellm's model map once per session instead of once per app (speed only).
+
+    The one touch of an internal: if a restructuring moves or renames the model map, this quietly
+    does nothing and the tests only run a little slower.
+    """
+    try:
+        from proxy import modelinfo
+
+        cls = modelinfo.ModelMap
+        if "data" not in _MAP:
+            _MAP["data"] = cls()._data
+    except (ImportError, AttributeError):
+        return
+    monkeypatch.setattr(cls, "_data", property(lambda self: _MAP["data"]))
+
+
+async def post(
+    proxy: RunningProxy, body: Any, *, path: str = "/v1/chat/completions", key: str | None = "sk-client",
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], Any]:
+    """POST JSON; returns status, lower-cased response headers and the JSON (or raw text) body."""
+    hdrs = dict(headers or {})
+    if key is not None:
+        hdrs["Authorization"] = f"Bearer {key}"
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + path, json=body, headers=hdrs) as r:
+        raw = await r.read()
+        try:
+            payload: Any = json.loads(raw)
+        except ValueError:
+            payload = raw.decode("utf-8", "replace")
+        return r.status, {k.lower(): v for k, v in r.headers.items()}, payload
+
+
+async def request(
+    proxy: RunningProxy, method: str, path: str, *, key: str | None = "sk-client", data: Any = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    hdrs = dict(headers or {})
+    if key is not None:
+        hdrs["Authorization"] = f"Bearer {key}"
+    async with aiohttp.ClientSession() as s, s.request(method, proxy.url + path, data=data, headers=hdrs) as r:
+        return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
+
+
+async def scrape(proxy: RunningProxy) -> str:
+    async with aiohttp.ClientSession() as s, s.get(proxy.url + "/metrics") as r:
+        assert r.status == 200
+        return await r.text()
+
+
+def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of ``name`` in a Prometheus exposition."""
+    out = []
+    for line in text.splitlines():
+        match = re.fullmatch(rf"{re.escape(name)}(?:\{{(.*)\}})? (\S+)", line)
+        if match:
+            labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(1) or ""))
+            out.append((labels, float(match.group(2))))
+    return out
+
+
+def metric_total(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name`` over every sample whose labels include ``labels``."""
+    return sum(v for got, v in metric_samples(text, name) if all(got.get(k) == x for k, x in labels.items()))
+
+
+# --------------------------------------------------------------------------- independent token counts
+
+
+@functools.lru_cache(maxsize=1)
+def o200k() -> tiktoken.Encoding:
+    return tiktoken.get_encoding("o200k_base")
+
+
+def n_tokens(text: str) -> int:
+    return len(o200k().encode(text, disallowed_special=()))
+
+
+def text_of(tokens: int, seed: int = 0) -> str:
+    """A text of exactly ``tokens`` o200k tokens (varied words, so it is not one repeated token)."""
+    words = ["order", "invoice", "refund", "Denver", "Boston", "ticket", "ZFA04Y", "balance", "parcel",
+             "carrier", "tracking", "8842", "/srv/app/config.yaml", "status", "pending", "approved"]
+    text = " ".join(words[(seed * 5 + i * 7) % len(words)] + str(i % 97) for i in range(tokens * 2))
+    return o200k().decode(o200k().encode(text)[:tokens])
+
+
+def message_tokens(messages: list[Message]) -> int:
+    """OpenAI's per-message formula: 3 per message + every string value (+1 per name) + 3 priming."""
+    total = 3
+    for m in messages:
+        total += 3
+        for k, v in m.items():
+            if isinstance(v, str):
+                total += n_tokens(v) + (1 if k == "name" else 0)
+    return total
