@@ -167,6 +167,7 @@ def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter) -> P
         repaired, repairs = items, Counter[str]()
     else:
         repaired, repairs = repair(items, wire, wire.merge_call_runs)
+        check(repaired, wire.merge_call_runs, wire.field)  # what no repair can fix is refused here
         for item in repaired:
             if item.key == 0:  # a placeholder or an edited call: count it
                 wire.count(item, counter)
@@ -216,8 +217,6 @@ async def assemble(
     if total <= budget.threshold:
         report.tokens_after = total
         _fits(total, budget)
-        if repairs:
-            check(repaired, wire.merge_call_runs, wire.field)
         changed = bool(repairs) or bool(changes)
         out = wire.render(body, repaired, changes) if changed else body
         return Assembly(out, repaired, changed, report, received, wire.field, changes)

@@ -237,6 +237,9 @@ def _loosens(base: Binding, chosen: Binding) -> str | None:
             return f"{key} cannot be changed per request"
     if chosen.type != base.type and old.get("keep_turns") is not None and new["keep_turns"] > old["keep_turns"]:
         return f"keep_turns {new['keep_turns']} > {old['keep_turns']}"
+    if old.get("summary_threshold") and not new.get("summary_threshold"):
+        # compared on effective values: without an explicit threshold the derived one applies, which is looser
+        return f"summary_threshold would become the derived one, looser than {old['summary_threshold']}"
     # switching to drop only tightens; another summariser model or prompt does not
     if (base.summarizer is not None and chosen.summarizer is not None and chosen.summarizer != base.summarizer
             and chosen.summarizer.type != "drop"):

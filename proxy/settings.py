@@ -37,6 +37,10 @@ class ServerSettings(Strict):
     first_byte_timeout: float = Field(300, gt=0, description="Seconds to wait for the upstream's headers.")
     idle_timeout: float = Field(300, gt=0, description="Seconds allowed between two chunks of a response.")
     drain_timeout: float = Field(30, ge=0, description="Seconds in-flight requests get to finish on SIGTERM.")
+    header_timeout: float = Field(
+        75, gt=0, description="Seconds a connection may sit without a complete request head (idle keep-alive or "
+        "partial headers) before it is closed; keep it above a load balancer's upstream keep-alive (nginx: 60).")
+    body_timeout: float = Field(60, gt=0, description="Seconds a client gets to send a request body (then 408).")
     offload_bytes: int = Field(262_144, ge=0, description="Bodies larger than this are assembled off the event loop.")
 
 
@@ -94,7 +98,9 @@ class SummarizerSettings(Strict):
     max_summary_tokens: int = Field(1024, ge=64, description="Answer cap of a summariser call.")
     retry_backoff_seconds: float = Field(10, ge=0, description="First back-off after a failure (doubles).")
     max_backoff_seconds: float = Field(300, ge=0, description="Longest back-off.")
-    lock_wait_seconds: float = Field(90, ge=0, description="How long a request waits for another's summary.")
+    lock_wait_seconds: float = Field(
+        90, ge=0, description="How often a request waiting for another's summary re-checks; it keeps waiting "
+        "while the other holder is alive (up to timeout_seconds x max_calls_per_summary).")
     max_calls_per_summary: int = Field(
         8, ge=1, description="Chunks one summary may take; older aged turns beyond are dropped unsummarised."
     )

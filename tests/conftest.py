@@ -60,6 +60,7 @@ StartProxy = Callable[..., Awaitable[RunningProxy]]
 @pytest.fixture
 async def start_proxy() -> AsyncIterator[StartProxy]:
     from proxy.serve.app import create_app
+    from proxy.serve.server import make_runner
     from proxy.settings import load_config
 
     runners: list[web.AppRunner] = []
@@ -67,7 +68,7 @@ async def start_proxy() -> AsyncIterator[StartProxy]:
     async def start(config: dict[str, Any] | Any, **kwargs: Any) -> RunningProxy:
         cfg = load_config(config) if isinstance(config, dict) else config
         app = create_app(cfg, **kwargs)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2)
+        runner = make_runner(app, cfg, shutdown_timeout=2)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

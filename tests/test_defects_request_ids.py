@@ -78,7 +78,6 @@ async def test_clients_own_request_id_is_kept_upstream(upstream: FakeUpstream, s
 # --------------------------------------------------------------------------- the summariser's calls
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: summariser calls are sent with X-Request-ID: ctxproxy-summarize")
 async def test_summariser_calls_carry_their_own_uuid_request_id(upstream: FakeUpstream, start_proxy: StartProxy
                                                                 ) -> None:
     """Issue 17: each summariser call is sent with a UUID of its own, not the parent's id and not a fixed name."""
@@ -92,8 +91,6 @@ async def test_summariser_calls_carry_their_own_uuid_request_id(upstream: FakeUp
     assert ids(upstream, "/v1/chat/completions") == [parent]  # the client's id is still kept on its own call
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: a UUID-enforcing upstream refuses every summariser call "
-                                       "(400, empty body): x-ctxproxy-summary is 'failed'")
 async def test_summaries_created_and_reused_against_an_upstream_enforcing_uuid_request_ids(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
@@ -112,8 +109,6 @@ async def test_summaries_created_and_reused_against_an_upstream_enforcing_uuid_r
 # --------------------------------------------------------------------------- failures say why
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: the log says only 'summariser failed (UpstreamStatus)': "
-                                       "no status, no upstream message, no route, no request id")
 async def test_summariser_failure_log_line_says_status_message_route_and_request_id(
     upstream: FakeUpstream, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -137,7 +132,6 @@ async def test_summariser_failure_log_line_says_status_message_route_and_request
         assert UPSTREAM_KEY not in t and PROMPT_TEXT not in t, t
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: summariser failures are not counted by reason in any metric")
 async def test_summariser_failures_are_counted_by_reason(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Issue 17: ctxproxy_summarizer_failures_total{reason=...} counts failures, a refusal apart from an empty answer."""
     proxy = await start_proxy(config(upstream.base_url))

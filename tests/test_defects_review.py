@@ -78,8 +78,6 @@ def fleet_conversation(agent: int, turns: int) -> list[Message]:
 # =========================================================================== item 1: hard budget 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 1: reserve = the model's max output (= its window): "
-                                       "budget 0, 400 context_length_exceeded for 'hi'")
 @pytest.mark.parametrize("model", ["mistral/mistral-large-latest",
                                    "together_ai/meta-llama/Llama-3.3-70B-Instruct-Turbo"])
 async def test_model_whose_max_output_equals_its_window_is_forwarded(
@@ -95,8 +93,6 @@ async def test_model_whose_max_output_equals_its_window_is_forwarded(
     assert int(headers["x-ctxproxy-tokens-out"]) <= 10
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 1: a budget of 0 caused by the completion reserve is "
-                                       "blamed on 'the configured token budget or this key's cap'")
 async def test_refusal_caused_by_the_completion_reserve_names_it(upstream: FakeUpstream, start_proxy: StartProxy
                                                                  ) -> None:
     """Item 1: when the reserve (the request's max_tokens) eats the window, the refusal names it, not a cap."""
@@ -124,7 +120,6 @@ def alias_config(upstream_url: str, upstream_model: str = "gpt-4o-mini") -> dict
     )
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 2: savings are priced on the alias 'fast': 0 USD")
 async def test_savings_priced_on_the_upstream_model_of_an_alias(upstream: FakeUpstream, start_proxy: StartProxy
                                                                 ) -> None:
     """Item 2: a route name: fast, model: gpt-4o-mini records estimated savings at gpt-4o-mini's input price."""
@@ -134,7 +129,6 @@ async def test_savings_priced_on_the_upstream_model_of_an_alias(upstream: FakeUp
     assert metric_total(await scrape(proxy), "ctxproxy_estimated_savings_usd_total") > 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 2: the summariser's cost is priced on the alias 'fast': 0 USD")
 async def test_summariser_cost_priced_on_the_upstream_model_of_an_alias(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
@@ -149,8 +143,6 @@ async def test_summariser_cost_priced_on_the_upstream_model_of_an_alias(
     assert metric_total(text, "ctxproxy_summarizer_cost_usd_total") > 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 2: an upstream model without a price is silently priced 0; "
-                                       "no ctxproxy_unpriced_model_total")
 async def test_unknown_price_is_a_counted_warning(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Item 2: a model with no known price counts ctxproxy_unpriced_model_total instead of a silent 0 USD."""
     proxy = await start_proxy(alias_config(upstream.base_url, "acme-internal/mystery-1"))
@@ -162,8 +154,6 @@ async def test_unknown_price_is_a_counted_warning(upstream: FakeUpstream, start_
 # =========================================================================== item 3: summariser chunks
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 3: chunks are sized by the request model's 60k window, "
-                                       "not the 8k summariser model's")
 async def test_summariser_chunks_fit_the_summariser_models_window(upstream: FakeUpstream, start_proxy: StartProxy
                                                                   ) -> None:
     """Item 3: with params.model: small (8k) summarising for a 60k request model, every call fits 8k."""
@@ -187,8 +177,6 @@ async def test_summariser_chunks_fit_the_summariser_models_window(upstream: Fake
 # =========================================================================== item 4: the summary index
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 4: the index keeps 8 conversations per first turn: agent 0's "
-                                       "summary is forgotten and made again from scratch")
 async def test_a_fleet_sharing_the_first_turn_keeps_every_summary(upstream: FakeUpstream, start_proxy: StartProxy
                                                                   ) -> None:
     """Item 4: ten agents sharing system prompt and first turn: agent 0's summary is still reused afterwards."""
@@ -214,8 +202,6 @@ async def test_a_single_growing_conversation_reuses_its_summary(upstream: FakeUp
     assert len(upstream.summaries) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 4: two summaries finishing together for the same first turn: "
-                                       "read-modify-write of the index loses one entry")
 @pytest.mark.parametrize("backend", ["disk", "redis"])  # (the memory cache's yields are too short to show it)
 async def test_concurrent_summaries_with_the_same_first_turn_both_stay_indexed(
     upstream: FakeUpstream, start_proxy: StartProxy, tmp_path: Path, backend: str
@@ -244,8 +230,6 @@ async def test_concurrent_summaries_with_the_same_first_turn_both_stay_indexed(
 # =========================================================================== item 5: single flight across replicas
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 5: the waiter gives up after lock_wait and summarises too: "
-                                       "2 summariser calls, both reported fresh")
 async def test_single_flight_across_replicas_outlasts_the_lock_wait(upstream: FakeUpstream, start_proxy: StartProxy
                                                                     ) -> None:
     """Item 5: two replicas on one Redis, a 1 s summary, lock_wait 0.2 s: one summariser call, one 'created'."""
@@ -272,8 +256,6 @@ CUSTOM_CALL: Message = {"role": "assistant", "content": None, "tool_calls": [
     {"id": "call_1", "type": "custom", "custom": {"name": "code_exec", "input": "print(1)"}}]}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 6: a custom tool call is refused 400 invalid_tool_call "
-                                       "'has no function name'")
 async def test_custom_tool_call_is_accepted_and_forwarded(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Item 6: a GPT-5 custom tool call with its result is forwarded unchanged."""
     proxy = await start_proxy(base_config(upstream.base_url))
@@ -284,8 +266,6 @@ async def test_custom_tool_call_is_accepted_and_forwarded(upstream: FakeUpstream
     assert upstream.chat[-1].body["messages"] == messages
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 6: custom tool calls are refused instead of paired by id "
-                                       "and counted")
 async def test_custom_tool_call_inputs_are_counted_and_paired(upstream: FakeUpstream, start_proxy: StartProxy
                                                               ) -> None:
     """Item 6: a custom call's input counts as tokens, and an unanswered custom call is repaired like any call."""
@@ -315,8 +295,6 @@ def b64(n_bytes: int, seed: int) -> str:
     return base64.b64encode(bytes((i * 131 + seed * 7 + (i >> 8) * 17) % 256 for i in range(n_bytes))).decode()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 7: a 320 KB input_audio part is counted as base64 text "
-                                       "(~291k tokens) and refused")
 async def test_audio_part_counted_as_billed_not_as_base64(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Item 7: a 320 KB input_audio part is forwarded and counted as audio (well below its base64 text)."""
     proxy = await start_proxy(base_config(upstream.base_url, models=[AUDIO_MODEL]))
@@ -331,8 +309,6 @@ async def test_audio_part_counted_as_billed_not_as_base64(upstream: FakeUpstream
     assert int(headers["x-ctxproxy-tokens-in"]) < 20_000
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 7: a 300 KB file (PDF) part is counted as base64 text "
-                                       "(~273k tokens) and refused")
 async def test_file_part_counted_as_billed_not_as_base64(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Item 7: a 300 KB file (PDF) part is forwarded and counted well below its base64 text."""
     proxy = await start_proxy(base_config(upstream.base_url, models=[AUDIO_MODEL]))
@@ -364,8 +340,6 @@ async def summarise(upstream: FakeUpstream, start_proxy: StartProxy, special: li
     return summariser_text(upstream)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 8: a legacy function_call is rendered to the summariser "
-                                       "without the call")
 async def test_summariser_sees_a_legacy_function_call(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Item 8: book_flight({"flight": "HAT001"}) as a legacy function_call reaches the summariser."""
     text = await summarise(upstream, start_proxy, [
@@ -377,8 +351,6 @@ async def test_summariser_sees_a_legacy_function_call(upstream: FakeUpstream, st
     assert "HAT001" in text
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 8: an assistant refusal is rendered to the summariser as "
-                                       "nothing")
 async def test_summariser_sees_an_assistant_refusal(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Item 8: an assistant message with only a refusal reaches the summariser."""
     text = await summarise(upstream, start_proxy, [
@@ -386,8 +358,6 @@ async def test_summariser_sees_an_assistant_refusal(upstream: FakeUpstream, star
     assert "PX-REFUSED-77" in text
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 8: an assistant audio answer's transcript never reaches "
-                                       "the summariser")
 async def test_summariser_sees_an_audio_transcript(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Item 8: an assistant audio answer with a transcript reaches the summariser as its transcript."""
     text = await summarise(upstream, start_proxy, [
@@ -418,8 +388,6 @@ def tool_round(call_id: str, result: str) -> list[Message]:
             {"role": "tool", "tool_call_id": call_id, "content": result}]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 9: over budget, the trimmer drops the trailing assistant "
-                                       "prefill and forwards a list ending with the tool result")
 async def test_trimmer_never_forwards_without_the_assistant_prefill(upstream: FakeUpstream, start_proxy: StartProxy
                                                                     ) -> None:
     """Item 9: the last WM group (an assistant prefill) is never dropped: kept, or the request is refused."""
@@ -440,8 +408,6 @@ async def test_trimmer_never_forwards_without_the_assistant_prefill(upstream: Fa
     assert upstream.chat[-1].body["messages"][-1] == last
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 9: the working-memory cap drops the trailing assistant "
-                                       "prefill after the older rounds")
 async def test_working_memory_cap_keeps_the_assistant_prefill(upstream: FakeUpstream, start_proxy: StartProxy
                                                               ) -> None:
     """Item 9: with working_memory_messages 2, the older round goes and the prefill stays last."""
@@ -462,7 +428,6 @@ async def test_working_memory_cap_keeps_the_assistant_prefill(upstream: FakeUpst
 # =========================================================================== item 10: explain never calls a provider
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 10: POST /v1/ctxproxy/explain calls the summariser upstream")
 async def test_explain_endpoint_never_calls_the_summariser(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Item 10: explain reports what would be summarised without calling (and billing) any provider."""
     proxy = await start_proxy(summarising_config(upstream.base_url))
@@ -474,8 +439,6 @@ async def test_explain_endpoint_never_calls_the_summariser(upstream: FakeUpstrea
     assert any("summar" in k and v for k, v in report.items() if k != "summary"), report
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 10: 'ctxproxy assemble' without --offline calls the "
-                                       "summariser upstream")
 async def test_assemble_cli_never_calls_the_summariser(upstream: FakeUpstream, tmp_path: Path) -> None:
     """Item 10: `ctxproxy assemble` (no --offline) prints the assembly without calling any provider."""
     cfg = summarising_config(upstream.base_url)
@@ -494,8 +457,6 @@ async def test_assemble_cli_never_calls_the_summariser(upstream: FakeUpstream, t
 # =========================================================================== item 11: minor ones
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 11: a legacy function_call answered by role tool with "
-                                       "tool_call_id = the function name passes the check and is forwarded")
 async def test_legacy_function_call_answered_by_a_tool_message_is_not_forwarded_as_paired(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
@@ -514,8 +475,6 @@ async def test_legacy_function_call_answered_by_a_tool_message_is_not_forwarded_
     assert all(m.get("tool_call_id") in call_ids for m in forwarded if m.get("role") == "tool"), forwarded
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 11: an assistant message with audio and unanswered tool_calls "
-                                       "is dropped whole, audio included")
 async def test_assistant_audio_survives_the_removal_of_its_unanswered_calls(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
@@ -532,8 +491,6 @@ async def test_assistant_audio_survives_the_removal_of_its_unanswered_calls(
     assert not any(m.get("tool_calls") for m in forwarded)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 11: two identical ids in one tool_calls with one result are "
-                                       "forwarded")
 async def test_duplicate_ids_inside_one_tool_calls_are_not_forwarded(upstream: FakeUpstream, start_proxy: StartProxy
                                                                      ) -> None:
     """Item 11: an assistant message whose tool_calls repeat an id is repaired or refused, never forwarded as is."""
@@ -553,8 +510,6 @@ async def test_duplicate_ids_inside_one_tool_calls_are_not_forwarded(upstream: F
         assert len(ids) == len(set(ids)), m
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 11: when the single-flight leader's client disconnects, every "
-                                       "waiter reports 'reused' and the summary is never counted 'created'")
 async def test_summary_counted_created_when_the_leaders_client_disconnects(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
@@ -577,8 +532,6 @@ async def test_summary_counted_created_when_the_leaders_client_disconnects(
         [h["x-ctxproxy-summary"] for _, h, _ in results]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 11: README says cut_step defaults to ⌈keep_turns/4⌉; the code "
-                                       "moves the window by ⌈keep_turns/2⌉")
 async def test_sliding_window_cut_step_default_is_the_documented_one(upstream: FakeUpstream, start_proxy: StartProxy
                                                                      ) -> None:
     """Item 11: the sliding window moves by the cut_step default the README documents (read from the README)."""

@@ -70,8 +70,6 @@ async def tokens_out(proxy: RunningProxy, override: str | None) -> tuple[int, di
     return int(got["x-ctxproxy-tokens-out"]), got
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 12: x-ctxproxy-context-manager: sliding-window loosens a "
-                                       "tenant's summarising policy (threshold 2000): everything is forwarded")
 @pytest.mark.parametrize("override", [
     "sliding-window",
     json.dumps({"type": "summarising", "params": {"summary_threshold": 0}}),
@@ -106,8 +104,6 @@ def error_shape(raw: bytes) -> dict[str, Any]:
     return dict(body["error"])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 13: with tenants, stored-object listings are relayed with the "
-                                       "operator's key: tenant A lists the whole organisation's data")
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/chatcmpl-abc123/messages",
                                   "/v1/files"])
 async def test_stored_object_listings_are_not_relayed_for_tenants(upstream: FakeUpstream, start_proxy: StartProxy,
@@ -120,8 +116,6 @@ async def test_stored_object_listings_are_not_relayed_for_tenants(upstream: Fake
     assert upstream.other == [] and upstream.chat == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 13: POST /v1/chat/completions/ (trailing slash) is relayed "
-                                       "untouched, skipping the pipeline and the tenant's output cap")
 async def test_trailing_slash_chat_path_goes_through_the_pipeline(upstream: FakeUpstream, start_proxy: StartProxy
                                                                   ) -> None:
     """Item 13: every spelling of the chat path goes through the pipeline: the tenant's max_output_tokens holds."""
@@ -135,8 +129,6 @@ async def test_trailing_slash_chat_path_goes_through_the_pipeline(upstream: Fake
     assert "x-ctxproxy-tokens-out" in headers
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 13: the tenant's model allow-list is checked on JSON bodies "
-                                       "only: multipart model=whisper-1 is relayed")
 async def test_model_allow_list_holds_on_multipart_bodies(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Item 13: a multipart /v1/audio/transcriptions with a model outside the tenant's allow-list is refused."""
     proxy = await start_proxy(tenant_config(upstream.base_url, models=[MODEL]))
@@ -152,8 +144,6 @@ async def test_model_allow_list_holds_on_multipart_bodies(upstream: FakeUpstream
 # =========================================================================== item 14: header values
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 14: an escaped CR/LF in an override's JSON key reaches "
-                                       "x-ctxproxy-warning; aiohttp refuses the header and the client gets no answer")
 async def test_escaped_crlf_in_an_override_never_reaches_a_header(upstream: FakeUpstream, start_proxy: StartProxy
                                                                   ) -> None:
     """Item 14: an override whose JSON key holds \\r\\n is ignored with a clean, single-line warning header."""
@@ -207,8 +197,6 @@ async def start_with_read_timeouts(upstream: FakeUpstream, start_proxy: StartPro
         return await start_proxy(base_config(upstream.base_url)), 2.5
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 15: a client that sends partial headers is never timed out "
-                                       "(slowloris)")
 async def test_slow_headers_are_timed_out(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Item 15: a client that sends partial headers and stalls is disconnected after the header timeout."""
     proxy, wait = await start_with_read_timeouts(upstream, start_proxy)
@@ -217,7 +205,6 @@ async def test_slow_headers_are_timed_out(upstream: FakeUpstream, start_proxy: S
     assert got == b"" or got.startswith(b"HTTP/1.1 408"), got[:200]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 15: a client that announces a body and stalls is never timed out")
 async def test_slow_body_is_timed_out(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Item 15: a client that sends 10 of its announced 1000 body bytes and stalls is disconnected (or 408)."""
     proxy, wait = await start_with_read_timeouts(upstream, start_proxy)
@@ -235,8 +222,6 @@ def validate(tmp_path: Path, cfg: dict[str, Any]) -> subprocess.CompletedProcess
                           capture_output=True, timeout=60)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 15: 'ctxproxy validate' accepts an admin key equal to a "
-                                       "tenant key")
 def test_validate_rejects_an_admin_key_equal_to_a_tenant_key(tmp_path: Path) -> None:
     """Item 15: an admin key that is also a tenant's key is a config error (exit 2, naming the key path)."""
     cfg = base_config("http://127.0.0.1:9/v1", tenants=[{"name": "acme", "keys": [TENANT_KEY]}],
@@ -255,8 +240,6 @@ def test_validate_accepts_distinct_admin_and_tenant_keys(tmp_path: Path) -> None
     assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 15: an upstream key echoed inside a 200 stream is relayed "
-                                       "to the client unredacted")
 async def test_upstream_key_echoed_in_a_stream_is_redacted(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Item 15: the upstream's key, echoed back inside a streamed 200 answer, never reaches the client."""
     upstream.mode = "echo_key"
@@ -269,8 +252,6 @@ async def test_upstream_key_echoed_in_a_stream_is_redacted(upstream: FakeUpstrea
     assert UPSTREAM_KEY not in text  # ... redacted, as in relayed errors
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 15: a chunk-framing error mid-stream surfaces only after the "
-                                       "idle timeout")
 async def test_chunk_framing_error_mid_stream_ends_the_stream_at_once(upstream: FakeUpstream, start_proxy: StartProxy
                                                                       ) -> None:
     """Item 15: the upstream breaks HTTP chunked framing mid-stream: the client's stream ends with an error at once."""
@@ -292,7 +273,6 @@ async def test_chunk_framing_error_mid_stream_ends_the_stream_at_once(upstream: 
     assert elapsed < idle / 2, f"the framing error surfaced {elapsed:.1f} s after the first chunk (idle timeout {idle} s)"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 item 15: POST /v1/ctxproxy/explain writes no request-log line")
 async def test_explain_writes_a_request_log_line(upstream: FakeUpstream, start_proxy: StartProxy,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     """Item 15: an explain request is logged like any other request: one line with its request id."""

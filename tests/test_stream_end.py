@@ -108,8 +108,6 @@ async def test_chat_completions_stream_still_ends_with_done_and_nothing_after(
 # --------------------------------------------------------------------------- Responses API
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: the relay appends 'ended without [DONE]' after response.*; "
-                                       "the openai SDK raises APIError on it")
 @pytest.mark.parametrize("end", TERMINAL)
 async def test_responses_stream_with_the_openai_client_completes(
     upstream: FakeUpstream, start_proxy: StartProxy, end: str
@@ -126,7 +124,6 @@ async def test_responses_stream_with_the_openai_client_completes(
     assert len(upstream.responses) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: an error event is appended after the upstream's clean end")
 async def test_responses_stream_bytes_pass_through_unchanged(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Issue 18: a relayed Responses stream reaches the client byte for byte, with nothing after response.completed."""
     proxy = await proxy_for(upstream, start_proxy)
@@ -157,8 +154,6 @@ async def test_truncated_responses_stream_surfaces_as_an_error_in_the_sdk(
     assert events and events[-1].type in ("error", "response.failed"), [e.type for e in events]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: the truncation error is a bare data: {\"error\": ...} event, "
-                                       "not the Responses wire's 'event: error' / response.failed")
 async def test_truncated_responses_stream_ends_with_an_error_event_in_the_responses_shape(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
@@ -194,7 +189,6 @@ async def test_anthropic_stream_with_the_anthropic_client_gets_the_whole_message
     assert upstream.messages[0].headers["Authorization"] == "Bearer sk-upstream-secret"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: 'ended without [DONE]' is appended after event: message_stop")
 async def test_anthropic_stream_bytes_end_with_message_stop(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Issue 18: client.messages.create(stream=True) sees the upstream's bytes and nothing after message_stop."""
     proxy = await proxy_for(upstream, start_proxy)
@@ -207,8 +201,6 @@ async def test_anthropic_stream_bytes_end_with_message_stop(upstream: FakeUpstre
     assert parse_sse(raw)[-1][0] == "message_stop"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: a truncated Anthropic stream gets a nameless data: {\"error\"} "
-                                       "event, which the anthropic SDK ignores: the truncation goes unnoticed")
 async def test_truncated_anthropic_stream_raises_in_the_anthropic_client(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
@@ -231,8 +223,6 @@ async def test_truncated_anthropic_stream_raises_in_the_anthropic_client(
 # --------------------------------------------------------------------------- unknown relayed SSE
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: a relayed SSE stream that ends cleanly without [DONE] gets an "
-                                       "error event appended")
 async def test_unknown_relayed_sse_stream_ends_on_clean_close(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     """Issue 18: an unknown relayed SSE path ends when the upstream closes cleanly: bytes unchanged, nothing added."""
     proxy = await proxy_for(upstream, start_proxy)

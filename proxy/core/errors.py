@@ -9,6 +9,7 @@
     │   ├── ContextLengthExceeded      code=context_length_exceeded
     │   └── OutputLimitExceeded        code=max_tokens_exceeded (tenant policy: refuse)
     ├── BodyTooLarge (413)             code=request_too_large
+    ├── RequestTimeout (408)           code=request_timeout (a client too slow to send its body)
     ├── AuthenticationError (401)      code=invalid_api_key
     ├── PermissionDenied (403)         code=not_allowed (a relayed path a tenant may not use)
     ├── ModelNotFound (404)            code=model_not_found
@@ -81,6 +82,12 @@ class BodyTooLarge(CtxProxyError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class RequestTimeout(CtxProxyError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class AuthenticationError(CtxProxyError):

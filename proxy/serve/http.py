@@ -13,7 +13,16 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.core.errors import BadRequest, BodyTooLarge, CtxProxyError, InvalidJSON, UpstreamStatus, error_body
+from proxy.core.deadline import deadline
+from proxy.core.errors import (
+    BadRequest,
+    BodyTooLarge,
+    CtxProxyError,
+    InvalidJSON,
+    RequestTimeout,
+    UpstreamStatus,
+    error_body,
+)
 from proxy.serve.state import STATE, State
 from proxy.wire.errors import anthropic_error_body
 
@@ -84,13 +93,17 @@ def client_key(request: web.Request) -> str | None:
 
 
 async def read_body(request: web.Request) -> bytes:
-    limit = int(state(request).config.settings.server.max_body_mb * 1024 * 1024)
+    server = state(request).config.settings.server
+    limit = int(server.max_body_mb * 1024 * 1024)
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"The request body is {request.content_length} bytes; the limit is {limit}.")
     try:
-        return await request.read()
+        async with deadline(server.body_timeout):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise BodyTooLarge(f"The request body is larger than the limit of {limit} bytes.") from None
+    except asyncio.TimeoutError:
+        raise RequestTimeout(f"The request body did not arrive within {server.body_timeout:g}s.") from None
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

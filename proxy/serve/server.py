@@ -54,7 +54,7 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> Non
     app = create_app(config, config_path=None if config.source == "<memory>" else config.source)
     state = app[STATE]
     drain = config.settings.server.drain_timeout
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain)
+    runner = make_runner(app, config)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=2048)
     await site.start()
@@ -75,6 +75,14 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> Non
     log.info("draining: no new connections; in-flight requests get up to %ss", drain)
     await runner.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout
     log.info("stopped")
+
+
+def make_runner(app: web.Application, config: Config, *, shutdown_timeout: float | None = None) -> web.AppRunner:
+    """The app's runner: handlers cancelled with their client, idle and half-sent request heads timed out."""
+    server = config.settings.server
+    drain = server.drain_timeout if shutdown_timeout is None else shutdown_timeout
+    return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain,
+                         keepalive_timeout=server.header_timeout)
 
 
 def _warm_up(state: State) -> None:

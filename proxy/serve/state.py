@@ -21,7 +21,7 @@ from proxy.serve.metrics import Metrics
 from proxy.settings import Config, load_config
 from proxy.store.cache import Cache, SafeCache, open_cache
 from proxy.store.prefix import PrefixTracker
-from proxy.store.summaries import SummaryService
+from proxy.store.summaries import LOCK_TTL, SummaryService
 from proxy.upstream.engine import UpstreamEngine
 from proxy.upstream.http import UpstreamPool
 from proxy.upstream.providers import Providers
@@ -62,6 +62,7 @@ def build_shared(
         cache,
         ttl=s.cache.ttl_seconds,
         lock_wait=s.summarizer.lock_wait_seconds,
+        max_wait=s.summarizer.timeout_seconds * s.summarizer.max_calls_per_summary + LOCK_TTL,
         backoff_first=s.summarizer.retry_backoff_seconds,
         backoff_max=s.summarizer.max_backoff_seconds,
         on_call=metrics.summary_call if metrics else None,

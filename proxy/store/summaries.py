@@ -12,9 +12,9 @@ its own entry, bounded by the cache's TTL and size.
 
 Concurrent requests needing the same summary wait for one summariser call: in
 one process through a shared task, across processes and replicas through the
-cache's lock, which its holder renews while it works. A request that cannot get
-the lock within ``lock_wait`` while another holder is alive is served without the
-summary (status ``pending``) and never makes a second one. A failure caches nothing
+cache's lock, which its holder renews while it works. Waiters keep waiting while
+the holder is alive and never make a second summary; only past the longest a
+live holder can take is a request served without it (status ``pending``). A failure caches nothing
 and starts a per-conversation back-off.
 """
 
@@ -69,6 +69,7 @@ class SummaryService:
         backoff_first: float,
         backoff_max: float,
         lock_ttl: float = LOCK_TTL,
+        max_wait: float = 600.0,
         on_call: SummaryCall | None = None,
         on_failure: SummaryFailure | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -77,6 +78,7 @@ class SummaryService:
         self.ttl = ttl
         self.lock_wait = lock_wait
         self.lock_ttl = lock_ttl
+        self.max_wait = max_wait
         self.backoff_first = backoff_first
         self.backoff_max = backoff_max
         self.on_call = on_call
@@ -144,19 +146,27 @@ class SummaryService:
         return summary, fresh
 
     async def _record(self, job: _Job) -> tuple[dict[str, Any], bool]:
-        """The cached record, or a new one made under the cross-process lock (never two at once)."""
+        """The cached record, or a new one made under the cross-process lock (never two at once).
+
+        A waiter re-checks every ``lock_wait`` seconds and keeps waiting while another holder is alive
+        (it renews its lock); when the holder dies its lock expires and a waiter takes over. Past
+        ``max_wait`` (the longest a live holder can take) the request is served without the summary.
+        """
         record = await self.cache.get(job.key)
         if record is not None:
             return record, False
-        async with self.cache.lock("lock:" + job.key, ttl=self.lock_ttl, wait=self.lock_wait,
-                                   ready=lambda: self._ready(job.key)) as held:
-            record = await self.cache.get(job.key)  # another replica may have made it meanwhile
-            if record is not None:
-                return record, False
-            if not held.acquired:
-                raise SummaryUnavailable("another request is making this summary; served without it for now",
+        give_up = self.clock() + self.max_wait
+        while True:
+            async with self.cache.lock("lock:" + job.key, ttl=self.lock_ttl, wait=self.lock_wait,
+                                       ready=lambda: self._ready(job.key)) as held:
+                record = await self.cache.get(job.key)  # another replica may have made it meanwhile
+                if record is not None:
+                    return record, False
+                if held.acquired:
+                    return await self._summarise(job, held), True
+            if self.clock() >= give_up:
+                raise SummaryUnavailable("another request is still making this summary; served without it",
                                          reason="pending")
-            return await self._summarise(job, held), True
 
     async def _ready(self, key: str) -> bool:
         return await self.cache.get(key) is not None

@@ -194,6 +194,7 @@ class Redactor:
 
 
 REDACTED = b"[redacted]"
+BROKEN_CHECK = 0.25  # seconds of silence between two looks at a streaming connection
 
 
 class HTTPAnswer:
@@ -208,12 +209,23 @@ class HTTPAnswer:
 
     async def chunks(self, idle_timeout: float) -> AsyncIterator[bytes]:
         redactor = Redactor(self._secret)
+        loop = asyncio.get_running_loop()
         while True:
+            idle_until = loop.time() + idle_timeout
             try:
-                async with deadline(idle_timeout):
-                    chunk = await self.response.content.readany()
-            except asyncio.TimeoutError:
-                raise UpstreamTimeout(f"The upstream stream stalled for more than {idle_timeout:g}s.") from None
+                while True:
+                    # wait in short slices: a framing error the C parser recorded on the connection does not
+                    # wake the reader, so between slices the connection is looked at (issue 11, item 15)
+                    try:
+                        async with deadline(min(BROKEN_CHECK, max(0.0, idle_until - loop.time()))):
+                            chunk = await self.response.content.readany()
+                        break
+                    except asyncio.TimeoutError:
+                        if self._broken():
+                            raise UpstreamUnreachable("The upstream sent a malformed stream.") from None
+                        if loop.time() >= idle_until:
+                            raise UpstreamTimeout(
+                                f"The upstream stream stalled for more than {idle_timeout:g}s.") from None
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError):
                 raise UpstreamUnreachable("The upstream closed the stream before it was complete.") from None
             if not chunk:
@@ -224,6 +236,11 @@ class HTTPAnswer:
             out = redactor.feed(chunk)
             if out:
                 yield out
+
+    def _broken(self) -> bool:
+        connection = self.response.connection
+        protocol = connection.protocol if connection is not None else None
+        return protocol is None or protocol.exception() is not None
 
     async def read(self, idle_timeout: float) -> bytes:
         try:
