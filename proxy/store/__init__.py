@@ -1,0 +1,1 @@
+"""Stores: cache backends (memory, disk, Redis), the summary cache, prefix tracking."""

@@ -1,0 +1,1 @@
+"""The provider seam: a ``Provider`` per route (OpenAI-compatible HTTP, litellm), the summariser engine."""
