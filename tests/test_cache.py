@@ -22,7 +22,8 @@ import redis.asyncio as aioredis
 import redis.asyncio.connection as redis_connection
 
 from proxy.store import disk as cache_mod
-from proxy.store.cache import Cache, CacheBackendError, SafeCache, open_cache
+from proxy.store.backends import open_cache
+from proxy.store.cache import Cache, CacheBackendError, SafeCache
 from proxy.store.disk import DiskCache
 from proxy.store.memory import MemoryCache
 from proxy.store.redis import RedisCache

@@ -19,7 +19,8 @@ from proxy.core.tokens import Tokenizers
 from proxy.runtime import Runtime
 from proxy.serve.metrics import Metrics
 from proxy.settings import Config, load_config
-from proxy.store.cache import Cache, SafeCache, open_cache
+from proxy.store.backends import open_cache
+from proxy.store.cache import Cache, SafeCache
 from proxy.store.prefix import PrefixTracker
 from proxy.store.summaries import LOCK_TTL, SummaryService
 from proxy.upstream.engine import UpstreamEngine

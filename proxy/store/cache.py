@@ -3,7 +3,7 @@
 Backends: ``memory`` (``proxy.store.memory``), ``disk`` (SQLite through diskcache,
 ``proxy.store.disk``) and ``redis`` (``proxy.store.redis``). Every backend stores JSON
 objects only (serialised with orjson; never pickle) and raises ``CacheBackendError``
-on I/O failure; ``SafeCache`` (what ``open_cache`` returns) turns every such failure
+on I/O failure; ``SafeCache`` (what ``proxy.store.backends.open_cache`` returns) turns every such failure
 into "no cache" so requests keep flowing.
 
 Cancellation: every backend operation runs to completion in its own task/thread even if the awaiting
@@ -25,7 +25,7 @@ import orjson
 
 from proxy.core.errors import CacheBackendError
 
-__all__ = ["Cache", "CacheBackendError", "LockHandle", "SafeCache", "open_cache"]
+__all__ = ["Cache", "CacheBackendError", "LockHandle", "SafeCache"]
 
 log = logging.getLogger("ctxproxy.cache")
 
@@ -320,38 +320,3 @@ class SafeCache:
             await self.inner.close()
         except Exception as exc:
             self._failed("close", exc)
-
-
-def open_cache(
-    backend: str,
-    *,
-    path: str,
-    url: str | None,
-    ttl: float | None,
-    size_limit_mb: int,
-    on_error: ErrorHook | None = None,
-) -> SafeCache:
-    """Build the configured backend wrapped in :class:`SafeCache`.
-
-    Never does I/O: an unusable disk directory, a corrupt database or a down Redis surface later as
-    swallowed errors (requests continue without caching). Raises ValueError for a bad configuration
-    (unknown backend, redis without url, malformed url).
-    """
-    inner: Cache
-    if backend == "memory":
-        from proxy.store.memory import MemoryCache
-
-        inner = MemoryCache(ttl)
-    elif backend == "disk":
-        from proxy.store.disk import DiskCache
-
-        inner = DiskCache(path, ttl, size_limit_mb)
-    elif backend == "redis":
-        if not url:
-            raise ValueError("cache backend 'redis' requires cache.url")
-        from proxy.store.redis import RedisCache
-
-        inner = RedisCache(url, ttl)
-    else:
-        raise ValueError(f"unknown cache backend {backend!r} (expected 'disk', 'redis' or 'memory')")
-    return SafeCache(inner, on_error)
