@@ -167,7 +167,7 @@ def test_upstream_headers_with_the_operators_key() -> None:
 
 def test_upstream_headers_forwarding_the_clients_own_credentials() -> None:
     out = upstream_headers(CIMultiDict(CLIENT), up(), forward_client_auth=True, request_id="rid")
-    assert CREDENTIALS <= names(out)
+    assert names(out) >= CREDENTIALS
     assert out["Authorization"] == "Bearer sk-client"
     assert not names(out) & ALWAYS_DROPPED
 
