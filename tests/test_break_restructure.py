@@ -413,3 +413,38 @@ def test_repair_of_a_merged_run_without_placeholders_is_paired() -> None:
         check(repaired, merge_call_runs=True)
     except PayloadError as exc:
         pytest.fail(f"repair's own output is refused: {exc.code}: {exc} -> {repaired}")
+
+
+# =========================================================================== keys in the summariser's answer
+
+
+@pytest.mark.xfail(strict=True, reason="HTTPProvider.complete does not blank the upstream key out of the summariser's "
+                   "answer (the Redactor covers relayed answers and error bodies only): an upstream that echoes it "
+                   "puts the operator's key into the cached summary, which is forwarded to the chat route's provider "
+                   "and shown to a tenant by explain")
+async def test_an_echoed_upstream_key_never_reaches_a_tenant_through_a_summary(
+    upstream: FakeUpstream, serve: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy
+) -> None:
+    secret = "sk-summariser-gw-9d8c7b6a"
+
+    async def echo(request: web.Request) -> web.Response:
+        body = await request.json()
+        text = f"- debug: called with {request.headers.get('Authorization')}; user asked about booking ZX0Q"
+        return web.json_response({"id": "chatcmpl-s", "object": "chat.completion", "model": body["model"],
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                               "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 900, "completion_tokens": 40}})
+
+    gateway = await serve({"/v1/chat/completions": echo})
+    cfg = summarising_config(upstream.base_url, tenants=[{"name": "acme", "keys": [TENANT_KEY]}])
+    cfg["upstreams"]["summariser-gw"] = {"base_url": gateway, "api_key": secret}
+    cfg["models"] = [m if m["name"] != MODEL else {**m, "upstream": "summariser-gw"} for m in cfg["models"]]
+    proxy = await start_proxy(cfg)
+    messages = conversation(40)
+    status, headers, _ = await post(proxy, chat(messages, model=SMALL), key=TENANT_KEY)
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+    assert secret not in json.dumps(upstream.chat[-1].body), "the summariser's key was forwarded to another provider"
+    status, _, explained = await post(proxy, chat(messages, model=SMALL), path="/v1/ctxproxy/explain", key=TENANT_KEY)
+    assert status == 200
+    assert explained["report"]["summary"] == "reused"
+    assert secret not in json.dumps(explained), "explain showed the tenant the operator's summariser key"
