@@ -167,6 +167,9 @@ def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter) -> P
         repaired, repairs = items, Counter[str]()
     else:
         repaired, repairs = repair(items, wire, wire.merge_call_runs)
+        if not repaired:
+            raise PayloadError(f"'{wire.field}' holds only tool results that answer no call (or calls nothing "
+                               "answers): nothing is left to send", param=wire.field, code="empty_messages")
         check(repaired, wire.merge_call_runs, wire.field)  # what no repair can fix is refused here
         for item in repaired:
             if item.key == 0:  # a placeholder or an edited call: count it
@@ -189,6 +192,7 @@ async def assemble(
     """Run the whole pipeline on one body of ``wire`` (raises a CtxProxyError to refuse)."""
     report = Report(model=route.name, tenant=policy.tenant, context_manager=policy.binding.type, wire=wire.name,
                     warnings=list(policy.warnings), calibration=calibration)
+    offloaded = prepared is not None  # the caller prepared it off the event loop: a large body
     if prepared is None:
         prepared = prepare(body, wire, counter)
     received, repaired, repairs, fixed = prepared.received, prepared.repaired, prepared.repairs, prepared.fixed
@@ -243,6 +247,7 @@ async def assemble(
         counter=counter,
         services=services,
         summary_item=summary_item,
+        offload=offloaded,
     )
     result = await policy.manager.manage_history(view)
     report.summary = result.summary_status

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from plugins.registry import Binding, Registry, default_registry
 from proxy.core.budget import TrimmerParams
 from proxy.core.errors import BindingError, ConfigError
+from proxy.core.tokens import BUNDLED_ENCODINGS
 
 
 class Strict(BaseModel):
@@ -73,6 +74,13 @@ class ModelSettings(Strict):
     context_window: int | None = Field(None, ge=1, description="Input window (default: litellm's model map).")
     max_output_tokens: int | None = Field(None, ge=1, description="Model's max output (default: litellm's map).")
     tokenizer: str | None = Field(None, description="tiktoken encoding name (default by model family).")
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _bundled(cls, value: str | None) -> str | None:
+        if value is not None and value not in BUNDLED_ENCODINGS:
+            raise ValueError(f"{value!r} is not an encoding available offline (one of {sorted(BUNDLED_ENCODINGS)})")
+        return value
 
     @property
     def upstream_model(self) -> str:

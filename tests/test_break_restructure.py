@@ -75,9 +75,6 @@ def chat(messages: list[Message], model: str = MODEL, **extra: Any) -> dict[str,
 # =========================================================================== token encodings
 
 
-@pytest.mark.xfail(strict=True, reason="encoding_for maps legacy OpenAI names (davinci, babbage, gpt2 ...) to "
-                   "r50k_base/gpt2, which litellm does not ship: the first request for such a model makes tiktoken "
-                   "fetch the encoding from the internet on the event loop (offline: a 500 on every request)")
 @pytest.mark.parametrize("model", ["davinci", "openai/babbage", "gpt2"])
 async def test_a_client_chosen_model_name_never_makes_the_proxy_fetch_an_encoding(
     upstream: FakeUpstream, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch, model: str
@@ -100,9 +97,6 @@ async def test_a_client_chosen_model_name_never_makes_the_proxy_fetch_an_encodin
 # =========================================================================== pairing: the legacy id namespace
 
 
-@pytest.mark.xfail(strict=True, reason="the chat adapter keeps legacy function_call ids apart with an 'fn:' prefix "
-                   "that a real tool_call id may carry: a tool call 'fn:lookup' left unanswered gets a legacy "
-                   "{'role': 'function'} placeholder instead of a tool message, which the provider refuses")
 async def test_an_unanswered_tool_call_whose_id_starts_with_fn_gets_a_tool_placeholder(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
@@ -140,10 +134,6 @@ CROSSED = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="tool_call ids and legacy function names share one id space on items (legacy "
-                   "ids are 'fn:' + name): a tool call 'fn:lookup' answered by a {'role': 'function', 'name': 'lookup'} "
-                   "message, or a legacy function_call 'lookup' answered by a tool message 'fn:lookup', is taken as "
-                   "paired and forwarded as is; the provider refuses both")
 @pytest.mark.parametrize("case", list(CROSSED))
 async def test_tool_calls_and_legacy_function_calls_never_answer_each_other(
     upstream: FakeUpstream, start_proxy: StartProxy, case: str
@@ -158,9 +148,6 @@ async def test_tool_calls_and_legacy_function_calls_never_answer_each_other(
     assert pairing_problems(forwarded) == [], forwarded
 
 
-@pytest.mark.xfail(strict=True, reason="the shape check refuses 'messages: []' (empty_messages), but when the "
-                   "pairing repair drops every message (only stray tool/function results were sent) the proxy "
-                   "forwards 'messages: []', which the provider refuses")
 @pytest.mark.parametrize("messages", [
     [{"role": "tool", "tool_call_id": "call_9", "content": "stale result"}],
     [{"role": "function", "name": "lookup", "content": "ok"},
@@ -185,10 +172,6 @@ def spoken(transcript: str, audio_id: str) -> Message:
     return {"role": "assistant", "content": None, "audio": {"id": audio_id, "transcript": transcript}}
 
 
-@pytest.mark.xfail(strict=True, reason="ChatItem.atoms ignores an assistant's audio (id and transcript) while "
-                   "describe() shows the transcript to the summariser: two conversations that differ only in what "
-                   "the assistant said aloud get the same summary-cache key, and the second is served the first's "
-                   "summary")
 async def test_conversations_differing_only_in_a_spoken_answer_do_not_share_a_summary(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
@@ -213,10 +196,6 @@ async def test_conversations_differing_only_in_a_spoken_answer_do_not_share_a_su
 # =========================================================================== streams
 
 
-@pytest.mark.xfail(strict=True, reason="relay_answer appends an error event whenever the upstream connection fails, "
-                   "even after the wire's terminal event: an upstream that ends a complete Responses stream without "
-                   "the last chunk reaches the client with an error event after response.completed (the openai SDK "
-                   "yields it as the stream's last event)")
 async def test_a_connection_lost_after_the_terminal_event_adds_nothing_to_a_complete_stream(
     serve: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy
 ) -> None:
@@ -248,9 +227,6 @@ async def test_a_connection_lost_after_the_terminal_event_adds_nothing_to_a_comp
 # =========================================================================== responses the upstream shapes
 
 
-@pytest.mark.xfail(strict=True, reason="response_headers drops hop-by-hop headers and x-request-id but not "
-                   "x-ctxproxy-*: an upstream (another ctxproxy in front of the provider, or any server) adds its own "
-                   "x-ctxproxy-summary/-tokens-out next to the proxy's, and on an upstream error replaces them")
 async def test_the_clients_x_ctxproxy_headers_are_the_proxys_own(
     serve: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy
 ) -> None:
@@ -277,9 +253,6 @@ async def test_the_clients_x_ctxproxy_headers_are_the_proxys_own(
 # =========================================================================== the relay
 
 
-@pytest.mark.xfail(strict=True, reason="the relay answers 404 for every method but POST on a managed path, so "
-                   "GET /v1/chat/completions (OpenAI's list of stored chat completions) is never relayed, even "
-                   "without tenants where every other /v1 path is")
 async def test_the_stored_chat_completions_list_is_relayed_without_tenants(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
@@ -289,9 +262,6 @@ async def test_the_stored_chat_completions_list_is_relayed_without_tenants(
     assert [r.path for r in upstream.other] == ["/v1/chat/completions?limit=2&model=gpt-4o-mini"]
 
 
-@pytest.mark.xfail(strict=True, reason="the relay checks only the first 'model' field of a multipart (or "
-                   "urlencoded) body against the tenant's allow-list; a second one is relayed with the operator's key "
-                   "and Starlette/FastAPI upstreams (vLLM, LiteLLM's proxy) read the last value")
 @pytest.mark.parametrize("kind", ["multipart", "urlencoded"])
 async def test_a_body_with_two_model_fields_is_held_to_the_tenants_allow_list(
     upstream: FakeUpstream, start_proxy: StartProxy, kind: str
@@ -314,9 +284,6 @@ async def test_a_body_with_two_model_fields_is_held_to_the_tenants_allow_list(
 # =========================================================================== per-request overrides
 
 
-@pytest.mark.xfail(strict=True, reason="an override may not name a 'ref' plugin at its top level, but a nested "
-                   "params.summarizer.ref is resolved: importlib imports any module the client names before the "
-                   "override is checked (and rejected)")
 @pytest.mark.parametrize("tenants", [False, True], ids=["no-tenants", "tenants"])
 async def test_an_override_header_never_imports_a_module(
     upstream: FakeUpstream, start_proxy: StartProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tenants: bool
@@ -342,9 +309,6 @@ async def test_an_override_header_never_imports_a_module(
 # =========================================================================== the summariser failing
 
 
-@pytest.mark.xfail(strict=True, reason="an empty summariser answer is raised by the llm plugin as "
-                   "SummaryUnavailable with the default reason 'error'; the bounded reason 'empty' (and the store's "
-                   "own empty check) is never reached, so /metrics cannot tell an empty answer from a bug")
 async def test_an_empty_summariser_answer_is_counted_as_empty(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(summarising_config(upstream.base_url))
     upstream.summary_mode = "empty"
@@ -355,9 +319,6 @@ async def test_an_empty_summariser_answer_is_counted_as_empty(upstream: FakeUpst
     assert reasons == {"empty": 1.0}
 
 
-@pytest.mark.xfail(strict=True, reason="HTTPProvider.complete parses the summariser's answer with orjson outside "
-                   "the engine's error mapping: a 200 with a non-JSON body escapes UpstreamEngine as JSONDecodeError, "
-                   "so the failure's log line names neither the route nor the summariser call's request id")
 @pytest.mark.parametrize("answer", [b"<html>upstream gateway page</html>", b'{"choices": [{"message": {"con'])
 async def test_a_garbage_summariser_answer_is_reported_like_every_other_failure(
     upstream: FakeUpstream, serve: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy,
@@ -380,9 +341,6 @@ async def test_a_garbage_summariser_answer_is_reported_like_every_other_failure(
     assert f"route '{MODEL}'" in lines[0] and "summariser request" in lines[0], lines[0]
 
 
-@pytest.mark.xfail(strict=True, reason="summarizer.lock_wait_seconds: 0 is valid config, but a request waiting for "
-                   "another replica's summary then re-polls the cache lock in a tight loop (no sleep between rounds) "
-                   "for up to timeout x max_calls + 30 s: thousands of cache (Redis) round trips per second per waiter")
 async def test_lock_wait_zero_does_not_spin_on_the_cache(upstream: FakeUpstream) -> None:
     from plugins.base import Completion, SummaryScope
     from proxy.serve.state import build_shared
@@ -421,9 +379,6 @@ async def test_lock_wait_zero_does_not_spin_on_the_cache(upstream: FakeUpstream)
 # =========================================================================== the neutral pairing repair
 
 
-@pytest.mark.xfail(strict=True, reason="on a wire that merges runs of calls, repair() puts a call item stripped of "
-                   "its unanswerable call (factory: no placeholder, some content left) back between the run's other "
-                   "calls and their results, so its own output fails check() with unpaired_tool_call")
 def test_repair_of_a_merged_run_without_placeholders_is_paired() -> None:
     from proxy.core.errors import PayloadError
     from proxy.core.items import ASSISTANT, TOOL, USER, Item
@@ -450,10 +405,6 @@ def test_repair_of_a_merged_run_without_placeholders_is_paired() -> None:
 # =========================================================================== keys in the summariser's answer
 
 
-@pytest.mark.xfail(strict=True, reason="HTTPProvider.complete does not blank the upstream key out of the summariser's "
-                   "answer (the Redactor covers relayed answers and error bodies only): an upstream that echoes it "
-                   "puts the operator's key into the cached summary, which is forwarded to the chat route's provider "
-                   "and shown to a tenant by explain")
 async def test_an_echoed_upstream_key_never_reaches_a_tenant_through_a_summary(
     upstream: FakeUpstream, serve: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy
 ) -> None:
@@ -503,9 +454,6 @@ CHUNK = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":0
          b'"choices":[{"index":0,"delta":{"content":"Hello"},"finish_reason":null}]}\n\n')
 
 
-@pytest.mark.xfail(strict=True, reason="when the upstream breaks off inside an SSE line, relay_answer writes its error "
-                   "event straight after the partial line: the two run together into one unparseable data line, so "
-                   "the client never gets the error in the wire's shape (the openai SDK raises a JSONDecodeError)")
 @pytest.mark.parametrize("cut", [10, 40, len(CHUNK) - 1], ids=["in-data-prefix", "mid-json", "before-blank-line"])
 async def test_an_error_event_after_a_cut_inside_a_line_is_its_own_event(
     serve: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy, cut: int
@@ -522,10 +470,6 @@ async def test_an_error_event_after_a_cut_inside_a_line_is_its_own_event(
     assert "closed the stream" in str(err.value)
 
 
-@pytest.mark.xfail(strict=True, reason="the relay reads a multipart field's name with the email package, which "
-                   "leaves an RFC 2231 name*=UTF-8''model (or a quoted-pair \"mod\\el\") undecoded: the proxy finds "
-                   "no model and relays the body with the operator's key, while the upstream's form parser (aiohttp "
-                   "here) decodes it to 'model' and uses the tenant's forbidden model")
 @pytest.mark.parametrize("disposition", ["name*=UTF-8''model", "name*=utf-8''%6Dodel", 'name="mod\\el"'])
 async def test_every_spelling_of_a_multipart_model_field_is_held_to_the_allow_list(
     serve: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy, disposition: str
@@ -564,9 +508,6 @@ async def loop_lag_until(done: asyncio.Future[Any], tick: float = 0.005) -> floa
     return worst
 
 
-@pytest.mark.xfail(strict=True, reason="the chat handler parses and assembles bodies above server.offload_bytes off "
-                   "the event loop, but explain (open to every tenant) parses and assembles any body on it: one large "
-                   "explain call holds the event loop, and every other request, for most of a second")
 async def test_a_large_explain_call_does_not_stall_the_event_loop(upstream: FakeUpstream, start_proxy: StartProxy
                                                                    ) -> None:
     from tests.test_server_nostall import PROMPT_LIMIT, SMALL, huge_body

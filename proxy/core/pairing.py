@@ -91,6 +91,7 @@ def repair(items: list[Item], factory: ItemFactory, merge_call_runs: bool = Fals
                     repairs[EMPTY_DROPPED] += 1
             continue
         seen = set(entry.order)
+        leftovers: list[Item] = []  # what is left of a call that lost its calls: after the group's results
         for call in entry.calls:
             absent = [cid for cid in dict.fromkeys(call.call_ids) if cid not in seen]
             if not absent:
@@ -106,7 +107,7 @@ def repair(items: list[Item], factory: ItemFactory, merge_call_runs: bool = Fals
                 changed = True
                 stripped = factory.without_calls(call)
                 if stripped is not None:
-                    out.append(stripped)
+                    leftovers.append(stripped)
                 else:
                     repairs[EMPTY_DROPPED] += 1
                 continue
@@ -119,6 +120,7 @@ def repair(items: list[Item], factory: ItemFactory, merge_call_runs: bool = Fals
                 entry.results[cid] = placeholder
                 entry.order.append(cid)
         out.extend(entry.results[cid] for cid in entry.order)
+        out.extend(leftovers)
     return (out if changed else items), repairs
 
 

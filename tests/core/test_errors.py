@@ -27,6 +27,7 @@ from proxy.core.errors import (
     PayloadError,
     PermissionDenied,
     RequestTimeout,
+    RouteError,
     SummarizerFailed,
     SummaryUnavailable,
     UpstreamError,
@@ -81,7 +82,7 @@ def test_a_code_given_overrides_the_class_code(cls: type[CtxProxyError]) -> None
 def test_the_tree_table_covers_every_client_visible_class() -> None:
     classes = {c for _, c in inspect.getmembers(errors, inspect.isclass)
                if issubclass(c, CtxProxyError) and c is not CtxProxyError and c.__module__ == errors.__name__}
-    assert classes == {t[0] for t in TREE} | {UpstreamStatus}
+    assert classes == {t[0] for t in TREE} | {UpstreamStatus, RouteError}
 
 
 def test_the_docstring_tree_names_every_class() -> None:
@@ -170,3 +171,10 @@ def test_normalise_error_body(status: int, payload: Any, expected: tuple[Any, ..
 def test_a_long_text_error_body_is_cut() -> None:
     body = normalise_error_body(500, "x" * 10_000)
     assert len(body["error"]["message"]) == 2_000
+
+
+@pytest.mark.parametrize(("status", "code"), [(404, "not_found"), (405, "method_not_allowed"), (418, "http_error")])
+def test_route_errors_keep_their_status(status: int, code: str) -> None:
+    exc = RouteError(status, "Method Not Allowed")
+    assert exc.status == status and exc.to_openai()["error"]["code"] == code
+    assert exc.to_openai()["error"]["type"] == "invalid_request_error"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from proxy.core.errors import ModelNotFound, NotFound
-from proxy.serve.relay import _allowed, _check_model, _model_of, canonical_path, relay_url
+from proxy.serve.relay import _allowed, _check_model, _models_of, canonical_path, relay_url
 from proxy.settings import DEFAULT_RELAY_ALLOW, load_config
 
 # --------------------------------------------------------------------------- canonical paths
@@ -144,17 +144,17 @@ def multipart(fields: list[tuple[str, str]], boundary: str = "----WebKitFormBoun
     (*multipart([("model", "Zürich-model")], file=False), "Zürich-model"),
 ])
 def test_model_of_every_body_kind(raw: bytes, content_type: str, model: str | None) -> None:
-    assert _model_of(raw, content_type) == model
+    assert _models_of(raw, content_type) == ([model] if model is not None else [])
 
 
 def test_model_of_a_quoted_boundary() -> None:
     raw, _ = multipart([("model", "whisper-1")], boundary="abc def")
-    assert _model_of(raw, 'multipart/form-data; boundary="abc def"') == "whisper-1"
+    assert _models_of(raw, 'multipart/form-data; boundary="abc def"') == ["whisper-1"]
 
 
 def test_model_of_a_multipart_body_with_the_wrong_boundary_is_unknown() -> None:
     raw, _ = multipart([("model", "whisper-1")], boundary="right")
-    assert _model_of(raw, "multipart/form-data; boundary=wrong") is None
+    assert _models_of(raw, "multipart/form-data; boundary=wrong") == []
 
 
 def tenant(models: list[str] | None):  # type: ignore[no-untyped-def]
