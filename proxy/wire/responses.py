@@ -24,8 +24,8 @@ from typing import Any
 
 from proxy.core.conversation import Conversation
 from proxy.core.errors import PayloadError
-from proxy.core.items import OTHER, SYSTEM, TOOL, USER, Item
-from proxy.core.pairing import PLACEHOLDER, REASONING_DROPPED, is_paired
+from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
+from proxy.core.pairing import PLACEHOLDER, REASONING_DROPPED
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key
 from proxy.wire.responses_items import (
     CALLS,
@@ -39,7 +39,6 @@ from proxy.wire.responses_items import (
     count_raw,
     kind_of,
     neutral,
-    text_of,
     unkey,
 )
 from proxy.wire.sse import RESPONSES as RESPONSES_STREAM
@@ -79,7 +78,7 @@ class ResponsesWire:
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise PayloadError("'instructions' must be a string", param="instructions", code="invalid_instructions")
-        items, dropped, references = build_items(body.get("input"), keep_trailing=unmanaged is not None)
+        items, dropped, references, paired = build_items(body.get("input"), keep_trailing=unmanaged is not None)
         if references and unmanaged is None:
             unmanaged = "item_reference"
             notes.append("input refers to items held by the provider (item_reference), which ctxproxy cannot see "
@@ -94,7 +93,7 @@ class ResponsesWire:
         if unmanaged is not None:
             return Conversation(items, fixed, True, notes, unmanaged=unmanaged)
         repairs: Counter[str] = Counter({REASONING_DROPPED: dropped}) if dropped else Counter()
-        return Conversation(items, fixed, is_paired(items, True), notes, repairs=repairs)
+        return Conversation(items, fixed, paired, notes, repairs=repairs)
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
         out = dict(body)
@@ -161,48 +160,93 @@ def input_elements(value: Any) -> list[Any]:
     raise PayloadError("'input' must be a string or an array of input items", param="input", code="invalid_input")
 
 
-def build_items(value: Any, *, keep_trailing: bool = False) -> tuple[list[Item], int, int]:
-    """Neutral items of ``input``, checked: (items, trailing reasoning items dropped, item references).
+def build_items(value: Any, *, keep_trailing: bool = False) -> tuple[list[Item], int, int, bool]:
+    """Neutral items of ``input``, checked: (items, trailing reasoning items dropped, item references, paired).
 
     A string is one user message. Reasoning items join the item after them; the last
     ``compaction`` (or ctxproxy compaction summary) and items that change later items'
-    meaning are pinned.
+    meaning are pinned. ``paired`` is the pairing check's verdict, found in the same pass
+    (``proxy.core.pairing.check`` with merged call runs), so a valid request costs one scan.
     """
     if isinstance(value, str):
-        return [ResponsesItem(value, USER, source=0)], 0, 0
+        return [ResponsesItem(value, USER, source=0)], 0, 0, True
     elements = input_elements(value)
     items: list[Item] = []
     pending: list[Any] = []
     references = 0
     last_compaction = -1
+    open_calls: set[str] | None = None  # the ids of the open run of calls still awaiting outputs
+    taking_calls = False
+    paired = True
+    calls: tuple[str, ...]
+    result: str | None
     for i, element in enumerate(elements):
-        kind = check_element(element, i)
-        if kind == "reasoning":
-            pending.append(element)
-            continue
-        role, calls, result = neutral(element, kind)
+        # the common items take a few dict lookups; anything unusual gets the precise checks
+        kind = element.get("type") if type(element) is dict else None
+        if kind is None and type(element) is dict and "role" in element and "type" not in element:
+            kind = "message"
+        if kind == "message" and type(element.get("role")) is str and element["role"] in MESSAGE_ROLES \
+                and type(element.get("content")) is str:
+            role, calls, result = MESSAGE_ROLES[element["role"]], (), None
+        elif kind == "function_call" and type(element.get("call_id")) is str and element["call_id"] \
+                and type(element.get("name")) is str and element["name"] and type(element.get("arguments")) is str:
+            role, calls, result = ASSISTANT, ("function_call:" + element["call_id"],), None
+        elif kind == "function_call_output" and type(element.get("call_id")) is str and element["call_id"] \
+                and type(element.get("output")) is str:
+            role, calls, result = TOOL, (), "function_call:" + element["call_id"]
+        else:
+            kind = check_element(element, i)
+            if kind == "reasoning":
+                pending.append(element)
+                continue
+            role, calls, result = neutral(element, kind)
         item = ResponsesItem([*pending, element] if pending else element, role, call_ids=calls, result_id=result,
-                             source=i, pinned=kind in PINNED_TYPES)
+                             source=i)
         pending = []
-        if kind == "compaction" or (kind == "message" and is_compact_summary(element)):
-            last_compaction = len(items)
-        references += kind == "item_reference"
+        if result is not None:
+            if open_calls is None or result not in open_calls:
+                paired = False
+            else:
+                open_calls.discard(result)
+            taking_calls = False
+        elif calls:
+            if taking_calls and open_calls is not None:
+                if calls[0] in open_calls:
+                    paired = False  # the same id twice in one run: the pairing check names it
+                open_calls.add(calls[0])
+            else:
+                if open_calls:
+                    paired = False
+                open_calls, taking_calls = {calls[0]}, True
+        else:
+            if open_calls:
+                paired = False
+            open_calls, taking_calls = None, False
+            if kind == "compaction" or (kind == "message" and is_compact_summary(element)):
+                last_compaction = len(items)
+            elif kind in PINNED_TYPES:
+                item.pinned = True
+            references += kind == "item_reference"
         items.append(item)
+    if open_calls:
+        paired = False
     if last_compaction >= 0:
         items[last_compaction].pinned = True
     dropped = len(pending)
     if pending and keep_trailing:
         items.append(ResponsesItem(pending, OTHER, source=len(elements) - len(pending)))
         dropped = 0
-    return items, dropped, references
+    return items, dropped, references, paired
 
 
 def is_compact_summary(element: dict[str, Any]) -> bool:
     """ctxproxy's own compaction summary (``/responses/compact`` answered by ctxproxy), carried back as input."""
     if element.get("role") != "user":
         return False
-    text, _ = text_of(element.get("content"))
-    return text.startswith(COMPACT_PREFIX)
+    content = element.get("content")
+    if isinstance(content, list) and content and isinstance(content[0], dict):
+        content = content[0].get("text")
+    return isinstance(content, str) and content.startswith(COMPACT_PREFIX)
 
 
 def check_element(element: Any, i: int) -> str:
@@ -264,7 +308,7 @@ def _check_message(element: dict[str, Any], param: str) -> None:
 
 def items_of(value: Any, counter: TokenCounter | None = None) -> list[Item]:
     """Input items as neutral items (counted when a counter is given): for tests and tools."""
-    items, _, _ = build_items(value)
+    items, _, _, _ = build_items(value)
     if counter is not None:
         for item in items:
             WIRE.count(item, counter)

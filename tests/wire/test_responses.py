@@ -507,3 +507,12 @@ def test_tau_bench_as_responses_items(tau_matrix: dict[str, Any], manager: str, 
 def test_tau_bench_matrix_runtime(tau_matrix: dict[str, Any]) -> None:
     print(f"tau-bench Responses matrix: {tau_matrix['elapsed']:.1f}s")
     assert tau_matrix["elapsed"] < 90
+
+
+@PROPERTY
+@given(items=conversations())
+def test_the_parse_pass_pairing_verdict_agrees_with_the_pairing_check(items: list[dict[str, Any]]) -> None:
+    from proxy.core.pairing import is_paired
+
+    conversation = RESPONSES.parse(body_of(items), COUNTER)
+    assert conversation.paired == is_paired(conversation.items, True)
