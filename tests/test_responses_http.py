@@ -296,3 +296,33 @@ async def test_compact_emulate_and_relay_settings(upstream: FakeUpstream, start_
         with pytest.raises(openai.BadRequestError):
             await c.responses.compact(model=SMALL, input=[{"role": "nobody", "content": "x"}])  # type: ignore[list-item]
     assert len(upstream.compactions) == 2  # the 404 relayed, the auto proxy's attempt; never the emulate one
+
+
+async def test_compact_when_the_summariser_fails_is_a_502_in_openai_shape(upstream: FakeUpstream,
+                                                                          start_proxy: StartProxy) -> None:
+    upstream.compact_mode, upstream.summary_mode = "404", "status"
+    proxy = await start(upstream, start_proxy)
+    status, _headers, payload = await post(proxy, {"model": SMALL, "input": long_conversation(4)},
+                                           path="/v1/responses/compact")
+    assert status == 502 and payload["error"]["code"] == "summarizer_failed", payload
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+
+
+def test_ctxproxy_assemble_on_the_responses_wire(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from proxy.cli import main
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump({"upstreams": {"u": {"base_url": "http://127.0.0.1:9"}},
+                                   "cache": {"backend": "memory"}, "context_manager": "sliding-window",
+                                   "models": [{"name": SMALL, "context_window": WINDOW, "max_output_tokens": MAX_OUT}]}))
+    req = tmp_path / "request.json"
+    items = long_conversation()
+    req.write_text(json.dumps({"model": SMALL, "input": items}))
+    assert main(["assemble", "--offline", "--wire", "responses", "--config", str(cfg), str(req)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) == {"input", "report"} and result["report"]["wire"] == "responses"
+    assert result["report"]["tokens_after"] == recount({"input": result["input"]}) <= HARD_BUDGET
+    assert result["input"][0] == items[0] and result["input"][-1] == items[-1]
+    assert not pairing_problems(result["input"])
