@@ -28,6 +28,7 @@ from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
 from proxy.core.pairing import PLACEHOLDER, REASONING_DROPPED
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key
 from proxy.wire.responses_items import (
+    CALL_NS,
     CALLS,
     COMPACT_PREFIX,
     ITEM_TOKENS,
@@ -51,7 +52,8 @@ PROVIDER_STATE = ("previous_response_id", "conversation")
 PLACEHOLDERS: dict[str, dict[str, Any]] = {
     "function_call": {"type": "function_call_output", "call_id": "", "output": PLACEHOLDER},
     "custom_tool_call": {"type": "custom_tool_call_output", "call_id": "", "output": PLACEHOLDER},
-    "local_shell_call": {"type": "local_shell_call_output", "id": "", "output": PLACEHOLDER},
+    # a local shell call is answered the way Codex answers it (a function_call_output by call_id)
+    "local_shell_call": {"type": "function_call_output", "call_id": "", "output": PLACEHOLDER},
     "apply_patch_call": {"type": "apply_patch_call_output", "call_id": "", "status": "failed",
                          "output": PLACEHOLDER},
 }
@@ -126,12 +128,13 @@ class ResponsesWire:
         return None  # a call item is nothing but its call (and the reasoning that led to it goes with it)
 
     def placeholder(self, call: Item, call_id: str) -> Item | None:
-        kind, ident = unkey(call_id)
+        _, ident = unkey(call_id)
+        kind = kind_of(call.main) if isinstance(call, ResponsesItem) else ""
         template = PLACEHOLDERS.get(kind)
         if template is None:
             return None  # a screenshot, shell outcome, approval or program result cannot be made up
         raw = dict(template)
-        raw["id" if kind == "local_shell_call" else "call_id"] = ident
+        raw["call_id"] = ident
         return ResponsesItem(raw, TOOL, result_id=call_id, source=call.source)
 
     def output_field(self, upstream_model: str) -> str:
@@ -190,10 +193,10 @@ def build_items(value: Any, *, keep_trailing: bool = False) -> tuple[list[Item],
             role, calls, result = MESSAGE_ROLES[element["role"]], (), None
         elif kind == "function_call" and type(element.get("call_id")) is str and element["call_id"] \
                 and type(element.get("name")) is str and element["name"] and type(element.get("arguments")) is str:
-            role, calls, result = ASSISTANT, ("function_call:" + element["call_id"],), None
+            role, calls, result = ASSISTANT, (CALL_NS + element["call_id"],), None
         elif kind == "function_call_output" and type(element.get("call_id")) is str and element["call_id"] \
                 and type(element.get("output")) is str:
-            role, calls, result = TOOL, (), "function_call:" + element["call_id"]
+            role, calls, result = TOOL, (), CALL_NS + element["call_id"]
         else:
             kind = check_element(element, i)
             if kind == "reasoning":

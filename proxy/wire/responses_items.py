@@ -5,8 +5,10 @@ with the item that follows them (``raw`` is then the list ``[reasoning…, follo
 provider refuses a reasoning item without its following item, so the two are dropped, kept
 or summarised together and rendered back as consecutive items, never separated.
 
-Call and result items pair by id (``CALLS`` / ``RESULTS``); the pairing ids are prefixed
-with the call's type, so an output of one kind never answers a call of another.
+Call and result items pair by id (``CALLS`` / ``RESULTS``). Every ``call_id`` shares one
+namespace, as OpenAI and its clients treat it: Codex answers a ``local_shell_call`` with a
+``function_call_output``. MCP approvals pair in a namespace of their own (their ids are
+item ids, not call ids).
 
 Token formula (documented estimate; exact for text with the model's tiktoken encoding):
 
@@ -78,9 +80,13 @@ CALL_ARGUMENTS = ("arguments", "input", "action", "operation", "code")
 COMPACT_PREFIX = "[ctxproxy compaction summary]"
 
 
+CALL_NS = "call:"
+APPROVAL_NS = "approval:"
+
+
 def key(kind: str, ident: str) -> str:
     """The neutral pairing id of a call of ``kind`` (a result uses its call's kind)."""
-    return f"{kind}:{ident}"
+    return (APPROVAL_NS if kind == "mcp_approval_request" else CALL_NS) + ident
 
 
 def unkey(neutral: str) -> tuple[str, str]:

@@ -70,8 +70,14 @@ def chat_to_responses(messages: Sequence[dict[str, Any]], *, parts: bool = False
 # --------------------------------------------------------------------------- independent checkers
 
 
+def _namespace(call_kind: str) -> str:
+    # call ids are one namespace (Codex answers a local_shell_call with a function_call_output); MCP
+    # approvals pair by approval request id
+    return "approval" if call_kind == "mcp_approval_request" else "call"
+
+
 def pairing_problems(items: Sequence[Any]) -> list[str]:
-    """Every call answered exactly once by an output of its kind right after its run of calls; no stray output.
+    """Every call answered exactly once by an output with its id right after its run of calls; no stray output.
 
     Reasoning items are transparent (they belong to the item after them).
     """
@@ -88,12 +94,12 @@ def pairing_problems(items: Sequence[Any]) -> list[str]:
             wanted: Counter[tuple[str, Any]] = Counter()
             while i < len(seq) and kind(seq[i]) in PAIRS:
                 ck = kind(seq[i])
-                wanted[(ck, seq[i].get(PAIRS[ck][1]))] += 1
+                wanted[(_namespace(ck), seq[i].get(PAIRS[ck][1]))] += 1
                 i += 1
             got: Counter[tuple[str, Any]] = Counter()
             while i < len(seq) and kind(seq[i]) in OUTPUTS:
                 ok = kind(seq[i])
-                got[(OUTPUTS[ok][0], seq[i].get(OUTPUTS[ok][1]))] += 1
+                got[(_namespace(OUTPUTS[ok][0]), seq[i].get(OUTPUTS[ok][1]))] += 1
                 i += 1
             if got != wanted:
                 problems.append(f"calls {dict(wanted)} answered by {dict(got)}")

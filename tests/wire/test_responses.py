@@ -151,7 +151,7 @@ def test_reasoning_travels_with_its_follower_and_compaction_is_pinned() -> None:
     assert len(reasoning) == 1 and [kind(e) for e in reasoning[0].raw] == ["reasoning", "message"]
     assert [i.pinned for i in items if not isinstance(i.raw, list) and kind(i.raw) == "compaction"] == [True]
     calls = [i for i in items if i.call_ids]
-    assert [c.call_ids for c in calls] == [("function_call:c1",), ("custom_tool_call:c2",)]
+    assert [c.call_ids for c in calls] == [("call:c1",), ("call:c2",)]
 
 
 def test_only_the_last_compaction_is_pinned() -> None:
@@ -247,16 +247,24 @@ def test_pairing_repair_per_item_type(call_kind: str) -> None:
     if call_kind in PLACEHOLDER_OK:
         assert a.report.repairs == {"missing_result": 1}
         placeholder = a.body["input"][4]  # after the output that was given, in the run's output block
-        assert kind(placeholder) == output["type"] and "no result was recorded" in json.dumps(placeholder)
+        expected = "function_call_output" if call_kind == "local_shell_call" else output["type"]
+        assert kind(placeholder) == expected and "no result was recorded" in json.dumps(placeholder)
     else:
         assert call not in a.body["input"] and a.report.repairs.get("unanswered_calls") == 1
 
 
-def test_an_output_of_another_kind_never_answers_a_call() -> None:
-    call = {"type": "custom_tool_call", "call_id": "a", "name": "f", "input": "x"}
-    wrong = {"type": "function_call_output", "call_id": "a", "output": "r"}
-    a = Setup().run_sync(body_of([{"role": "user", "content": "go"}, call, wrong, {"role": "user", "content": "n"}]))
-    assert a.report.repairs == {"orphan_result": 1, "unanswered_calls": 1, "empty_assistant": 1}
+def test_call_ids_share_one_namespace_as_codex_uses_them() -> None:
+    """Codex answers a local_shell_call with a function_call_output: the same call_id pairs them."""
+    call = {"type": "local_shell_call", "id": "ls_1", "call_id": "a", "status": "completed",
+            "action": {"type": "exec", "command": ["ls"], "env": {}}}
+    out = {"type": "function_call_output", "call_id": "a", "output": "README.md"}
+    a = Setup().run_sync(body_of([{"role": "user", "content": "go"}, call, out]))
+    assert not a.changed and not a.report.repairs
+    # an MCP approval id is not a call id
+    approval = {"type": "mcp_approval_response", "approval_request_id": "a", "approve": True}
+    a = Setup().run_sync(body_of([{"role": "user", "content": "go"}, call, out, approval,
+                                  {"role": "user", "content": "n"}]))
+    assert a.report.repairs == {"orphan_result": 1}
 
 
 def test_ids_reused_in_one_run_are_refused_and_across_groups_are_fine() -> None:
