@@ -174,6 +174,12 @@ def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter) -> P
             if item.key == 0:  # a placeholder or an edited call: count it
                 wire.count(item, counter)
     repairs.update(conversation.repairs)  # what the wire already repaired while parsing
+    if not repaired and repairs:
+        # every item was an unpaired call, a stray result or a dangling reasoning item: an empty
+        # conversation is not a request any provider answers, so it is refused here, not forwarded
+        raise PayloadError(f"nothing is left of '{wire.field}' after the pairing repair ("
+                           + ", ".join(f"{k}={v}" for k, v in sorted(repairs.items())) + ")",
+                           param=wire.field, code="empty_after_repair")
     assign_groups(repaired, wire.merge_call_runs)
     return Prepared(items, repaired, repairs, conversation.fixed_tokens, conversation.notes, conversation.unmanaged)
 

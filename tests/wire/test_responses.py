@@ -524,3 +524,16 @@ def test_the_parse_pass_pairing_verdict_agrees_with_the_pairing_check(items: lis
 
     conversation = RESPONSES.parse(body_of(items), COUNTER)
     assert conversation.paired == is_paired(conversation.items, True)
+
+
+@pytest.mark.parametrize("body", [
+    {"model": MODEL, "input": [{"type": "function_call_output", "call_id": "a", "output": "stray"}]},
+    {"model": MODEL, "input": [{"type": "reasoning", "id": "rs_1", "summary": []}]},
+    {"model": MODEL, "messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+])
+def test_a_conversation_repaired_to_nothing_is_refused_not_forwarded_empty(body: dict[str, Any]) -> None:
+    wire = CHAT if "messages" in body else RESPONSES
+    with pytest.raises(PayloadError) as info:
+        asyncio.run(Setup().run(body, wire=wire))
+    assert info.value.code == "empty_after_repair" and info.value.param == wire.field
