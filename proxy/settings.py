@@ -50,6 +50,9 @@ class UpstreamSettings(Strict):
     api_key: str | None = Field(None, description="Key sent upstream; empty = forward the client's (no tenants).")
     headers: dict[str, str] = Field(default_factory=dict, description="Extra headers sent upstream.")
     max_connections: int = Field(256, ge=1, description="Pooled connections to this upstream.")
+    responses_compact: Literal["relay", "emulate", "auto"] = Field(
+        "auto", description="POST /v1/responses/compact: relay it here, answer it with ctxproxy's own summariser "
+        "(emulate), or relay and emulate when this upstream answers 404 (auto).")
 
     @field_validator("base_url")
     @classmethod
@@ -164,8 +167,6 @@ DEFAULT_RELAY_ALLOW = (
     "POST /v1/images/generations",
     "POST /v1/images/edits",
     "POST /v1/images/variations",
-    "POST /v1/responses",
-    "POST /v1/responses/compact",
     "POST /v1/messages",
     "POST /v1/messages/count_tokens",
 )

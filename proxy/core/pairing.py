@@ -25,7 +25,9 @@ MOVED = "moved_result"
 PLACEHOLDER_FILLED = "missing_result"
 CALLS_DROPPED = "unanswered_calls"
 EMPTY_DROPPED = "empty_assistant"
-REPAIR_KINDS = frozenset({ORPHAN, DUPLICATE, MOVED, PLACEHOLDER_FILLED, CALLS_DROPPED, EMPTY_DROPPED})
+REASONING_DROPPED = "orphan_reasoning"  # a reasoning item with no item after it (Responses; dropped while parsing)
+REPAIR_KINDS = frozenset({ORPHAN, DUPLICATE, MOVED, PLACEHOLDER_FILLED, CALLS_DROPPED, EMPTY_DROPPED,
+                          REASONING_DROPPED})
 
 
 @dataclass

@@ -8,5 +8,8 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from proxy.wire.chat import WIRE as CHAT
+from proxy.wire.chat import ChatWire
+from proxy.wire.responses import WIRE as RESPONSES
+from proxy.wire.responses import ResponsesWire
 
-WIRES = MappingProxyType({CHAT.name: CHAT})
+WIRES: MappingProxyType[str, ChatWire | ResponsesWire] = MappingProxyType({CHAT.name: CHAT, RESPONSES.name: RESPONSES})
