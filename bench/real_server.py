@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -48,17 +49,17 @@ TAU_BENCH = Path(os.environ.get("CTXPROXY_TAU_BENCH") or ROOT / "tests" / "data"
 MODEL = "smollm2"
 WINDOW = 4096
 MAX_OUTPUT = 256
-MAX_TOKENS = 64          # per request: keeps the run short on a CPU
+MAX_TOKENS = 32          # per request: keeps the run short on a CPU
 KEEP_TURNS = 2
 TURNS = 30
 # A rendered tool result is cut at TOOL_CHARS and a whole assistant turn at TURN_CHARS: ~150 tokens a turn,
 # so the conversation crosses the summary threshold about half way and the run stays a few minutes long
 # (prompt evaluation on a 2-core CPU is ~80 tokens/s even for a 135M model).
 TOOL_CHARS = 200
-TURN_CHARS = 600
-COMPARE_EVERY = 6        # turns 1, 6, 12, ... are also sent directly to the server and compared
+TURN_CHARS = 450
+# these turns are also sent straight to the server (odd: non-streaming, even: streaming) and compared
+COMPARE_TURNS = (1, 2, 9, 12, 17, 20, 25, 30)
 READY = re.compile(r"ctxproxy listening on http://([\d.]+):(\d+)")
-UUID_REJECTED = "X-Request-ID"
 
 
 # --------------------------------------------------------------------------- the real server
@@ -348,6 +349,27 @@ async def ask(client: openai.AsyncOpenAI, messages: list[dict[str, str]], stream
     return out
 
 
+def _shape(event: Any) -> Any:
+    """An SSE event without its generated text: what framing, role, finish and usage look like."""
+    if not isinstance(event, dict):
+        return event
+    choices = [(c.get("index"), sorted(c.get("delta") or {}), c.get("finish_reason"))
+               for c in event.get("choices") or []]
+    return (event.get("object"), sorted(event), choices, bool(event.get("usage")))
+
+
+def _pattern(events: list[Any]) -> list[Any]:
+    """Consecutive events of the same shape collapsed (content chunks vary in number with the text)."""
+    out: list[Any] = []
+    for e in events:
+        if e == ":":
+            continue
+        shape = _shape(e)
+        if not out or out[-1] != shape:
+            out.append(shape)
+    return out
+
+
 def _events(raw: bytes) -> list[Any]:
     """SSE events as parsed JSON (id/created blanked) or the literal [DONE]; comments kept as ':'."""
     events: list[Any] = []
@@ -422,8 +444,18 @@ async def run(python: Path, gguf: Path, *, turns: int = TURNS, trajectories: lis
         if m:
             statuses[m.group(1)] += 1
     figures["server_status_counts"] = dict(statuses)
-    figures["proxy_summariser_log"] = sorted({re.sub(r"\s+", " ", line)[:200] for line in log_lines
-                                              if "summari" in line and "failed" in line})
+    # ctxproxy's own warnings (not the one-JSON-line-per-request log), in order, and the requests that failed
+    figures["proxy_warnings"] = [line[:300] for line in log_lines if line and not line.startswith("{")
+                                 and "listening on" not in line]
+    figures["proxy_log"] = [line[:400] for line in log_lines]
+    budgets = {json.loads(line).get("hard_budget") for line in log_lines if line.startswith('{"event":"request"')}
+    budgets.discard(None)
+    if len(budgets) == 1:  # ctxproxy's own B, as its request log states it
+        t = figures["tokens"]
+        t["budget_ctxproxy"] = budgets.pop()
+        ratio = t["server_over_ctxproxy_ratio"]
+        t["server_tokens_at_budget"] = round(ratio["max"] * t["budget_ctxproxy"]) if ratio else None
+    figures["proxy_request_errors"] = [line[:300] for line in log_lines if line.startswith("{") and '"error"' in line]
     figures["proxy_tracebacks"] = sum("Traceback" in line for line in log_lines)
     figures["notes"] = _notes(figures)
     return figures
@@ -436,7 +468,16 @@ async def _drive(srv: Servers, system: str, conv: list[tuple[str, str]]) -> dict
                                   timeout=300) as proxied, \
             openai.AsyncOpenAI(base_url=srv.llama_url + "/v1", api_key="sk-client", max_retries=0,
                                timeout=300) as direct:
-        # 0. SSE framing, byte level: the same streaming body straight to the server and through ctxproxy
+        # 0. the server's own request-id check (issue 17): a summariser-style id, then a UUID
+        probe: dict[str, Any] = {}
+        tiny = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        async with aiohttp.ClientSession() as s:
+            for kind, rid in (("non_uuid", "ctxproxy-summarize"), ("uuid", str(uuid.uuid4()))):
+                async with s.post(srv.llama_url + "/v1/chat/completions", json=tiny,
+                                  headers={"X-Request-ID": rid}) as r:
+                    probe[kind] = {"x_request_id": rid, "status": r.status, "body_bytes": len(await r.read())}
+
+        # 1. SSE framing, byte level: the same streaming body straight to the server and through ctxproxy
         #    (under the threshold ctxproxy forwards the client's bytes unchanged)
         body = {"model": MODEL, "messages": messages_for(system, conv, 1), "max_tokens": MAX_TOKENS,
                 "temperature": 0, "seed": 1234, "stream": True, "stream_options": {"include_usage": True}}
@@ -448,6 +489,10 @@ async def _drive(srv: Servers, system: str, conv: list[tuple[str, str]]) -> dict
             "direct_content_type": d_headers.get("Content-Type", d_headers.get("content-type")),
             "proxied_content_type": p_headers.get("Content-Type", p_headers.get("content-type")),
             "direct_events": len(d_events), "proxied_events": len([e for e in p_events if e != ":"]),
+            # llama.cpp's greedy decoding is not bit-identical between a fresh prompt evaluation and a cached
+            # prefix, so the text may differ: the framing is compared without it, the text separately
+            "same_framing": _pattern(d_events) == _pattern(p_events),
+            "framing_pattern": [str(x) for x in _pattern(d_events)],
             "identical_events": [e for e in d_events if e != ":"] == [e for e in p_events if e != ":"],
             "ends_with_done": p_events[-1:] == ["[DONE]"] and d_events[-1:] == ["[DONE]"],
             "usage_chunk": any(isinstance(e, dict) and e.get("usage") for e in d_events),
@@ -458,7 +503,7 @@ async def _drive(srv: Servers, system: str, conv: list[tuple[str, str]]) -> dict
             "first_event_keys": sorted(d_events[0]) if d_events and isinstance(d_events[0], dict) else None,
         }
 
-        # 1. the 30-turn conversation through ctxproxy, alternating non-streaming and streaming
+        # 2. the 30-turn conversation through ctxproxy, alternating non-streaming and streaming
         for i in range(1, len(conv) + 1):
             messages = messages_for(system, conv, i)
             stream = i % 2 == 0
@@ -466,6 +511,7 @@ async def _drive(srv: Servers, system: str, conv: list[tuple[str, str]]) -> dict
             ans = await ask(proxied, messages, stream)
             h = {k.lower(): v for k, v in ans.headers.items()}
             row = {"turn": i, "stream": stream, "seconds": round(time.monotonic() - t0, 2),
+                   "request_id": h.get("x-request-id"),
                    "summary": h.get("x-ctxproxy-summary"), "tokens_in": int(h.get("x-ctxproxy-tokens-in", -1)),
                    "tokens_out": int(h.get("x-ctxproxy-tokens-out", -1)),
                    "server_prompt_tokens": (ans.usage or {}).get("prompt_tokens"),
@@ -475,7 +521,7 @@ async def _drive(srv: Servers, system: str, conv: list[tuple[str, str]]) -> dict
             print(f"turn {i:2d} {'stream' if stream else 'json  '} {row['summary']:8} in {row['tokens_in']:5d} "
                   f"out {row['tokens_out']:5d} server {row['server_prompt_tokens']} {row['finish']} "
                   f"{row['seconds']}s {ans.error or ''}", file=sys.stderr, flush=True)
-            if i == 1 or i % COMPARE_EVERY == 0 or i == len(conv):
+            if i in COMPARE_TURNS or i == len(conv):
                 # the exact messages ctxproxy forwarded (the summary, if any, is read from its cache)
                 async with aiohttp.ClientSession() as s, s.post(
                         srv.proxy_url + "/v1/ctxproxy/explain",
@@ -513,26 +559,48 @@ async def _drive(srv: Servers, system: str, conv: list[tuple[str, str]]) -> dict
                    "server_over_ctxproxy_ratio": {"min": round(min(ratios), 3), "max": round(max(ratios), 3),
                                                   "mean": round(sum(ratios) / len(ratios), 3)} if ratios else None,
                    "budget_server_tokens": WINDOW - MAX_TOKENS,
+                   # the server's count of a payload at ctxproxy's hard budget B, at the worst ratio seen
+                   "server_tokens_at_budget": round(max(ratios) * (WINDOW - MAX_TOKENS - round(0.1 * WINDOW)))
+                   if ratios else None,
                    "budget_ctxproxy": WINDOW - MAX_TOKENS - round(0.1 * WINDOW)},
         "framing": framing,
+        "request_id_probe": probe,
         "compared": compared,
         "turns": rows,
     }
 
 
 def _notes(f: dict[str, Any]) -> list[str]:
+    """What the real server showed, in words (the figures are in the rest of the file)."""
     notes = []
-    status = f.get("server_status_counts", {})
-    if status.get("400"):
-        notes.append(f"the server answered {status['400']} chat request(s) 400 with an empty body "
-                     "(its request-id middleware refuses an X-Request-ID that is not a UUID)")
+    probe, failed = f.get("request_id_probe", {}), f["summariser_calls"]["failed"]
+    if probe:
+        notes.append(f"X-Request-ID check: `{probe['non_uuid']['x_request_id']}` -> {probe['non_uuid']['status']} "
+                     f"with {probe['non_uuid']['body_bytes']} bytes of body; a UUID -> {probe['uuid']['status']}")
+    if failed:
+        notes.append(f"{failed} request(s) got `x-ctxproxy-summary: failed`: every summariser call was refused, "
+                     "and ctxproxy served with the trimmer alone")
+    refused = [e["turn"] for e in f["errors"] if "maximum context length" in (e["error"] or "")]
+    cut = [e["turn"] for e in f["errors"] if (e["error"] or "").startswith("mid-stream")]
+    if refused:
+        notes.append(f"turns {refused} (non-streaming) were refused by the server, 400 context_length_exceeded, "
+                     "although ctxproxy had counted them within its budget B")
+    if cut:
+        notes.append(f"turns {cut} (streaming): over its window the server answers 200 text/event-stream and then "
+                     "closes the connection with an empty body (the error is raised inside its stream); ctxproxy "
+                     "ends the client's stream with an error event")
     ratio = f["tokens"].get("server_over_ctxproxy_ratio")
     if ratio:
-        notes.append(f"the server's usage.prompt_tokens is {ratio['min']:.2f}x-{ratio['max']:.2f}x ctxproxy's "
-                     "count of the same forwarded messages (SmolLM2's tokenizer and chat template vs o200k)")
+        notes.append(f"the server's usage.prompt_tokens is {ratio['min']:.2f}x-{ratio['max']:.2f}x (mean "
+                     f"{ratio['mean']:.2f}x) ctxproxy's count of the same forwarded messages: SmolLM2's tokenizer "
+                     "and chat template against o200k; ctxproxy's 10 % margin does not cover it near B")
     fr = f["framing"]
-    notes.append(f"streams: {fr['direct_events']} events, usage chunk {'present' if fr['usage_chunk'] else 'absent'}, "
-                 f"finish reasons {fr['finish_reasons']}, identical through ctxproxy: {fr['identical_events']}")
+    notes.append(f"streams: usage chunk {'sent' if fr['usage_chunk'] else 'never sent, stream_options.include_usage ignored'}; "
+                 f"finish reasons {fr['finish_reasons']}; framing through ctxproxy the same as direct: "
+                 f"{fr['same_framing']}; same text: {fr['identical_events']}")
+    same = sum(1 for c in f["compared"] if c["same_text"])
+    notes.append(f"re-sent directly with the messages ctxproxy forwarded, {same} of {len(f['compared'])} answers had "
+                 "the same text (greedy decoding is not bit-identical between a fresh and a cached prompt evaluation)")
     lengths = sum(1 for r in f["turns"] if "length" in r["finish"])
     notes.append(f"{lengths} of {len(f['turns'])} answers stopped at max_tokens (finish_reason length)")
     return notes
@@ -571,7 +639,7 @@ def write_results(figures: dict[str, Any], stem: Path) -> None:
         "## What the real server showed",
         "",
         *[f"- {n}" for n in figures["notes"]],
-        *[f"- ctxproxy log: `{line}`" for line in figures["proxy_summariser_log"][:3]],
+        *[f"- ctxproxy log: `{line}`" for line in sorted(set(figures["proxy_warnings"]))[:5]],
         "",
         "## Turns",
         "",

@@ -12,7 +12,8 @@ def main() -> int:
     files = sorted(RESULTS.glob("*.json")) if RESULTS.is_dir() else []
     for path in files:
         figures = json.loads(path.read_text(encoding="utf-8"))
-        figures.pop("turns", None)  # per-turn rows: see the file itself
+        for bulky in ("turns", "proxy_log", "compared"):  # see the file itself
+            figures.pop(bulky, None)
         print(f"{path.stem}: {json.dumps(figures, sort_keys=True)}")
     if not files:
         print("no check figures recorded")
