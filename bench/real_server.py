@@ -49,16 +49,20 @@ TAU_BENCH = Path(os.environ.get("CTXPROXY_TAU_BENCH") or ROOT / "tests" / "data"
 MODEL = "smollm2"
 WINDOW = 4096
 MAX_OUTPUT = 256
-MAX_TOKENS = 32          # per request: keeps the run short on a CPU
+MAX_TOKENS = 24          # per request: keeps the run short on a CPU (the model rarely stops sooner)
 KEEP_TURNS = 2
 TURNS = 30
-# A rendered tool result is cut at TOOL_CHARS and a whole assistant turn at TURN_CHARS: ~150 tokens a turn,
-# so the conversation crosses the summary threshold about half way and the run stays a few minutes long
-# (prompt evaluation on a 2-core CPU is ~80 tokens/s even for a 135M model).
+# A rendered tool result is cut at TOOL_CHARS and a whole assistant turn at a cap chosen at run time
+# (plan_turns, from ctxproxy's own count) so that the conversation crosses the summary threshold T at
+# turn CROSS_AT whatever the trajectories: then summaries are made and reused, the budget band T..B is
+# crossed, and the run stays a few minutes long (prompt evaluation on a 2-core CPU is ~80 tokens/s even
+# for a 135M model, and every cut of the history makes the server evaluate it again).
 TOOL_CHARS = 200
-TURN_CHARS = 450
+TURN_CHARS = 600
+TURN_CAPS = (1200, 900, 750, 600, 500, 450, 400, 350, 300, 260, 220, 180, 150, 120)
+CROSS_AT = 22
 # these turns are also sent straight to the server (odd: non-streaming, even: streaming) and compared
-COMPARE_TURNS = (1, 2, 9, 12, 17, 20, 25, 30)
+COMPARE_TURNS = (1, 2, 13, 20, 25, 30)
 READY = re.compile(r"ctxproxy listening on http://([\d.]+):(\d+)")
 
 
@@ -265,7 +269,8 @@ def synthetic_trajectories(count: int = 8) -> list[dict[str, Any]]:
     return trajs
 
 
-def build_turns(trajectories: list[dict[str, Any]], turns: int = TURNS) -> tuple[str, list[tuple[str, str]]]:
+def build_turns(trajectories: list[dict[str, Any]], turns: int = TURNS,
+                turn_chars: int = TURN_CHARS) -> tuple[str, list[tuple[str, str]]]:
     """The policy system prompt and ``turns`` (user, assistant) pairs, tool calls and results folded into
     the assistant's text (``[called name(args)]`` / ``[name returned] json``)."""
     system = ""
@@ -280,7 +285,7 @@ def build_turns(trajectories: list[dict[str, Any]], turns: int = TURNS) -> tuple
             role = m.get("role")
             if role == "user":
                 if user is not None and parts and "###STOP###" not in user:
-                    out.append((user, "\n".join(parts)[:TURN_CHARS]))
+                    out.append((user, "\n".join(parts)[:turn_chars]))
                 user, parts = m.get("content"), []
             elif role == "assistant":
                 for call in m.get("tool_calls") or []:
@@ -415,21 +420,55 @@ def _sum(metric: dict[str, float], name: str, **labels: str) -> float:
                if all(f'{lk}="{lv}"' in k for lk, lv in labels.items()))
 
 
+async def _explain(url: str, messages: list[dict[str, str]], override: str | None = None) -> dict[str, Any]:
+    headers = {"x-ctxproxy-context-manager": override} if override else {}
+    async with aiohttp.ClientSession() as s, s.post(
+            url + "/v1/ctxproxy/explain", headers=headers,
+            json={"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS}) as r:
+        assert r.status == 200, await r.text()
+        return dict((await r.json())["report"])
+
+
+async def plan_turns(proxy_url: str, trajs: list[dict[str, Any]], turns: int) -> dict[str, Any]:
+    """The largest per-turn cap with which request CROSS_AT is the first over ctxproxy's threshold T,
+    measured by ctxproxy itself (explain, with the `stack` manager: no summariser call)."""
+    system, conv = build_turns(trajs, turns, TURN_CAPS[0])
+    first = await _explain(proxy_url, messages_for(system, conv, 1))
+    threshold, budget = first["threshold"], first["hard_budget"]
+    cross_at = min(CROSS_AT, turns - 3)
+    best: dict[str, Any] | None = None
+    for cap in TURN_CAPS:
+        system, conv = build_turns(trajs, turns, cap)
+        if len(conv) < turns:
+            continue
+        before = await _explain(proxy_url, messages_for(system, conv, cross_at - 1), "stack")
+        at = await _explain(proxy_url, messages_for(system, conv, cross_at), "stack")
+        best = {"turn_chars": cap, "threshold": threshold, "hard_budget": budget, "cross_at": cross_at,
+                "tokens_before_cross": before["tokens_before"], "tokens_at_cross": at["tokens_before"],
+                "tokens_last": (await _explain(proxy_url, messages_for(system, conv, turns), "stack"))["tokens_before"]}
+        if before["tokens_before"] < threshold:
+            break
+    assert best is not None, "no trajectory layout gives enough turns"
+    return best
+
+
 async def run(python: Path, gguf: Path, *, turns: int = TURNS, trajectories: list[dict[str, Any]] | None = None,
               ) -> dict[str, Any]:
     """The whole run; returns the figures (see ``write_results``)."""
-    source = "tests/data/tau-bench-airline.json.gz" if trajectories is None and TAU_BENCH.is_file() else "generated"
-    trajs = trajectories or load_trajectories() or synthetic_trajectories()
-    if trajectories is not None:
-        source = "given"
-    elif source == "tests/data/tau-bench-airline.json.gz" and os.environ.get("CTXPROXY_TAU_BENCH"):
-        source = str(TAU_BENCH)
-    system, conv = build_turns(trajs, turns)
-    assert len(conv) == turns, f"only {len(conv)} turns in the trajectories"
+    loaded = None if trajectories is not None else load_trajectories()
+    trajs = trajectories or loaded or synthetic_trajectories()
+    source = ("given" if trajectories is not None else f"tau-bench airline trajectories ({TAU_BENCH.name})"
+              if loaded else "generated trajectories of tau-bench's shape (no tests/data/tau-bench-airline.json.gz)")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ctxproxy-real-") as tmp:
         async with servers(python, gguf, Path(tmp)) as srv:
+            layout = await plan_turns(srv.proxy_url, trajs, turns)
+            system, conv = build_turns(trajs, turns, layout["turn_chars"])
+            assert len(conv) == turns, f"only {len(conv)} turns in the trajectories"
             figures = await _drive(srv, system, conv)
+            layout["first_turn_over_threshold"] = next(
+                (r["turn"] for r in figures["turns"] if r["tokens_in"] > layout["threshold"]), None)
+            figures["layout"] = layout
             log_lines = list(srv.proxy.lines)
             llama_lines = list(srv.llama.lines)
     figures["seconds"] = round(time.monotonic() - started, 1)
@@ -464,6 +503,7 @@ async def run(python: Path, gguf: Path, *, turns: int = TURNS, trajectories: lis
 async def _drive(srv: Servers, system: str, conv: list[tuple[str, str]]) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []  # one per turn
     compared: list[dict[str, Any]] = []
+    summaries_seen: list[dict[str, Any]] = []  # the summary message ctxproxy forwarded, as the model wrote it
     async with openai.AsyncOpenAI(base_url=srv.proxy_url + "/v1", api_key="sk-client", max_retries=0,
                                   timeout=300) as proxied, \
             openai.AsyncOpenAI(base_url=srv.llama_url + "/v1", api_key="sk-client", max_retries=0,
@@ -528,6 +568,9 @@ async def _drive(srv: Servers, system: str, conv: list[tuple[str, str]]) -> dict
                         json={"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS}) as r:
                     explained = await r.json()
                 ref = await ask(direct, explained["messages"], stream)
+                summary = [m["content"] for m in explained["messages"][1:] if m.get("role") == "system"]
+                if summary:
+                    summaries_seen.append({"turn": i, "text": str(summary[0])[:600]})
                 compared.append({
                     "turn": i, "stream": stream,
                     "same_text": ref.text == ans.text, "same_finish": ref.finish == ans.finish,
@@ -566,6 +609,7 @@ async def _drive(srv: Servers, system: str, conv: list[tuple[str, str]]) -> dict
         "framing": framing,
         "request_id_probe": probe,
         "compared": compared,
+        "summaries_seen": summaries_seen,
         "turns": rows,
     }
 
@@ -616,8 +660,11 @@ def write_results(figures: dict[str, Any], stem: Path) -> None:
         f"llama-cpp-python {figures['llama_cpp_python']} (`python -m llama_cpp.server`), {figures['model']}; "
         f"route: window {WINDOW}, max output {MAX_OUTPUT}, requests max_tokens {MAX_TOKENS}, summarising "
         f"keep_turns {KEEP_TURNS}, the summariser on the same model. Conversation: {len(figures['turns'])} turns "
-        f"from {figures['data']}, tool calls rendered as text. Written by `python -m bench.real_server` "
-        f"({figures['seconds']} s).",
+        f"from {figures['data']}, tool calls rendered as text, each turn cut at "
+        f"{figures['layout']['turn_chars']} characters (chosen so that ctxproxy's threshold "
+        f"T={figures['layout']['threshold']} is crossed late: first at turn "
+        f"{figures['layout']['first_turn_over_threshold']}; B={figures['layout']['hard_budget']}). "
+        f"Written by `python -m bench.real_server` ({figures['seconds']} s on a shared 2-core machine).",
         "",
         "| figure | value |",
         "|---|---|",
@@ -640,6 +687,11 @@ def write_results(figures: dict[str, Any], stem: Path) -> None:
         "",
         *[f"- {n}" for n in figures["notes"]],
         *[f"- ctxproxy log: `{line}`" for line in sorted(set(figures["proxy_warnings"]))[:5]],
+        "",
+        "## Summaries the model wrote (as ctxproxy forwarded them)",
+        "",
+        *([f"- turn {x['turn']}: {x['text'][:300]!r}" for x in figures.get("summaries_seen", [])[:2]]
+          or ["- none: every summariser call failed"]),
         "",
         "## Turns",
         "",

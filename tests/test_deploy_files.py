@@ -10,7 +10,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -48,15 +47,11 @@ def test_compose_mounts_exist() -> None:
                 assert (ROOT / source).exists(), (name, source)
 
 
-def test_replica_config_validates_with_redis_cache(tmp_path: Path) -> None:
-    path = ROOT / "deploy" / "compose" / "ctxproxy.yaml"
-    config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    assert config["cache"]["backend"] == "redis"
-    script = Path(sys.executable).parent / "ctxproxy"
-    argv = [str(script)] if script.is_file() else [sys.executable, "-m", "proxy.cli"]
-    proc = subprocess.run([*argv, "validate", str(path)], capture_output=True, text=True, cwd=ROOT, check=False,
-                          timeout=120)
-    assert (proc.returncode, proc.stdout.strip()) == (0, "ok"), proc.stderr
+def test_replica_config_uses_the_redis_cache() -> None:
+    """(`ctxproxy validate` runs on it in make check: tests/check/test_container.py.)"""
+    config = yaml.safe_load((ROOT / "deploy" / "compose" / "ctxproxy.yaml").read_text(encoding="utf-8"))
+    assert config["cache"]["backend"] == "redis" and config["cache"]["url"].startswith("${CTXPROXY_REDIS_URL")
+    assert config["server"]["port"] == 8080 and config["server"]["host"] == "0.0.0.0"
 
 
 def test_nginx_config_is_streaming_safe() -> None:

@@ -26,7 +26,7 @@ import openai
 import pytest
 import yaml
 
-from tests.check._support import ROOT, free_port, record, wait_http
+from tests.check._support import ROOT, ctxproxy_command, free_port, record, wait_http
 from tests.fake_upstream import REPLY, FakeUpstream
 from tests.test_summarisation import conversation
 
@@ -292,3 +292,11 @@ def test_compose_config_renders() -> None:
     for name in ("ctxproxy-1", "ctxproxy-2", "ctxproxy-3"):
         assert services[name]["read_only"] in (True, "true")
         assert services[name]["environment"]["OPENAI_API_KEY"] == "sk-test"
+
+
+def test_compose_replica_config_validates() -> None:
+    """``ctxproxy validate`` (as a process) on the config every compose replica reads."""
+    path = ROOT / "deploy" / "compose" / "ctxproxy.yaml"
+    proc = subprocess.run([*ctxproxy_command(), "validate", str(path)], capture_output=True, text=True, cwd=ROOT,
+                          check=False, timeout=120)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "ok"), proc.stderr
