@@ -30,12 +30,13 @@ WORKDIR /app
 # Dependencies first, in their own layer: it changes only with pyproject.toml, so a rebuild after a
 # code change takes seconds. A virtual environment, so the same steps work on the slim image and on
 # a distribution's Python (which refuses system-wide pip installs, PEP 668).
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 RUN python3 -m venv "$VIRTUAL_ENV" \
- && mkdir proxy plugins && touch proxy/__init__.py plugins/__init__.py \
+ && mkdir proxy plugins && touch proxy/__init__.py plugins/__init__.py README.md \
  && pip install --quiet . \
  && pip uninstall --quiet --yes ctxproxy \
- && rm -rf proxy plugins build ./*.egg-info
+ && rm -rf proxy plugins build ./*.egg-info README.md
+COPY README.md ./
 COPY proxy ./proxy
 COPY plugins ./plugins
 COPY config ./config

@@ -83,10 +83,13 @@ def base_image() -> str:
 def image() -> dict[str, Any]:
     _need_podman()
     base = base_image()
+    previous = podman("image", "inspect", "--format", "{{.Id}}", IMAGE, check=False).stdout.strip()
     started = time.monotonic()
     podman("build", "--format", "docker", "--network", "host", "--build-arg", f"BASE_IMAGE={base}",
            "-t", IMAGE, str(ROOT), timeout=1500)
     built = time.monotonic() - started
+    if previous and previous != podman("image", "inspect", "--format", "{{.Id}}", IMAGE).stdout.strip():
+        podman("rmi", previous, check=False)  # the last check's image, now untagged: do not pile them up
     info = json.loads(podman("image", "inspect", IMAGE).stdout)[0]
     return {"base": base, "build_seconds": round(built, 1), "size_mb": round(info["Size"] / 1e6, 1),
             "config": info["Config"], "healthcheck": info.get("Healthcheck") or info["Config"].get("Healthcheck")}
