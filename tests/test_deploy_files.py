@@ -78,7 +78,7 @@ def test_nginx_accepts_the_config(tmp_path: Path) -> None:
         f"http {{ access_log off; client_body_temp_path {tmp_path}; proxy_temp_path {tmp_path};\n"
         f"fastcgi_temp_path {tmp_path}; uwsgi_temp_path {tmp_path}; scgi_temp_path {tmp_path};\n"
         f"include {tmp_path}/ctxproxy.conf; }}\n", encoding="utf-8")
-    proc = subprocess.run([nginx, "-t", "-q", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+    proc = subprocess.run([nginx, "-t", "-q", "-e", "stderr", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
                           capture_output=True, text=True, check=False, timeout=30)
     assert proc.returncode == 0, proc.stderr
 

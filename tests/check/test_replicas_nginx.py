@@ -299,10 +299,10 @@ async def test_three_replicas_behind_nginx_survive_a_kill_with_one_summary_each(
                     await proc.wait_ready(60)
                 listen = free_port()
                 conf = nginx_config(prefix, listen, ports)
-                check = subprocess.run([nginx, "-t", "-p", str(prefix), "-c", str(conf)], capture_output=True,
+                check = subprocess.run([nginx, "-t", "-e", "stderr", "-p", str(prefix), "-c", str(conf)], capture_output=True,
                                        text=True, check=False)
                 assert check.returncode == 0, check.stderr
-                lb = await start_process([nginx, "-p", str(prefix), "-c", str(conf)], "nginx", env=env())
+                lb = await start_process([nginx, "-e", "stderr", "-p", str(prefix), "-c", str(conf)], "nginx", env=env())
                 procs.append(lb)
                 url = f"http://127.0.0.1:{listen}"
                 deadline = time.monotonic() + 20
