@@ -53,8 +53,9 @@ def test_answers_relayed_intact(run: dict[str, Any]) -> None:
     the same finish reasons and usage, streaming and not, before and after the summary threshold. (The
     text itself may differ: llama.cpp's greedy decoding is not bit-identical between a fresh and a cached
     prompt evaluation; the count of same texts is in the figures.)"""
-    compared = [c for c in run["compared"] if not any(c["errors"])]
-    assert len(compared) >= 5 and {c["stream"] for c in compared} == {True, False}, run["compared"]
+    assert len(run["compared"]) == len(real_server.COMPARE_TURNS), run["compared"]
+    compared = [c for c in run["compared"] if not any(c["errors"])]  # refused turns: the budget test's failure
+    assert len(compared) >= 3 and {c["stream"] for c in compared} == {True, False}, run["compared"]
     for c in compared:
         assert c["same_finish"] and c["same_usage"], c
     for row in run["turns"]:
