@@ -50,6 +50,9 @@ class UpstreamSettings(Strict):
     api_key: str | None = Field(None, description="Key sent upstream; empty = forward the client's (no tenants).")
     headers: dict[str, str] = Field(default_factory=dict, description="Extra headers sent upstream.")
     max_connections: int = Field(256, ge=1, description="Pooled connections to this upstream.")
+    keepalive_seconds: float = Field(
+        4, gt=0, description="How long an idle pooled connection is kept: below the upstream's own idle timeout "
+        "(uvicorn-based servers: 5 s), so a connection it is closing is never reused.")
     responses_compact: Literal["relay", "emulate", "auto"] = Field(
         "auto", description="POST /v1/responses/compact: relay it here, answer it with ctxproxy's own summariser "
         "(emulate), or relay and emulate when this upstream answers 404 (auto).")
