@@ -18,6 +18,8 @@ from multidict import CIMultiDict
 from proxy.core.conversation import WireAdapter
 from proxy.core.errors import BadRequest, CtxProxyError, PayloadError
 from proxy.pipeline import Assembly
+from proxy.policy import ModelRoute
+from proxy.serve.feedback import settle
 from proxy.serve.http import (
     ERROR_SHAPE,
     OVERRIDE_HEADER,
@@ -87,6 +89,8 @@ async def _handle(request: web.Request, wire: ManagedWire) -> web.StreamResponse
     request[ERROR_SHAPE] = wire.error_shape
     record = RequestRecord(request_id=rid, started=started, wire=wire.name)
     status = 500
+    assembly: Assembly | None = None
+    route: ModelRoute | None = None
     try:
         tenant = runtime.authenticate(client_key(request))
         record.tenant = tenant.name if tenant else "default"
@@ -138,5 +142,8 @@ async def _handle(request: web.Request, wire: ManagedWire) -> web.StreamResponse
             record.error = request[STREAM_ERROR]
         st.metrics.finished(record.tenant, record.model or "other", status, overhead=record.overhead,
                             upstream=record.upstream, ttft=record.ttft, usage=record.usage, wire=wire.name)
+        if assembly is not None and route is not None:  # learn from the answer's usage; count what it cost
+            record.cost = settle(st.shared, st.metrics, route, assembly, record.tenant, record.usage, status,
+                                 wire.name)
         if st.config.settings.logging.requests:
             record.log()
