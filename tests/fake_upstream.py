@@ -23,7 +23,7 @@ with tiktoken, not with the proxy's code), as a provider with another tokenizer 
 prefix, in whole messages, with the previous request of the same conversation (header
 ``x-fake-conversation``, else the first message), in the same units, floored to ``cache_block`` tokens
 and 0 below ``cache_min`` (OpenAI: 128 and 1024). Summariser calls then report their true counts too.
-``usages`` records every usage reported for a chat request.
+``usages`` and ``summary_usages`` record every usage reported for a chat request and a summary.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ class FakeUpstream:
     cache_min: int = 0
     cache_block: int = 1
     usages: list[dict[str, Any]] = field(default_factory=list)
+    summary_usages: list[dict[str, Any]] = field(default_factory=list)
     _conversations: dict[str, list[str]] = field(default_factory=dict)
     url: str = ""
     _runner: web.AppRunner | None = None
@@ -191,6 +192,7 @@ class FakeUpstream:
             prompt = round(self._scale * request_tokens(body))
             completion = round(self._scale * o200k_tokens(text))
             usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        self.summary_usages.append(usage)
         return web.json_response(_completion(body.get("model", "m"), text, usage))
 
     @property
