@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 MAP_FILE = "model_prices_and_context_window_backup.json"
+MEMO_SIZE = 4096
 
 
 def offline_environment() -> None:
@@ -85,10 +86,12 @@ class ModelMap:
     def __init__(self, path: Path | None = None) -> None:
         self._path = path
         self._overrides: dict[str, PriceOverride] = {}
+        self._prices: dict[str, Prices | None] = {}  # memo of prices(): it is read after every answer
 
     def set_price_overrides(self, overrides: dict[str, PriceOverride]) -> None:
         """Replace the config's prices (built from a config; swapped whole on reload)."""
         self._overrides = dict(overrides)
+        self._prices = {}
 
     @cached_property
     def _data(self) -> dict[str, Any]:
@@ -118,6 +121,16 @@ class ModelMap:
 
     def prices(self, model: str) -> Prices | None:
         """The model's prices, config first, else litellm's map; None when its input or output price is unknown."""
+        try:
+            return self._prices[model]
+        except KeyError:
+            pass
+        prices = self._lookup(model)
+        if len(self._prices) < MEMO_SIZE:  # names can come from clients: remember a bounded number
+            self._prices[model] = prices
+        return prices
+
+    def _lookup(self, model: str) -> Prices | None:
         override = self._overrides.get(model)
         info = self.get(model)
         mapped = info if info is not None and info.priced else None

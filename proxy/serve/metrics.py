@@ -106,6 +106,7 @@ class Metrics:
         self._error_codes: set[str] = set()
         self._unpriced_logged: set[str] = set()
         self.ledger: Ledger | None = None  # set by the app: the cost report's persistent twin of these counters
+        self._children: dict[tuple[Any, ...], Any] = {}  # labelled series of the after-answer metrics (bounded labels)
         self.set_labels(tenants, models, upstreams)
 
         def counter(name: str, doc: str, labels: tuple[str, ...]) -> Counter:
@@ -176,6 +177,14 @@ class Metrics:
             ("model", "count"), ERROR_BUCKETS)
 
     # -- labels ---------------------------------------------------------------------------------------
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: the after-answer metrics are updated on every answer."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def _ledger(self, tenant: str, model: str, **amounts: float) -> None:
         if self.ledger is not None:
@@ -262,21 +271,21 @@ class Metrics:
         """One request's cost figures, after its answer: the summariser's share, the prompt-cache effect, net."""
         t, m = self.tenant_label(tenant), self.model_label(model)
         if cost.summarizer_usd:
-            self.request_summarizer_cost.labels(t, m).inc(max(0.0, cost.summarizer_usd))
+            self._child(self.request_summarizer_cost, t, m).inc(max(0.0, cost.summarizer_usd))
         effects = {"break": (cost.cache_break_usd, cost.cache.lost_reads + cost.cache.extra_writes),
                    "removed": (cost.cache_removed_usd, cost.cache.removed_reads)}
         effect_usd = 0.0
         for kind, (usd, tokens) in effects.items():
             if tokens > 0:
-                self.cache_effect_tokens.labels(t, m, kind).inc(tokens)
+                self._child(self.cache_effect_tokens, t, m, kind).inc(tokens)
             if usd:
-                self.cache_effect.labels(t, m, kind).inc(max(0.0, usd))
+                self._child(self.cache_effect, t, m, kind).inc(max(0.0, usd))
                 effect_usd += max(0.0, usd)
         net = cost.net_usd
         if net is not None and net > 0:
-            self.net_savings.labels(t, m).inc(net)
+            self._child(self.net_savings, t, m).inc(net)
         elif net is not None and net < 0:
-            self.net_loss.labels(t, m).inc(-net)
+            self._child(self.net_loss, t, m).inc(-net)
         # an unknown price was already counted where it was met (assembled, summary_call)
         self._ledger(t, m, summarizer_usd=max(0.0, cost.summarizer_usd or 0.0), cache_effect_usd=effect_usd,
                      net_usd=net or 0.0, unpriced=int(net is None))
@@ -289,12 +298,12 @@ class Metrics:
                            factor: float) -> None:
         """One answer considered for calibration; a used one adds to the accuracy histogram."""
         m = self.model_label(model)
-        self.calibration_samples.labels(m, sample.result if sample.result in SAMPLE_RESULTS else OTHER).inc()
+        self._child(self.calibration_samples, m, sample.result if sample.result in SAMPLE_RESULTS else OTHER).inc()
         if sample.result != "used" or usage is None or usage.input_tokens <= 0:
             return
         provider = usage.input_tokens
-        self.count_error.labels(m, "raw").observe((proxy_tokens - provider) / provider)
-        self.count_error.labels(m, "calibrated").observe((proxy_tokens * _factor(factor) - provider) / provider)
+        self._child(self.count_error, m, "raw").observe((proxy_tokens - provider) / provider)
+        self._child(self.count_error, m, "calibrated").observe((proxy_tokens * _factor(factor) - provider) / provider)
 
     def finished(
         self,

@@ -43,7 +43,6 @@ import hashlib
 import logging
 import math
 import re
-import statistics
 import time
 import uuid
 from collections import OrderedDict
@@ -214,7 +213,9 @@ class _Entry:
         if len(self.samples) < MIN_SAMPLES:
             self.published = None
             return
-        median = statistics.median(ratio for ratio, _, _ in self.samples)
+        ratios = sorted(ratio for ratio, _, _ in self.samples)
+        mid = len(ratios) // 2
+        median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
         self.published = publish(median, stored if stored is not None else self.published)
 
 

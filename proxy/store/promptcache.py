@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from operator import attrgetter
 
 from proxy.core.items import SYSTEM, Item
 from proxy.core.usage import Usage
@@ -68,8 +69,8 @@ class PromptCacheTracker:
             if item.role != SYSTEM:
                 break
         conversation = (tenant, hash(tuple(head)))
-        received_keys = [item.key for item in received]
-        forwarded_keys = [item.key for item in forwarded]
+        received_keys = tuple(map(KEY, received))
+        forwarded_keys = received_keys if forwarded is received else tuple(map(KEY, forwarded))
         previous = self._last.get(conversation)
         effect = CacheEffect()
         hit = previous.hit if previous is not None else None
@@ -84,8 +85,10 @@ class PromptCacheTracker:
                 writes = max(0, usage.cache_write_tokens - previous.writes)
             removed_reads = round(previous.removed * hit) if hit else 0
             effect = CacheEffect(True, not stable, lost, writes, removed_reads, hit)
+        received_hash = hash(received_keys)
+        forwarded_hash = received_hash if forwarded_keys is received_keys else hash(forwarded_keys)
         self._last[conversation] = _Last(
-            (len(received_keys), hash(tuple(received_keys))), (len(forwarded_keys), hash(tuple(forwarded_keys))),
+            (len(received_keys), received_hash), (len(forwarded_keys), forwarded_hash),
             usage.input_tokens if usage is not None else None,
             usage.cached_tokens if usage is not None else 0,
             usage.cache_write_tokens if usage is not None else 0,
@@ -96,6 +99,9 @@ class PromptCacheTracker:
         return effect
 
 
-def _extends(keys: list[int], previous: tuple[int, int]) -> bool:
+KEY = attrgetter("key")
+
+
+def _extends(keys: tuple[int, ...], previous: tuple[int, int]) -> bool:
     n, digest = previous
-    return len(keys) >= n and hash(tuple(keys[:n])) == digest
+    return len(keys) >= n and hash(keys[:n]) == digest
