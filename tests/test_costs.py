@@ -208,3 +208,39 @@ def test_one_request_by_hand() -> None:
     assert cost.net_usd == pytest.approx(1200e-6 - 6200e-6 - 2700e-6 - 500e-6 - 360e-6)
     unmeasured = request_cost(report, "m", m)  # explain: no answer, no prompt-cache effect
     assert unmeasured.cache_break_usd is None and unmeasured.net_usd == pytest.approx(1200e-6 - 6200e-6)
+
+
+async def test_cached_tokens_that_do_not_add_up_measure_nothing(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(config(upstream.base_url))
+    upstream.fixed_usage = {"prompt_tokens": 5000, "completion_tokens": 3,
+                            "prompt_tokens_details": {"cached_tokens": 90000}}
+    await send(proxy, [10, 11, 40, 41])
+    text = await scrape(proxy)
+    assert metric_total(text, "ctxproxy_prompt_cache_effect_tokens_total") == 0
+    assert metric_total(text, "ctxproxy_prompt_cache_effect_usd_total") == 0
+    # gross and the summariser are still counted; the net is gross - summariser
+    gross = metric_total(text, "ctxproxy_estimated_savings_usd_total", model=ALIAS)
+    summariser = metric_total(text, "ctxproxy_request_summarizer_cost_usd_total", model=ALIAS)
+    net = metric_total(text, "ctxproxy_net_savings_usd_total", model=ALIAS) \
+        - metric_total(text, "ctxproxy_net_loss_usd_total", model=ALIAS)
+    assert gross > 0 and net == pytest.approx(gross - summariser)
+
+
+async def test_a_reload_swaps_prices_and_calibration_modes(upstream: FakeUpstream, start_proxy: StartProxy,
+                                                          tmp_path: Path) -> None:
+    import yaml
+
+    cfg = config(upstream.base_url)
+    path = tmp_path / "ctxproxy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proxy = await start_proxy(cfg, config_path=str(path))
+    state = proxy.state
+    route = state.runtime.route(ALIAS)
+    assert state.runtime.calibration.factor(route) == 1.0
+    cfg["models"][0].update(calibration=1.25, input_cost_per_token=9e-6, output_cost_per_token=1e-5)
+    path.write_text(yaml.safe_dump(cfg))
+    assert state.reload() == []
+    assert state.runtime.calibration.factor(route) == 1.25
+    prices = state.shared.model_map.prices(UPSTREAM_MODEL)
+    assert prices is not None and prices.input == 9e-6 and prices.source == "config+map"

@@ -30,7 +30,9 @@ def settle(shared: Shared, metrics: Metrics, route: ModelRoute, assembly: Assemb
                                         answered.input_tokens if answered is not None else None,
                                         report.tokens_after, hidden_input(assembly.body))
     metrics.calibration_sample(route.upstream_model, sample, answered, report.tokens_after, report.calibration)
-    effect = shared.prompt_cache.observe(tenant, assembly.received, assembly.items, answered, removed_tokens(report))
-    cost = request_cost(report, route.upstream_model, shared.model_map, effect if answered is not None else None)
+    # cached-token counts that do not add up (cached above the input ...) measure nothing
+    cached = answered if answered is not None and answered.consistent else None
+    effect = shared.prompt_cache.observe(tenant, assembly.received, assembly.items, cached, removed_tokens(report))
+    cost = request_cost(report, route.upstream_model, shared.model_map, effect if cached is not None else None)
     metrics.account(tenant, route.name, cost)
     return cost
