@@ -244,3 +244,22 @@ async def test_a_reload_swaps_prices_and_calibration_modes(upstream: FakeUpstrea
     assert state.runtime.calibration.factor(route) == 1.25
     prices = state.shared.model_map.prices(UPSTREAM_MODEL)
     assert prices is not None and prices.input == 9e-6 and prices.source == "config+map"
+
+
+async def test_explain_reports_one_requests_figures(upstream: FakeUpstream, start_proxy: StartProxy,
+                                                    prices: dict[str, Any]) -> None:
+    proxy = await start_proxy(config(upstream.base_url))
+    async with aiohttp.ClientSession() as s, s.post(
+            proxy.url + "/v1/ctxproxy/explain", json={"model": ALIAS, "messages": growing(40)},
+            headers={"Authorization": "Bearer sk-client"}) as r:
+        assert r.status == 200
+        report = (await r.json())["report"]
+    cost = report["cost"]
+    assert report["summary"] == "would_create" and upstream.summaries == []  # nobody billed
+    assert cost["priced_model"] == UPSTREAM_MODEL
+    assert cost["prices"]["input"] == prices[UPSTREAM_MODEL]["input_cost_per_token"]
+    assert cost["removed_tokens"] == sum(report["removed"].values())
+    assert cost["gross_usd"] == pytest.approx(cost["removed_tokens"] * prices[UPSTREAM_MODEL]["input_cost_per_token"])
+    assert cost["summarizer_usd"] is None and cost["prompt_cache_usd"] is None  # known only once made / answered
+    assert cost["net_before_prompt_cache_usd"] is None
+    assert report["calibration_detail"]["source"] == "default" and report["calibration_detail"]["family"] == "openai"
