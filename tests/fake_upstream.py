@@ -16,7 +16,8 @@ answered with the usual echo. ``require_uuid_request_id`` makes it refuse (400, 
 request whose ``X-Request-ID`` is not a UUID, as several ASGI request-id
 middlewares do; ``request_ids`` records every id received.
 
-Usage that tells the truth (issue 15), off by default (the fixed ``USAGE``): ``prompt_scale`` reports
+Usage that tells the truth (issue 15), off by default (``fixed_usage``, the fixed ``USAGE`` unless a test
+sets another, odd one): ``prompt_scale`` reports
 ``prompt_tokens`` = scale × the request's true o200k count (OpenAI's per-message formula, counted here
 with tiktoken, not with the proxy's code), as a provider with another tokenizer would;
 ``report_cached`` reports ``cached_tokens`` as a provider's prompt cache would: the longest common
