@@ -18,10 +18,6 @@ from tests.check._support import RESULTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-TOKEN_GAP = ("issue 17, calibration: the server counts 7-18 % more prompt tokens than ctxproxy's o200k count of "
-             "the same messages (SmolLM2's tokenizer and chat template), more than the 10 % margin, so a payload "
-             "near ctxproxy's budget B overflows the real window (400 context_length_exceeded, or a stream closed "
-             "empty)")
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +85,11 @@ def test_summaries_created_by_the_real_model_and_reused(run: dict[str, Any]) -> 
     assert all(r["summary"] in ("created", "reused") for r in run["turns"][first:]), run["turns"]
 
 
-@pytest.mark.xfail(strict=True, reason=TOKEN_GAP)
 def test_budget_kept_by_the_servers_own_count(run: dict[str, Any]) -> None:
     """usage.prompt_tokens (the server's tokenizer and chat template) <= window - max_tokens: on every turn,
-    and for a payload at ctxproxy's hard budget B at the worst server/ctxproxy ratio seen in the run."""
+    and for a payload at ctxproxy's hard budget B at the worst server/ctxproxy ratio seen in the run. The server
+    counts 7-13 % more than ctxproxy's o200k count; the token calibration (a conservative default for small
+    models, then the learned factor) keeps B inside the real window (issues 15 and 17)."""
     t = run["tokens"]
     assert run["errors"] == [], run["errors"]
     assert t["max_server_prompt_tokens"] <= t["budget_server_tokens"], t
