@@ -24,7 +24,7 @@ from yarl import URL
 
 from proxy.core.deadline import deadline
 from proxy.core.errors import ModelNotFound, NotFound, PermissionDenied
-from proxy.serve.http import Handler, client_key, read_body, request_id, state
+from proxy.serve.http import ERROR_SHAPE, Handler, client_key, read_body, request_id, state
 from proxy.serve.streaming import relay_answer
 from proxy.settings import Tenant
 from proxy.upstream.anthropic import anthropic_headers
@@ -46,6 +46,8 @@ def make_relay(managed: dict[str, Handler]) -> Handler:
 
     async def relay(request: web.Request) -> web.StreamResponse:
         path = canonical_path(request.raw_path)
+        if path == "/v1/messages" or path.startswith("/v1/messages/"):
+            request[ERROR_SHAPE] = "messages"  # Anthropic's clients parse Anthropic's error shape
         handler = managed.get(path)
         if handler is not None:
             if request.method != "POST":

@@ -1,4 +1,6 @@
-"""Model routes with ``provider: litellm``: a ``Provider`` over ``litellm.acompletion``, in OpenAI's shapes.
+"""Model routes with ``provider: litellm``: a ``Provider`` over ``litellm.acompletion``, in OpenAI's shapes,
+and over litellm's Anthropic-messages interface (``litellm.anthropic_interface.messages.acreate``) for
+Messages requests, in Anthropic's shapes, to any provider litellm knows.
 
 litellm is imported on first use only (its import costs seconds and ~150 MB),
 with its local model map so nothing is fetched at run time.
@@ -112,6 +114,39 @@ async def open_stream(
     return events()
 
 
+async def messages(
+    route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None, stream: bool
+) -> LiteLLMAnswer:
+    """A Messages request through litellm's Anthropic-messages interface: to any provider, in Anthropic's shapes."""
+    _litellm()
+    from litellm.anthropic_interface import messages as anthropic_messages
+
+    kwargs = _kwargs(route, body, upstream)
+    try:
+        result: Any = await anthropic_messages.acreate(**kwargs, stream=stream)
+    except Exception as exc:
+        raise _error(exc) from None
+    if not stream:
+        out = dict(result) if isinstance(result, dict) else result.model_dump(exclude_none=True)
+        out["model"] = route.name
+        return LiteLLMAnswer(body=orjson.dumps(out))
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in result:
+                if isinstance(chunk, bytes):
+                    yield chunk
+                elif isinstance(chunk, str):
+                    yield chunk.encode()
+                else:  # an event object: as Anthropic's named SSE event
+                    data = chunk if isinstance(chunk, dict) else chunk.model_dump(exclude_none=True)
+                    yield f"event: {data.get('type', 'message')}\n".encode() + b"data: " + orjson.dumps(data) + b"\n\n"
+        except Exception as exc:
+            raise _error(exc) from None
+
+    return LiteLLMAnswer(events=events())
+
+
 class LiteLLMAnswer:
     """A litellm result as an ``Answer``: a JSON body, or SSE events as litellm yields them."""
 
@@ -146,15 +181,17 @@ class LiteLLMAnswer:
 
 
 class LiteLLMProvider:
-    """Any provider through litellm (``provider: litellm`` routes); the Chat Completions wire."""
+    """Any provider through litellm (``provider: litellm`` routes); the Chat Completions and Messages wires."""
 
     def __init__(self, upstream: UpstreamSettings | None) -> None:
         self.upstream = upstream
 
     async def send(self, route: ModelRoute, call: Outgoing) -> LiteLLMAnswer:
+        if call.wire == "messages":
+            return await messages(route, call.body, self.upstream, call.stream)
         if call.wire != "chat":
             raise BadRequest(f"The model {route.name!r} is served through litellm, which this proxy offers on "
-                             "the Chat Completions wire only.", param="model", code="unsupported_wire")
+                             "the Chat Completions and Messages wires only.", param="model", code="unsupported_wire")
         if call.stream:
             return LiteLLMAnswer(events=await open_stream(route, call.body, self.upstream))
         return LiteLLMAnswer(body=orjson.dumps(await chat(route, call.body, self.upstream)))
