@@ -218,7 +218,6 @@ def clear_tool_uses(messages: list[Message], edit: Edit, counter: TokenCounter,
     exclude = set(p.get("exclude_tools") or ())
     inputs = p.get("clear_tool_inputs") or False
     candidates = [u for u in (uses[: len(uses) - keep] if keep > 0 else uses) if u.name not in exclude]
-    placeholder = counter.text(CLEARED)
     plan: list[tuple[_Use, bool, bool]] = []  # (use, clear its result, clear its input)
     total = 0
     for use in candidates:
@@ -229,9 +228,9 @@ def clear_tool_uses(messages: list[Message], edit: Edit, counter: TokenCounter,
         if not clear_result and not clear_input:
             continue
         if clear_result and result is not None:
-            total += max(0, count_block(counter, result) - placeholder)
+            total += max(0, count_block(counter, result) - count_block(counter, {**result, "content": CLEARED}))
         if clear_input:
-            total += counter.json(call.get("input"))
+            total += max(0, counter.json(call.get("input")) - counter.json({}))
         plan.append((use, clear_result, clear_input))
     least = (p.get("clear_at_least") or {}).get("value", 0)
     if not plan or total < least:

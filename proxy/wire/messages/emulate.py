@@ -54,7 +54,9 @@ class Exchange:
         return self.local
 
     def wrap(self, answer: AnswerLike) -> AnswerLike:
-        return EditedAnswer(answer, self.edits) if self.edits.needed else answer
+        if answer is self.local or not self.edits.needed:
+            return answer  # the local answer is already complete
+        return EditedAnswer(answer, self.edits)
 
 
 def emulates(config: Config, route: ModelRoute) -> bool:
