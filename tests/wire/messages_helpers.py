@@ -371,6 +371,8 @@ def conversations(draw: Any, *, valid: bool = False, max_turns: int = 5) -> dict
     messages: list[Message] = []
     for _ in range(draw(st.integers(1, max_turns))):
         messages.append(draw(_user()))
+        if draw(st.integers(0, 7)) == 0:  # a mid-conversation system message, as Claude Code sends
+            messages.append({"role": "system", "content": draw(text(1, 30))})
         for _ in range(draw(st.integers(0, 3))):
             if draw(st.integers(0, 3)) == 0:
                 messages.append({"role": "assistant", "content": [{"type": "text", "text": draw(text(1, 40))}]})

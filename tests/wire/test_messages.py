@@ -321,7 +321,9 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("no max_tokens", {"model": CLAUDE, "messages": [user("hi")]}, "max_tokens"),
     ("messages not a list", body([]) | {"messages": {"role": "user"}}, "messages"),
     ("empty messages", body([]), "messages"),
-    ("unknown role", body([{"role": "system", "content": "x"}]), "messages.0.role"),
+    ("unknown role", body([{"role": "developer", "content": "x"}]), "messages.0.role"),
+    ("tool_result in a system message", body([user("x"), {"role": "system", "content": [tool_result("t1")]}]),
+     "messages.1.content.0"),
     ("empty content", body([user([])]), "messages.0.content"),
     ("empty string content", body([user(""), assistant("x"), user("y")]), "messages.0.content"),
     ("block without type", body([user([{"text": "x"}])]), "messages.0.content.0"),
@@ -357,6 +359,9 @@ def test_unusual_but_valid_inputs() -> None:
         body([assistant("I start"), user("ok")]),  # a conversation that starts with the assistant
         body([user("ünïcødé 🚀 \u0000 \ud7ff")], system=None),
         body([user("x")], system=[]),
+        # Claude Code's mid-conversation system message after the current user turn (a 2026 beta)
+        body([user([text_block("hi", cache_control={"type": "ephemeral"})]),
+              {"role": "system", "content": "Available agent types: ..."}]),
     ]
     for request in cases:
         a = setup.run(request)

@@ -1,6 +1,6 @@
 """Anthropic's Messages API (``POST /v1/messages``): the wire adapter.
 
-Items. An assistant message is one item (its ``tool_use`` ids are its calls; its
+Items. An assistant message is one item, and so is a (mid-conversation) ``system`` message (its ``tool_use`` ids are its calls; its
 ``thinking``/``redacted_thinking`` blocks stay inside it, byte for byte). A user
 message is split: one result item per ``tool_result`` block, then one user item
 for its other blocks, if any (a user message whose text comes before its results
@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.core.conversation import Conversation
-from proxy.core.items import ASSISTANT, OTHER, TOOL, USER, Item
+from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
 from proxy.core.pairing import PLACEHOLDER, is_paired
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key
 from proxy.wire.messages.blocks import SALT, THINKING, AnthropicItem, Block, count_raw
@@ -46,6 +46,9 @@ def split_message(message: Message, source: int, *, after_assistant: bool = True
     """
     role = message["role"]
     content = message["content"]
+    if role == "system":  # a mid-conversation system message (Claude Code's mid-conversation-system beta)
+        blocks = None if isinstance(content, str) else content
+        return [AnthropicItem(message, SYSTEM, message=message, blocks=blocks, source=source)]
     if role == "assistant":
         if isinstance(content, str):
             return [AnthropicItem(message, ASSISTANT, message=message, blocks=None, source=source)]
@@ -92,7 +95,7 @@ def render_messages(items: list[Item]) -> list[Message]:
         assert isinstance(item, AnthropicItem)
         if item.role == OTHER:
             continue  # a boundary: nothing to send
-        if item.role == ASSISTANT:
+        if item.role not in (USER, TOOL):  # an assistant or system message: always a message of its own
             flush()
             out.append(item.raw)
             continue

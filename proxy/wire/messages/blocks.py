@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from proxy.core import describe, media
-from proxy.core.items import ASSISTANT, TOOL, Item, media_digest
+from proxy.core.items import ASSISTANT, SYSTEM, TOOL, Item, media_digest
 from proxy.core.tokens import TokenCounter
 from proxy.wire.chat import canonical_arguments
 
@@ -177,7 +177,7 @@ class AnthropicItem(Item):
             return describe.result(self.result_id or "", " ".join([text, *placeholders]).strip() + error)
         content = self.content()
         text, placeholders = text_of(content)
-        role = "assistant" if self.role == ASSISTANT else "user"
+        role = {ASSISTANT: "assistant", SYSTEM: "system"}.get(self.role, "user")
         lines = [describe.said(role, " ".join([text, *placeholders]).strip())]
         if isinstance(content, list):
             for block in content:

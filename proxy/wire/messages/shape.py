@@ -14,7 +14,7 @@ from typing import Any
 from proxy.core.errors import BadRequest, PayloadError
 
 MAX_BREAKPOINTS = 4  # Anthropic refuses a request with more than four cache_control marks
-ROLES = ("user", "assistant")
+ROLES = ("user", "assistant", "system")  # system: mid-conversation system messages (a 2026 beta Claude Code uses)
 
 
 def check_body(body: dict[str, Any]) -> None:
@@ -58,8 +58,8 @@ def check_message(message: Any, i: int, *, final: bool) -> None:
         raise PayloadError(f"{where}: must be an object", param=where, code="invalid_message")
     role = message.get("role")
     if not isinstance(role, str) or role not in ROLES:
-        raise PayloadError(f"{where}.role: must be 'user' or 'assistant', got {_short(role)}", param=f"{where}.role",
-                           code="invalid_role")
+        raise PayloadError(f"{where}.role: must be 'user', 'assistant' or 'system', got {_short(role)}",
+                           param=f"{where}.role", code="invalid_role")
     content = message.get("content")
     if isinstance(content, str):
         if not content and not (final and role == "assistant"):
