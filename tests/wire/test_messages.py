@@ -478,3 +478,30 @@ def test_repair_output_always_passes_the_independent_checker(request: dict[str, 
     assert not pairing_problems(msgs), pairing_problems(msgs)
     again = body(msgs)
     assert prepare(again, WIRE, COUNTER).repairs == {}  # idempotent
+
+
+# --------------------------------------------------------------------------- ctxproxy assemble --wire messages
+
+
+def test_assemble_cli_speaks_the_messages_wire(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import yaml
+
+    from proxy.cli import main
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump({"upstreams": {"a": {"base_url": "http://127.0.0.1:9", "api": "anthropic"}},
+                                   "cache": {"backend": "memory"}, "trimmer": {"max_tokens": 1_500},
+                                   "context_manager": {"type": "sliding-window", "params": {"keep_turns": 2}}}))
+    request = agent_body(10)
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(request))
+    assert main(["assemble", "--offline", "--wire", "messages", "--config", str(cfg), str(path)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) == {"messages", "report"} and result["report"]["wire"] == "messages"
+    assert result["report"]["tokens_after"] <= 1_500 and not pairing_problems(result["messages"])
+    path.write_text(json.dumps({"model": CLAUDE, "messages": [user("hi")]}))  # no max_tokens
+    assert main(["assemble", "--offline", "--wire", "messages", "--config", str(cfg), str(path)]) == 1
+    error = json.loads(capsys.readouterr().out)
+    assert error == {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"}}

@@ -30,7 +30,7 @@ def config(upstream: FakeUpstream, *, key: str | None = UPSTREAM_KEY, api: str =
     if key:
         up["api_key"] = key
     out: dict[str, Any] = {
-        "upstreams": {"anthropic": up},
+        "upstreams": {"a": up},
         "models": [{"name": CLAUDE, "context_window": 200_000, "max_output_tokens": 64_000}],
         "cache": {"backend": "memory"},
         "summarizer": {"retry_backoff_seconds": 0},
@@ -344,3 +344,64 @@ async def test_the_system_prompt_and_tools_keep_their_cache_marks_when_history_i
     assert upstream.summaries[0].path == "/v1/messages"
     summary_headers = {k.lower(): v for k, v in upstream.summaries[0].headers.items()}
     assert summary_headers["x-api-key"] == UPSTREAM_KEY
+
+
+# --------------------------------------------------------------------------- hostile and unusual clients
+
+
+def nested(depth: int) -> Any:
+    value: Any = "deep"
+    for _ in range(depth):
+        value = {"k": value}
+    return value
+
+
+HOSTILE: list[tuple[str, Any]] = [
+    ("content is a number", {"model": CLAUDE, "max_tokens": 9, "messages": [{"role": "user", "content": 42}]}),
+    ("a block is null", {"model": CLAUDE, "max_tokens": 9, "messages": [{"role": "user", "content": [None]}]}),
+    ("a message is a string", {"model": CLAUDE, "max_tokens": 9, "messages": ["hi"]}),
+    ("max_tokens is a string", {"model": CLAUDE, "max_tokens": "9", "messages": [{"role": "user", "content": "x"}]}),
+    ("max_tokens is a bool", {"model": CLAUDE, "max_tokens": True, "messages": [{"role": "user", "content": "x"}]}),
+    ("model is a number", {"model": 7, "max_tokens": 9, "messages": [{"role": "user", "content": "x"}]}),
+    ("role is a list", {"model": CLAUDE, "max_tokens": 9, "messages": [{"role": ["user"], "content": "x"}]}),
+    ("nested too deeply", {"model": CLAUDE, "max_tokens": 9, "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": nested(300)}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "r"}]}]}),
+    ("five cache marks", {"model": CLAUDE, "max_tokens": 9, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": str(i), "cache_control": {"type": "ephemeral"}} for i in range(5)]}]}),
+    ("context_management is a list", {"model": CLAUDE, "max_tokens": 9, "context_management": [],
+                                      "messages": [{"role": "user", "content": "x"}]}),
+]
+
+
+@pytest.mark.parametrize(("name", "payload"), HOSTILE, ids=[h[0] for h in HOSTILE])
+async def test_hostile_bodies_get_a_clear_anthropic_error_and_reach_nobody(
+        upstream: FakeUpstream, start_proxy: StartProxy, name: str, payload: Any) -> None:
+    proxy = await start_proxy(config(upstream, upstreams={"a": {
+        "base_url": upstream.url, "api": "anthropic", "api_key": UPSTREAM_KEY, "context_management": "emulate"}}))
+    status, body = await post(proxy, payload)
+    assert 400 <= status < 500, (status, body)
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    assert body["error"]["message"] and "Traceback" not in body["error"]["message"]
+    assert upstream.messages == []
+
+
+async def test_a_large_agent_body_is_parsed_off_the_loop_and_forwarded_paired(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A 1.5 MB body with 2,000 messages (offloaded to a worker thread) through a 32k budget."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "start"}]
+    for i in range(1_000):
+        messages.append({"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{i}", "name": "Read",
+                                                           "input": {"path": f"/f{i}"}}]})
+        messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}",
+                                                      "content": "Zürich 東京 🚀 " + words(200, i)}]})
+    proxy = await start_proxy(config(upstream, trimmer={"max_tokens": 32_000}))
+    payload = {"model": CLAUDE, "max_tokens": 64, "messages": messages}
+    assert len(json.dumps(payload)) > 1_000_000
+    status, _ = await post(proxy, payload)
+    assert status == 200
+    sent = upstream.messages[-1].body
+    assert recount(sent) <= 32_000 and not pairing_problems(sent["messages"])
+    assert sent["messages"][0] == {"role": "user", "content": "start"}
+    assert sent["messages"][-1] == messages[-1]
