@@ -12,6 +12,7 @@ Chat Completions, the Responses API and Anthropic's Messages API.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -144,11 +145,18 @@ class HistoryView:
     counter: TokenCounter
     services: Services
     summary_item: Callable[[str, int], Item]  # (text, covered turns) -> the wire's own summary item, counted
+    offload: bool = False  # a large conversation: hash it off the event loop
 
     @cached_property
     def chain(self) -> list[str]:
         """chain[i] is a stable hash of turns[0..i] (computed on first use: only the summary cache needs it)."""
         return self.chain_fn()
+
+    async def chain_hashes(self) -> list[str]:
+        """``chain``, computed in a worker thread for a large conversation (the first time digests every item)."""
+        if "chain" not in self.__dict__ and self.offload:
+            self.__dict__["chain"] = await asyncio.to_thread(self.chain_fn)
+        return self.chain
 
     def payload_tokens(self, start: int = 0, extra: int = 0) -> int:
         """Tokens of the request if it kept turns[start:] plus ``extra`` (a summary)."""

@@ -62,6 +62,7 @@ class Report:
     summary_detail: dict[str, Any] = field(default_factory=dict)
     max_tokens_clamped: bool = False
     warnings: list[str] = field(default_factory=list)
+    unmanaged: str | None = None  # why the history was forwarded unmanaged (the provider holds part of it)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,12 +159,13 @@ class Prepared:
     repairs: Counter[str]
     fixed: int
     notes: list[str]
+    unmanaged: str | None = None
 
 
 def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter) -> Prepared:
     conversation: Conversation = wire.parse(body, counter)
     items = conversation.items
-    if conversation.paired:
+    if conversation.paired or conversation.unmanaged is not None:
         repaired, repairs = items, Counter[str]()
     else:
         repaired, repairs = repair(items, wire, wire.merge_call_runs)
@@ -171,8 +173,15 @@ def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter) -> P
         for item in repaired:
             if item.key == 0:  # a placeholder or an edited call: count it
                 wire.count(item, counter)
+    repairs.update(conversation.repairs)  # what the wire already repaired while parsing
+    if not repaired and repairs:
+        # every item was an unpaired call, a stray result or a dangling reasoning item: an empty
+        # conversation is not a request any provider answers, so it is refused here, not forwarded
+        raise PayloadError(f"nothing is left of '{wire.field}' after the pairing repair ("
+                           + ", ".join(f"{k}={v}" for k, v in sorted(repairs.items())) + ")",
+                           param=wire.field, code="empty_after_repair")
     assign_groups(repaired, wire.merge_call_runs)
-    return Prepared(items, repaired, repairs, conversation.fixed_tokens, conversation.notes)
+    return Prepared(items, repaired, repairs, conversation.fixed_tokens, conversation.notes, conversation.unmanaged)
 
 
 async def assemble(
@@ -189,6 +198,7 @@ async def assemble(
     """Run the whole pipeline on one body of ``wire`` (raises a CtxProxyError to refuse)."""
     report = Report(model=route.name, tenant=policy.tenant, context_manager=policy.binding.type, wire=wire.name,
                     warnings=list(policy.warnings), calibration=calibration)
+    offloaded = prepared is not None  # the caller prepared it off the event loop: a large body
     if prepared is None:
         prepared = prepare(body, wire, counter)
     received, repaired, repairs, fixed = prepared.received, prepared.repaired, prepared.repairs, prepared.fixed
@@ -197,6 +207,8 @@ async def assemble(
     max_tokens, changes = limit_output(body, wire, route, policy, report)
     if route.upstream_model != body.get("model"):
         changes["model"] = route.upstream_model
+    if prepared.unmanaged is not None:
+        return _unmanaged(body, prepared, wire, route, policy, report, max_tokens, changes, calibration)
 
     report.repairs = dict(repairs)
     if repairs and policy.pairing == "strict":
@@ -216,7 +228,7 @@ async def assemble(
     report.turns_total = report.turns_kept = sum(1 for t in turns if t and t[0].starts_turn)
     if total <= budget.threshold:
         report.tokens_after = total
-        _fits(total, budget)
+        _fits(total, budget, wire)
         changed = bool(repairs) or bool(changes)
         out = wire.render(body, repaired, changes) if changed else body
         return Assembly(out, repaired, changed, report, received, wire.field, changes)
@@ -229,7 +241,7 @@ async def assemble(
     if bands.current is not None:
         pinned += bands.current.tokens
     # what can never be dropped: refuse now, before a summariser is called (and billed) for nothing
-    _fits(pinned - toks(bands.working_memory) + toks(live.pinned_items()) + toks(_pinned(bands.history)), budget)
+    _fits(pinned - toks(bands.working_memory) + toks(live.pinned_items()) + toks(_pinned(bands.history)), budget, wire)
 
     def summary_item(text: str, covered: int) -> Item:
         return wire.summary(text, covered, counter)
@@ -243,6 +255,7 @@ async def assemble(
         counter=counter,
         services=services,
         summary_item=summary_item,
+        offload=offloaded,
     )
     result = await policy.manager.manage_history(view)
     report.summary = result.summary_status
@@ -276,11 +289,31 @@ async def assemble(
     report.removed = {k: v for k, v in removed.items() if v}
     report.tokens_after = size
     report.turns_kept = sum(1 for item in history if item.starts_turn)
-    _fits(size, budget)
+    _fits(size, budget, wire)
     check(final, wire.merge_call_runs, wire.field)
-    changed = len(final) != len(received) or any(a is not b for a, b in zip(final, received)) or bool(changes)
+    changed = (len(final) != len(received) or any(a is not b for a, b in zip(final, received)) or bool(changes)
+               or bool(repairs))
     out = wire.render(body, final, changes) if changed else body
     return Assembly(out, final, changed, report, received, wire.field, changes)
+
+
+def _unmanaged(
+    body: dict[str, Any], prepared: Prepared, wire: WireAdapter, route: ModelRoute, policy: Policy, report: Report,
+    max_tokens: int | None, changes: dict[str, Any], calibration: float,
+) -> Assembly:
+    """The provider holds part of this history: forward the conversation as sent; only the body's rules apply.
+
+    The proxy cannot see or count what the provider holds, so it neither manages, repairs nor
+    refuses the history; output caps, the model allow-list and the upstream model name still hold.
+    """
+    report.unmanaged = prepared.unmanaged
+    visible = prepared.fixed + sum(item.tokens for item in prepared.received)
+    report.tokens_before = report.tokens_after = visible
+    budget = _budget(route, policy, max_tokens, calibration)
+    report.window, report.reserve, report.margin = budget.window, budget.reserve, budget.margin
+    report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
+    out = {**body, **changes} if changes else body
+    return Assembly(out, prepared.received, bool(changes), report, prepared.received, wire.field, changes)
 
 
 def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibration: float) -> Budget:
@@ -396,11 +429,12 @@ class WorkingMemory:
         return [item for i, g in enumerate(self.groups) if i in self.kept for item in g]
 
 
-def _fits(size: int, budget: Budget) -> None:
+def _fits(size: int, budget: Budget, wire: WireAdapter) -> None:
     if size > budget.hard_budget:
+        output = "max_tokens" if "max_tokens" in wire.output_fields else wire.output_fields[0]
         raise ContextLengthExceeded(
             f"This request needs {size} input tokens after context management, but the budget is "
             f"{budget.hard_budget} ({why(budget)}). The system messages, the current user turn and the last "
-            "tool round cannot be dropped; shorten them or lower max_tokens.",
-            param="messages",
+            f"tool round cannot be dropped; shorten them or lower {output}.",
+            param=wire.field,
         )

@@ -175,7 +175,7 @@ def _override(config: Config, base: Binding, header: str, strict: bool) -> tuple
             value = orjson.loads(value)
         except orjson.JSONDecodeError:
             raise OverrideRejected("not valid JSON") from None
-    if isinstance(value, dict) and value.get("ref") is not None:
+    if _names_a_ref(value):
         raise OverrideRejected("ref plugins cannot be chosen per request")
     try:
         chosen = config.registry.resolve("context_manager", value, "x-ctxproxy-context-manager")
@@ -189,6 +189,18 @@ def _override(config: Config, base: Binding, header: str, strict: bool) -> tuple
         if problem:
             raise OverrideRejected(f"it would loosen the policy ({problem})")
     return chosen, cap
+
+
+def _names_a_ref(value: Any, depth: int = 0) -> bool:
+    """Whether a ``ref`` key appears anywhere in an override (a nested summariser binding included):
+    resolving it would import a module a client named."""
+    if depth > 32:
+        return True
+    if isinstance(value, dict):
+        return "ref" in value or any(_names_a_ref(v, depth + 1) for v in value.values())
+    if isinstance(value, list):
+        return any(_names_a_ref(v, depth + 1) for v in value)
+    return False
 
 
 def _inherit(base: Binding, chosen: Binding, value: Any) -> Binding:

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from plugins.registry import Binding, Registry, default_registry
 from proxy.core.budget import TrimmerParams
 from proxy.core.errors import BindingError, ConfigError
+from proxy.core.tokens import BUNDLED_ENCODINGS
 
 
 class Strict(BaseModel):
@@ -56,6 +57,9 @@ class UpstreamSettings(Strict):
     api_key: str | None = Field(None, description="Key sent upstream; empty = forward the client's (no tenants).")
     headers: dict[str, str] = Field(default_factory=dict, description="Extra headers sent upstream.")
     max_connections: int = Field(256, ge=1, description="Pooled connections to this upstream.")
+    responses_compact: Literal["relay", "emulate", "auto"] = Field(
+        "auto", description="POST /v1/responses/compact: relay it here, answer it with ctxproxy's own summariser "
+        "(emulate), or relay and emulate when this upstream answers 404 (auto).")
 
     @field_validator("base_url")
     @classmethod
@@ -87,6 +91,13 @@ class ModelSettings(Strict):
     context_window: int | None = Field(None, ge=1, description="Input window (default: litellm's model map).")
     max_output_tokens: int | None = Field(None, ge=1, description="Model's max output (default: litellm's map).")
     tokenizer: str | None = Field(None, description="tiktoken encoding name (default by model family).")
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _bundled(cls, value: str | None) -> str | None:
+        if value is not None and value not in BUNDLED_ENCODINGS:
+            raise ValueError(f"{value!r} is not an encoding available offline (one of {sorted(BUNDLED_ENCODINGS)})")
+        return value
 
     @property
     def upstream_model(self) -> str:
@@ -170,8 +181,6 @@ DEFAULT_RELAY_ALLOW = (
     "POST /v1/images/generations",
     "POST /v1/images/edits",
     "POST /v1/images/variations",
-    "POST /v1/responses",
-    "POST /v1/responses/compact",
     "POST /v1/messages",
     "POST /v1/messages/count_tokens",
 )

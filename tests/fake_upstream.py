@@ -11,15 +11,22 @@ providers end them, for requests with ``"stream": true``:
 and ``POST /v1/messages`` (Anthropic events ending with ``message_stop``), plus
 ``/v1/sse-clean-close`` (an unknown SSE path that simply ends); ``sent`` holds
 the exact bytes written and ``wire_mode = "break"`` cuts those streams mid-way.
-Every such request is still recorded in ``other``; a non-streaming
-``/v1/responses`` is answered with the usual echo. ``/v1/messages`` speaks
-Anthropic's API whole (issue 14): every request is recorded in ``messages``; a
-non-streaming one gets a message; ``anthropic_script`` gives canned content
-blocks (e.g. ``tool_use``) one request at a time; ``mode = "status"`` answers
-``status`` with ``status_body`` (Anthropic's error shape by default); summariser
+Every ``/v1/responses`` request (managed since issue 13, streaming or not) is recorded in
+``responses`` and in ``other`` (as every relayed request always was); a non-streaming one
+is answered with a Response object as OpenAI sends it, its ``output`` taken from
+``responses_script`` (one list of output items per request, e.g. function calls) or the
+fixed reply. ``POST /v1/responses/compact`` answers a ``response.compaction`` object as
+OpenAI does (the input's user messages and one opaque ``compaction`` item), or 404 with
+``compact_mode = "404"``; compact requests are recorded in ``compactions``.
+``/v1/messages`` speaks Anthropic's API whole (issue 14): every request is recorded in
+``messages`` (and ``other``); a non-streaming one gets a message; ``anthropic_script``
+gives canned content blocks (e.g. ``tool_use``) one request at a time; ``mode = "status"``
+answers ``status`` with ``status_body`` (Anthropic's error shape by default); summariser
 calls (``x-ctxproxy-purpose: summarize``) go to ``summaries``; and
 ``POST /v1/messages/count_tokens`` answers ``{"input_tokens": count_tokens_answer}``
-(404 when ``count_tokens_served`` is false), recorded in ``counts``. ``require_uuid_request_id`` makes it refuse (400, empty body) every
+(404 when ``count_tokens_served`` is false), recorded in ``counts``.
+Other relayed requests land in ``other`` and, when not streaming, are
+answered with the usual echo. ``require_uuid_request_id`` makes it refuse (400, empty body) every
 request whose ``X-Request-ID`` is not a UUID, as several ASGI request-id
 middlewares do; ``request_ids`` records every id received.
 """
@@ -78,7 +85,10 @@ class FakeUpstream:
     # relayed wires (/v1/responses, /v1/messages, /v1/sse-clean-close)
     responses_end: str = "response.completed"  # | response.incomplete | response.failed
     wire_mode: str = "ok"  # ok | break (the connection is cut mid-stream)
-    responses: list[Received] = field(default_factory=list)  # streaming /v1/responses (also in ``other``)
+    responses: list[Received] = field(default_factory=list)  # every /v1/responses request (also in ``other``)
+    responses_script: list[list[dict[str, Any]]] = field(default_factory=list)  # output items, one list per request
+    compact_mode: str = "ok"  # ok | 404 (an upstream without /v1/responses/compact)
+    compactions: list[Received] = field(default_factory=list)
     messages: list[Received] = field(default_factory=list)  # every /v1/messages request (also in ``other``)
     anthropic_script: list[list[dict[str, Any]]] = field(default_factory=list)  # canned content, one per request
     count_tokens_served: bool = True
@@ -103,6 +113,7 @@ class FakeUpstream:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/responses", self._responses)
+        app.router.add_post("/v1/responses/compact", self._compact)
         app.router.add_post("/v1/messages", self._messages)
         app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
         app.router.add_route("*", "/v1/sse-clean-close", self._sse_clean_close)
@@ -309,10 +320,32 @@ class FakeUpstream:
         return isinstance(body, dict) and bool(body.get("stream"))
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
-        if not await self._is_stream(request):
-            return await self._other(request)  # unchanged: recorded in ``other``, answered with an echo
         body = await self._record(request, self.responses)
-        return await self._wire_stream(request, responses_events(str(body.get("model", "m")), self.responses_end))
+        model = str(body.get("model", "m"))
+        if self.mode == "status":
+            payload = self.status_body if self.status_body is not None else {
+                "error": {"message": "upstream failure", "type": "server_error", "param": None, "code": None}}
+            return web.json_response(payload, status=self.status, headers=self.status_headers)
+        output = self.responses_script.pop(0) if self.responses_script else None
+        if not body.get("stream"):
+            return web.json_response(response_object(model, "completed", output))
+        return await self._wire_stream(request, responses_events(model, self.responses_end, output))
+
+    async def _compact(self, request: web.Request) -> web.StreamResponse:
+        body = await self._record(request, self.compactions)
+        if self.compact_mode == "404":
+            return web.json_response({"error": {"message": "Invalid URL (POST /v1/responses/compact)",
+                                                "type": "invalid_request_error", "param": None, "code": None}},
+                                     status=404)
+        items = body.get("input") if isinstance(body.get("input"), list) else [
+            {"role": "user", "content": body.get("input") or ""}]
+        users = [{"type": "message", "role": "user", "id": f"msg_u{i}", "status": "completed",
+                  "content": m["content"] if isinstance(m.get("content"), list)
+                  else [{"type": "input_text", "text": m.get("content")}]}
+                 for i, m in enumerate(items) if isinstance(m, dict) and m.get("role") == "user"]
+        compaction = {"type": "compaction", "id": "cmp_fake", "encrypted_content": "Z0FBQUFBQm9fZmFrZV9jb21wYWN0"}
+        return web.json_response({"id": "resp_compact_fake", "object": "response.compaction", "created_at": 0,
+                                  "output": [*users, compaction], "usage": RESPONSE_USAGE})
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         if request.headers.get("x-ctxproxy-purpose") == "summarize":
@@ -375,18 +408,27 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-def _response_object(model: str, status: str) -> dict[str, Any]:
+RESPONSE_USAGE = {"input_tokens": 10, "output_tokens": 12, "total_tokens": 22,
+                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+REPLY_ITEM = {"id": "msg_fake", "type": "message", "status": "completed", "role": "assistant",
+              "content": [{"type": "output_text", "text": REPLY, "annotations": []}]}
+
+
+def function_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A function_call output item as OpenAI returns it (for ``responses_script``)."""
+    return {"id": f"fc_{call_id}", "type": "function_call", "status": "completed", "call_id": call_id,
+            "name": name, "arguments": arguments}
+
+
+def response_object(model: str, status: str, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": "resp_fake", "object": "response", "created_at": 0, "status": status, "model": model,
         "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "error": None,
         "incomplete_details": None, "usage": None,
     }
     if status != "in_progress":
-        out["output"] = [{"id": "msg_fake", "type": "message", "status": "completed", "role": "assistant",
-                          "content": [{"type": "output_text", "text": REPLY, "annotations": []}]}]
-        out["usage"] = {"input_tokens": 10, "output_tokens": 12, "total_tokens": 22,
-                        "input_tokens_details": {"cached_tokens": 0},
-                        "output_tokens_details": {"reasoning_tokens": 0}}
+        out["output"] = [REPLY_ITEM] if output is None else output
+        out["usage"] = RESPONSE_USAGE
     if status == "incomplete":
         out["incomplete_details"] = {"reason": "max_output_tokens"}
     if status == "failed":
@@ -394,13 +436,19 @@ def _response_object(model: str, status: str) -> dict[str, Any]:
     return out
 
 
-def responses_events(model: str, end: str = "response.completed") -> list[bytes]:
-    """A Responses API stream as OpenAI sends it: named events, a terminal one, and no [DONE]."""
+def responses_events(model: str, end: str = "response.completed",
+                     output: list[dict[str, Any]] | None = None) -> list[bytes]:
+    """A Responses API stream as OpenAI sends it: named events, a terminal one, and no [DONE].
+
+    ``output``: function calls to stream instead of the fixed text reply.
+    """
+    if output is not None:
+        return _function_call_events(model, end, output)
     item = {"id": "msg_fake", "type": "message", "status": "in_progress", "role": "assistant", "content": []}
     part = {"type": "output_text", "text": "", "annotations": []}
     events: list[tuple[str, dict[str, Any]]] = [
-        ("response.created", {"response": _response_object(model, "in_progress")}),
-        ("response.in_progress", {"response": _response_object(model, "in_progress")}),
+        ("response.created", {"response": response_object(model, "in_progress")}),
+        ("response.in_progress", {"response": response_object(model, "in_progress")}),
         ("response.output_item.added", {"output_index": 0, "item": item}),
         ("response.content_part.added", {"item_id": "msg_fake", "output_index": 0, "content_index": 0, "part": part}),
     ]
@@ -413,8 +461,24 @@ def responses_events(model: str, end: str = "response.completed") -> list[bytes]
                                         "part": {**part, "text": REPLY}}),
         ("response.output_item.done", {"output_index": 0, "item": {
             **item, "status": "completed", "content": [{**part, "text": REPLY}]}}),
-        (end, {"response": _response_object(model, end.split(".", 1)[1])}),
+        (end, {"response": response_object(model, end.split(".", 1)[1])}),
     ]
+    return [sse(name, {"type": name, "sequence_number": i, **data}) for i, (name, data) in enumerate(events)]
+
+
+def _function_call_events(model: str, end: str, output: list[dict[str, Any]]) -> list[bytes]:
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("response.created", {"response": response_object(model, "in_progress")}),
+    ]
+    for i, item in enumerate(output):
+        events.append(("response.output_item.added", {"output_index": i, "item": {**item, "status": "in_progress"}}))
+        if item.get("type") == "function_call":
+            events.append(("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": i,
+                                                                       "delta": item["arguments"]}))
+            events.append(("response.function_call_arguments.done", {"item_id": item["id"], "output_index": i,
+                                                                      "arguments": item["arguments"]}))
+        events.append(("response.output_item.done", {"output_index": i, "item": item}))
+    events.append((end, {"response": response_object(model, end.split(".", 1)[1], output)}))
     return [sse(name, {"type": name, "sequence_number": i, **data}) for i, (name, data) in enumerate(events)]
 
 

@@ -29,7 +29,7 @@ def share_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
     does nothing and the tests only run a little slower.
     """
     try:
-        from proxy import modelinfo
+        from proxy.core import modelinfo
 
         cls = modelinfo.ModelMap
         if "data" not in _MAP:

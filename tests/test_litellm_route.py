@@ -125,3 +125,53 @@ async def test_litellm_failure_mid_stream_ends_with_an_error_event_without_trace
     assert "data: [DONE]" not in raw
     assert '"error"' in raw.splitlines()[-2] or '"error"' in raw.strip().splitlines()[-1]
     assert "Traceback" not in raw and "site-packages" not in raw
+
+
+# --------------------------------------------------------------------------- the Responses wire (issue 13)
+
+
+async def test_litellm_route_responses_non_streaming_through_aresponses(start_proxy: Any, litellm_httpx: None) -> None:
+    """A Responses body on a litellm route goes through litellm.aresponses; the answer is a response object."""
+    import openai
+
+    proxy = await start_proxy(config())
+    with respx.mock(assert_all_called=True) as mock:
+        provider = mock.post(ANTHROPIC).mock(return_value=httpx.Response(200, json=MESSAGE))
+        async with openai.AsyncOpenAI(base_url=proxy.base_url, api_key="sk-client", max_retries=0) as client:
+            response = await client.responses.create(model="claude", max_output_tokens=50, input=[
+                {"role": "user", "content": "hi"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "42"},
+                {"type": "reasoning", "id": "rs_dangling", "summary": []}])
+    assert response.output_text == "Hello from Claude" and response.model == "claude"
+    payload = json.loads(provider.calls.last.request.content)
+    assert payload["model"] == "claude-sonnet-4-5"
+    assert [m["role"] for m in payload["messages"]] == ["user", "assistant", "user"]
+
+
+async def test_litellm_route_responses_streaming_named_events(start_proxy: Any, litellm_httpx: None) -> None:
+    import openai
+
+    proxy = await start_proxy(config())
+    with respx.mock(assert_all_called=True) as mock:
+        mock.post(ANTHROPIC).mock(return_value=httpx.Response(
+            200, content=STREAM, headers={"content-type": "text/event-stream"}))
+        async with openai.AsyncOpenAI(base_url=proxy.base_url, api_key="sk-client", max_retries=0) as client:
+            stream = await client.responses.create(model="claude", input="hi", stream=True)
+            events = [event async for event in stream]
+    assert events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello from Claude"
+
+
+async def test_litellm_route_compact_is_answered_by_the_summariser(start_proxy: Any, litellm_httpx: None) -> None:
+    """litellm has no compact endpoint: /v1/responses/compact is emulated (the summariser call goes to Anthropic)."""
+    import openai
+
+    summary = {**MESSAGE, "content": [{"type": "text", "text": "- the user said hi"}]}
+    proxy = await start_proxy(config())
+    with respx.mock(assert_all_called=True) as mock:
+        mock.post(ANTHROPIC).mock(return_value=httpx.Response(200, json=summary))
+        async with openai.AsyncOpenAI(base_url=proxy.base_url, api_key="sk-client", max_retries=0) as client:
+            compacted = await client.responses.compact(model="claude", input=[{"role": "user", "content": "hi"}])
+    assert compacted.object == "response.compaction"
+    assert "the user said hi" in compacted.output[-1].content[0].text  # type: ignore[union-attr]

@@ -79,6 +79,7 @@ def _schemathesis_cli() -> str | None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the run itself may take up to 600 s (below): more than the suite's 120 s default
 async def test_schemathesis_against_the_live_proxy(upstream: FakeUpstream, start_proxy: Any, tmp_path: Path) -> None:
     cli = _schemathesis_cli()
     if cli is None:

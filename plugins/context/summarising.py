@@ -65,7 +65,8 @@ class Summarising(ContextManager):
         if summarize is None or self.summarizer is None or services.summaries is None:
             return self._drop(view)
         scope = SummaryScope(services.tenant, self.summarizer.settings_id(services))
-        found = await services.summaries.lookup(scope, view.chain)
+        chain = await view.chain_hashes()
+        found = await services.summaries.lookup(scope, chain)
         if found is not None:
             reused = self._with(view, found, "reused")
             if reused.summary is not None and view.payload_tokens(
@@ -79,7 +80,7 @@ class Summarising(ContextManager):
         if services.dry_run:
             return self._would_create(view, cut, found)
         try:
-            made, fresh = await services.summaries.obtain(scope, view.chain, cut, view.turns, found, summarize,
+            made, fresh = await services.summaries.obtain(scope, chain, cut, view.turns, found, summarize,
                                                           request_id=services.request_id)
         except SummaryUnavailable as exc:
             status = "pending" if exc.reason == "pending" else "failed"

@@ -89,7 +89,7 @@ class LLMSummarizer(Summarizer):
                     request_id=services.request_id,
                 )
                 if not out.text.strip():
-                    raise SummaryUnavailable("the summariser returned an empty answer")
+                    raise SummaryUnavailable("the summariser returned an empty answer", reason="empty")
                 running = _cap(out.text.strip(), services.summary_tokens, count)
                 prompt_tokens += out.prompt_tokens
                 completion_tokens += out.completion_tokens

@@ -8,6 +8,7 @@ is here too: the two pairing edits, the summary item, and the output-limit field
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,12 +24,22 @@ class Conversation:
     (Responses ``instructions``, Anthropic ``system``). ``paired``: the wire already knows
     pairing is valid (its fast scan), so the repair pass can be skipped. ``notes``: warnings
     the wire raised while parsing (e.g. provider-held state the proxy cannot see).
+    ``unmanaged``: why this history must not be managed (the provider holds part of it:
+    ``UNMANAGED_REASONS``); the body is then forwarded as sent, output caps and model rules
+    aside. ``repairs``: repairs the wire already made while parsing, by kind (they count
+    like the pairing pass's).
     """
 
     items: list[Item]
     fixed_tokens: int
     paired: bool | None = None
     notes: list[str] = field(default_factory=list)
+    unmanaged: str | None = None
+    repairs: Counter[str] = field(default_factory=Counter)
+
+
+# why a history is left unmanaged (a bounded metric label)
+UNMANAGED_REASONS = frozenset({"previous_response_id", "conversation", "item_reference"})
 
 
 class WireAdapter(Protocol):

@@ -14,6 +14,7 @@
     ├── PermissionDenied (403)         code=not_allowed (a relayed path a tenant may not use)
     ├── ModelNotFound (404)            code=model_not_found
     ├── NotFound (404)                 code=not_found
+    ├── RouteError (its status)        an HTTP-level refusal (405 method_not_allowed …)
     └── UpstreamError                  the provider side
         ├── UpstreamUnreachable (502)  code=upstream_unreachable
         ├── UpstreamTimeout (504)      code=upstream_timeout
@@ -112,6 +113,16 @@ class NotFound(CtxProxyError):
     status = 404
     type = "invalid_request_error"
     code = "not_found"
+
+
+class RouteError(CtxProxyError):
+    """An HTTP-level refusal from the server itself (a method a route does not allow, …)."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message, code={404: "not_found", 405: "method_not_allowed"}.get(status, "http_error"))
+        self.status = status
 
 
 class UpstreamError(CtxProxyError):

@@ -25,7 +25,9 @@ MOVED = "moved_result"
 PLACEHOLDER_FILLED = "missing_result"
 CALLS_DROPPED = "unanswered_calls"
 EMPTY_DROPPED = "empty_assistant"
-REPAIR_KINDS = frozenset({ORPHAN, DUPLICATE, MOVED, PLACEHOLDER_FILLED, CALLS_DROPPED, EMPTY_DROPPED})
+REASONING_DROPPED = "orphan_reasoning"  # a reasoning item with no item after it (Responses; dropped while parsing)
+REPAIR_KINDS = frozenset({ORPHAN, DUPLICATE, MOVED, PLACEHOLDER_FILLED, CALLS_DROPPED, EMPTY_DROPPED,
+                          REASONING_DROPPED})
 
 
 @dataclass
@@ -91,6 +93,7 @@ def repair(items: list[Item], factory: ItemFactory, merge_call_runs: bool = Fals
                     repairs[EMPTY_DROPPED] += 1
             continue
         seen = set(entry.order)
+        leftovers: list[Item] = []  # what is left of a call that lost its calls: after the group's results
         for call in entry.calls:
             absent = [cid for cid in dict.fromkeys(call.call_ids) if cid not in seen]
             if not absent:
@@ -106,7 +109,7 @@ def repair(items: list[Item], factory: ItemFactory, merge_call_runs: bool = Fals
                 changed = True
                 stripped = factory.without_calls(call)
                 if stripped is not None:
-                    out.append(stripped)
+                    leftovers.append(stripped)
                 else:
                     repairs[EMPTY_DROPPED] += 1
                 continue
@@ -119,6 +122,7 @@ def repair(items: list[Item], factory: ItemFactory, merge_call_runs: bool = Fals
                 entry.results[cid] = placeholder
                 entry.order.append(cid)
         out.extend(entry.results[cid] for cid in entry.order)
+        out.extend(leftovers)
     return (out if changed else items), repairs
 
 

@@ -23,6 +23,8 @@ REPLY_PRIMING = 3
 
 O200K = "o200k_base"
 CL100K = "cl100k_base"
+# the encodings litellm ships (nothing else can be loaded offline); any other maps to o200k_base
+BUNDLED_ENCODINGS = frozenset({"o200k_base", "o200k_harmony", "cl100k_base", "p50k_base", "p50k_edit"})
 Formula = Callable[["TokenCounter", Any], int]
 
 
@@ -38,9 +40,10 @@ def encoding_for(model: str, override: str | None = None) -> str:
 
     name = model.rsplit("/", 1)[-1].lower()
     try:
-        return tiktoken.encoding_name_for_model(name)
+        encoding = tiktoken.encoding_name_for_model(name)
     except KeyError:
         return O200K
+    return encoding if encoding in BUNDLED_ENCODINGS else O200K
 
 
 def use_bundled_encodings() -> None:

@@ -7,6 +7,7 @@ unless the caller asks for it (``summarize``).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from proxy.core.conversation import WireAdapter
@@ -19,7 +20,9 @@ async def explain(
     runtime: Runtime, wire: WireAdapter, raw: bytes, tenant: Tenant | None, override: str | None,
     *, summarize: bool = False, request_id: str = "",
 ) -> dict[str, Any]:
-    body = parse_body(raw)
-    assembly, _route, _policy = await runtime.assemble(wire, body, tenant=tenant, override=override,
+    # large bodies are parsed and assembled off the event loop, as on the managed path
+    offload = len(raw) > runtime.config.settings.server.offload_bytes
+    body = (await asyncio.get_running_loop().run_in_executor(None, parse_body, raw)) if offload else parse_body(raw)
+    assembly, _route, _policy = await runtime.assemble(wire, body, tenant=tenant, override=override, offload=offload,
                                                        request_id=request_id, dry_run=not summarize)
     return {wire.field: assembly.messages, "report": assembly.report.as_dict()}

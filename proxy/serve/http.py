@@ -20,8 +20,8 @@ from proxy.core.errors import (
     CtxProxyError,
     InvalidJSON,
     RequestTimeout,
+    RouteError,
     UpstreamStatus,
-    error_body,
 )
 from proxy.serve.state import STATE, State
 from proxy.wire.errors import anthropic_error_body
@@ -74,14 +74,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
-        return json_response(error_body(exc.reason, "invalid_request_error", None, code), exc.status)
+        return error_response(RouteError(exc.status, exc.reason), shape=request.get(ERROR_SHAPE, shape))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
-        return json_response(error_body("The proxy failed to handle this request.", "server_error", None,
-                                        "internal_error"), 500)
+        return error_response(CtxProxyError("The proxy failed to handle this request."),
+                              request.get(RESPONSE_HEADERS), request.get(ERROR_SHAPE, shape))
 
 
 def client_key(request: web.Request) -> str | None:

@@ -39,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client import values as prom_values
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from proxy.core.conversation import UNMANAGED_REASONS
 from proxy.core.pairing import REPAIR_KINDS
 from proxy.pipeline import REMOVED_HOW, SUMMARY_STATUSES
 from proxy.upstream.engine import FAILURE_REASONS
@@ -108,6 +109,9 @@ class Metrics:
         self.savings = counter(
             "ctxproxy_estimated_savings_usd", "Input price of the request's model times tokens removed.", TM)
         self.repairs = counter("ctxproxy_repairs", "Tool-call pairing repairs, by kind.", ("kind",))
+        self.unmanaged = counter(
+            "ctxproxy_unmanaged_requests", "Requests forwarded without context management because the provider "
+            "holds part of the conversation (previous_response_id, conversation, item_reference).", ("wire", "reason"))
         self.payload_errors = counter("ctxproxy_payload_errors", "Requests refused as invalid, by code.", ("code",))
         self.cached_tokens = counter(
             "ctxproxy_provider_cached_tokens", "Prompt tokens the provider served from its prompt cache.", TM)
@@ -184,6 +188,9 @@ class Metrics:
         for kind, n in report.repairs.items():
             if n > 0:
                 self.repairs.labels(kind if kind in REPAIR_KINDS else OTHER).inc(n)
+        if report.unmanaged:
+            reason = report.unmanaged if report.unmanaged in UNMANAGED_REASONS else OTHER
+            self.unmanaged.labels(report.wire if report.wire in WIRES else OTHER, reason).inc()
         if removed:
             priced = upstream_model or model
             price = self.model_map.input_price(priced)

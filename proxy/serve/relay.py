@@ -23,7 +23,7 @@ from aiohttp import web
 from yarl import URL
 
 from proxy.core.deadline import deadline
-from proxy.core.errors import ModelNotFound, NotFound, PermissionDenied
+from proxy.core.errors import BadRequest, ModelNotFound, NotFound, PermissionDenied
 from proxy.serve.http import ERROR_SHAPE, Handler, client_key, read_body, request_id, state
 from proxy.serve.streaming import relay_answer
 from proxy.settings import Tenant
@@ -48,10 +48,8 @@ def make_relay(managed: dict[str, Handler]) -> Handler:
         path = canonical_path(request.raw_path)
         if path == "/v1/messages" or path.startswith("/v1/messages/"):
             request[ERROR_SHAPE] = "messages"  # Anthropic's clients parse Anthropic's error shape
-        handler = managed.get(path)
+        handler = managed.get(path) if request.method == "POST" else None
         if handler is not None:
-            if request.method != "POST":
-                raise NotFound(f"No route for {request.method} {path}.")
             return await handler(request)
         return await _relay(request, path)
 
@@ -132,32 +130,40 @@ def relay_url(base_url: str, raw_path: str) -> str:
 
 
 def _check_model(raw: bytes, content_type: str, tenant: Tenant) -> None:
-    """A tenant's model allow-list holds on every endpoint and body kind, not only chat completions."""
+    """A tenant's model allow-list holds on every endpoint and body kind, not only chat completions.
+
+    Every ``model`` field counts (upstreams differ in which of two they read).
+    """
     allowed = tenant.settings.models
     if allowed is None:
         return
-    model = _model_of(raw, content_type)
-    if model is not None and model not in allowed:
-        raise ModelNotFound(f"The model {model[:100]!r} does not exist or you do not have access to it.",
-                            param="model")
+    for model in _models_of(raw, content_type):
+        if model not in allowed:
+            raise ModelNotFound(f"The model {model[:100]!r} does not exist or you do not have access to it.",
+                                param="model")
 
 
-def _model_of(raw: bytes, content_type: str) -> str | None:
+def _models_of(raw: bytes, content_type: str) -> list[str]:
     kind = content_type.split(";", 1)[0].strip().lower()
     if kind == "multipart/form-data":
         message = BytesParser().parsebytes(b"Content-Type: " + content_type.encode("latin-1", "replace")
                                            + b"\r\n\r\n" + raw)
+        models: list[str] = []
         for part in message.walk():
+            disposition = part.get("content-disposition", "")
+            if "name*" in disposition.lower() or "\\" in disposition:
+                # RFC 2231 and quoted-pair spellings decode differently in different form parsers
+                raise BadRequest("A multipart field name is encoded ambiguously (name* or a backslash); send "
+                                 "plain name=\"...\" fields.", code="ambiguous_form_field")
             if part.get_param("name", header="content-disposition") == "model":
                 value = part.get_payload(decode=True)
-                return value.decode("utf-8", "replace").strip() if isinstance(value, bytes) else None
-        return None
+                models.append(value.decode("utf-8", "replace").strip() if isinstance(value, bytes) else "")
+        return models
     if kind == "application/x-www-form-urlencoded":
-        values = parse_qs(raw.decode("utf-8", "replace")).get("model")
-        return values[0] if values else None
+        return parse_qs(raw.decode("utf-8", "replace")).get("model", [])
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return None
+        return []
     model = body.get("model") if isinstance(body, dict) else None
-    return model if isinstance(model, str) else None
+    return [model] if isinstance(model, str) else []

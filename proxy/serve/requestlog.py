@@ -60,6 +60,8 @@ class RequestRecord:
             )
             if r.warnings:
                 out["warnings"] = len(r.warnings)
+            if r.unmanaged:
+                out["unmanaged"] = r.unmanaged  # the provider holds part of the history (a bounded reason)
         if self.overhead is not None:
             out["overhead_ms"] = round(self.overhead * 1000, 3)
         if self.upstream is not None:

@@ -44,27 +44,67 @@ async def relay_answer(
     out_headers["Content-Type"] = answer.headers.get("Content-Type", "text/event-stream")
     out_headers.update(SSE_HEADERS)
     response = web.StreamResponse(status=answer.status, headers=out_headers)
-    clean = False
+    clean = broken = False
+    lines = LineBuffer()
     try:
         await response.prepare(request)
         error: CtxProxyError | None = None
         try:
             async for chunk in answer.chunks(idle_timeout):
                 watcher.feed(chunk)
-                await response.write(chunk)
+                out = lines.feed(chunk)
+                if out:
+                    await response.write(out)
         except CtxProxyError as exc:
-            error = exc
+            broken = True
+            # after the wire's terminal event the stream is complete: a lost connection adds nothing
+            error = None if watcher.done else exc
         else:
             if not watcher.complete:
                 error = UpstreamUnreachable("The upstream closed the stream before it was complete.")
         if error is not None:
             request[STREAM_ERROR] = error.code or "stream_error"
-            await response.write(watcher.end.error_event(error))
-        clean = error is None
+            # a half-sent line is never relayed, and the error starts an event of its own
+            await response.write(lines.boundary() + watcher.end.error_event(error))
+        else:
+            tail = lines.flush()
+            if tail:
+                await response.write(tail)
+        clean = not broken and error is None
         await response.write_eof()
         return response
     finally:
         answer.close(clean)  # not clean: drop the upstream connection, so the provider stops generating
+
+
+class LineBuffer:
+    """Relays whole lines only: a stream that breaks off mid-line never leaves half a line at the client.
+
+    A chunk's tail after its last newline is held until the next chunk (SSE upstreams send whole events,
+    so usually nothing is held).
+    """
+
+    def __init__(self) -> None:
+        self._held = b""
+        self._last = b"\n\n"  # the end of what was relayed so far
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._held + chunk
+        cut = data.rfind(b"\n") + 1
+        self._held = data[cut:]
+        out = data[:cut]
+        if out:
+            self._last = (self._last + out)[-4:]
+        return out
+
+    def flush(self) -> bytes:
+        held, self._held = self._held, b""
+        return held
+
+    def boundary(self) -> bytes:
+        """What closes the event in progress, so that an error event that follows stands on its own."""
+        self._held = b""
+        return b"" if self._last.endswith((b"\n\n", b"\r\n\r\n")) else b"\n"
 
 
 def usage_of(raw: bytes) -> dict[str, Any] | None:

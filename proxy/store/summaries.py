@@ -39,6 +39,7 @@ log = logging.getLogger("ctxproxy.summaries")
 
 FAILURES_TRACKED = 10_000
 LOCK_TTL = 30.0  # seconds; the holder renews it every LOCK_TTL / 3 while it summarises
+MIN_WAIT = 0.1  # seconds a waiter polls the lock before it re-checks (lock_wait 0 must not spin)
 
 SummaryCall = Callable[[str, Completion], None]
 SummaryFailure = Callable[[str, str], None]  # (tenant, reason)
@@ -157,7 +158,7 @@ class SummaryService:
             return record, False
         give_up = self.clock() + self.max_wait
         while True:
-            async with self.cache.lock("lock:" + job.key, ttl=self.lock_ttl, wait=self.lock_wait,
+            async with self.cache.lock("lock:" + job.key, ttl=self.lock_ttl, wait=max(self.lock_wait, MIN_WAIT),
                                        ready=lambda: self._ready(job.key)) as held:
                 record = await self.cache.get(job.key)  # another replica may have made it meanwhile
                 if record is not None:

@@ -18,9 +18,10 @@ import orjson
 from multidict import CIMultiDict
 
 from plugins.base import Completion
+from proxy.core.errors import UpstreamError
 from proxy.settings import UpstreamSettings
 from proxy.upstream.base import Outgoing
-from proxy.upstream.http import HTTPAnswer, UpstreamPool, open_request, read_error, upstream_headers
+from proxy.upstream.http import REDACTED, HTTPAnswer, UpstreamPool, open_request, read_error, upstream_headers
 
 if TYPE_CHECKING:
     from proxy.policy import ModelRoute
@@ -85,7 +86,13 @@ class AnthropicProvider:
         if response.status >= 400:
             raise await read_error(response, timeout, self.upstream.api_key)
         async with response:
-            payload = orjson.loads(await response.read())
+            raw = await response.read()
+        if self.upstream.api_key:  # an upstream that echoes the key must not put it into a cached summary
+            raw = raw.replace(self.upstream.api_key.encode(), REDACTED)
+        try:
+            payload = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise UpstreamError("The upstream's answer is not JSON.", code="upstream_invalid_answer") from None
         return completion_from_message(payload, route)
 
 

@@ -99,7 +99,8 @@ def response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
     listed = connection_listed(upstream)
     for name, value in upstream.items():
         lower = name.lower()
-        if lower not in RESPONSE_DROP and lower not in listed:
+        # x-ctxproxy-* answer headers are this proxy's own: an upstream (another ctxproxy?) never sets them here
+        if lower not in RESPONSE_DROP and lower not in listed and not lower.startswith("x-ctxproxy-"):
             out.add(name, value)
     return out
 
@@ -300,7 +301,13 @@ class HTTPProvider:
         if response.status >= 400:
             raise await read_error(response, timeout, self.upstream.api_key)
         async with response:
-            payload = orjson.loads(await response.read())
+            raw = await response.read()
+        if self.upstream.api_key:  # an upstream that echoes the key must not put it into a cached summary
+            raw = raw.replace(self.upstream.api_key.encode(), REDACTED)
+        try:
+            payload = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise UpstreamError("The upstream's answer is not JSON.", code="upstream_invalid_answer") from None
         return completion_from(payload, route)
 
 

@@ -2,6 +2,9 @@
 and over litellm's Anthropic-messages interface (``litellm.anthropic_interface.messages.acreate``) for
 Messages requests, in Anthropic's shapes, to any provider litellm knows.
 
+The Responses wire goes through ``litellm.aresponses`` (litellm translates it for
+providers without a Responses API); its stream is re-emitted as named SSE events.
+
 litellm is imported on first use only (its import costs seconds and ~150 MB),
 with its local model map so nothing is fetched at run time.
 """
@@ -114,7 +117,43 @@ async def open_stream(
     return events()
 
 
-async def messages(
+async def responses(route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None) -> dict[str, Any]:
+    """A non-streaming Responses call, as an OpenAI response object."""
+    litellm = _litellm()
+    try:
+        response = await litellm.aresponses(**_kwargs(route, body, upstream))
+    except CtxProxyError:
+        raise
+    except Exception as exc:
+        raise _error(exc) from None
+    out: dict[str, Any] = response.model_dump(mode="json", exclude_none=True)
+    out["model"] = route.name
+    return out
+
+
+async def open_responses_stream(
+    route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None
+) -> AsyncIterator[bytes]:
+    """Start a streaming Responses call (errors before the first event raise); yields named SSE events."""
+    litellm = _litellm()
+    try:
+        stream = await litellm.aresponses(**_kwargs(route, body, upstream), stream=True)
+    except Exception as exc:
+        raise _error(exc) from None
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for event in stream:
+                data = event.model_dump(mode="json", exclude_none=True)
+                name = data.get("type") if isinstance(data.get("type"), str) else "message"
+                yield b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+        except Exception as exc:
+            raise _error(exc) from None
+
+    return events()
+
+
+async def messages_call(
     route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None, stream: bool
 ) -> LiteLLMAnswer:
     """A Messages request through litellm's Anthropic-messages interface: to any provider, in Anthropic's shapes."""
@@ -181,17 +220,23 @@ class LiteLLMAnswer:
 
 
 class LiteLLMProvider:
-    """Any provider through litellm (``provider: litellm`` routes); the Chat Completions and Messages wires."""
+    """Any provider through litellm (``provider: litellm`` routes); the Chat Completions, Responses and Messages
+    wires."""
 
     def __init__(self, upstream: UpstreamSettings | None) -> None:
         self.upstream = upstream
 
     async def send(self, route: ModelRoute, call: Outgoing) -> LiteLLMAnswer:
         if call.wire == "messages":
-            return await messages(route, call.body, self.upstream, call.stream)
+            return await messages_call(route, call.body, self.upstream, call.stream)
+        if call.wire == "responses" and call.path == "/responses":
+            if call.stream:
+                return LiteLLMAnswer(events=await open_responses_stream(route, call.body, self.upstream))
+            return LiteLLMAnswer(body=orjson.dumps(await responses(route, call.body, self.upstream)))
         if call.wire != "chat":
             raise BadRequest(f"The model {route.name!r} is served through litellm, which this proxy offers on "
-                             "the Chat Completions and Messages wires only.", param="model", code="unsupported_wire")
+                             "the Chat Completions, Responses and Messages wires only.", param="model",
+                             code="unsupported_wire")
         if call.stream:
             return LiteLLMAnswer(events=await open_stream(route, call.body, self.upstream))
         return LiteLLMAnswer(body=orjson.dumps(await chat(route, call.body, self.upstream)))

@@ -32,7 +32,9 @@ KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "fu
 _ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL,
           "function": TOOL}
 _SALT = 0x1  # content keys of chat messages, distinct from other wires' formulas in the shared LRU
-LEGACY = "fn:"  # legacy function_call ids: the function's name, kept apart from tool_call ids
+# legacy function_call ids are the function's name in a namespace no tool_call id can reach in practice (a NUL
+# prefix), so a tool call never answers a legacy call or the other way round
+LEGACY = "\x00fn:"
 COMPLETION_ONLY = ("o1", "o3", "o4", "gpt-5")  # models that accept only max_completion_tokens
 
 Message = dict[str, Any]
@@ -207,6 +209,11 @@ class ChatItem(Item):
         yield from _media_atoms(self.role, content)
         if isinstance(m.get("refusal"), str) and m["refusal"]:
             yield ("text", "refusal", m["refusal"])
+        audio = m.get("audio")
+        if isinstance(audio, dict):
+            transcript = audio.get("transcript")
+            ref = transcript if isinstance(transcript, str) else describe.as_text(audio.get("id"))
+            yield ("media", "assistant_audio", media_digest(ref))
         calls = m.get("tool_calls")
         if isinstance(calls, list):
             for call in calls:

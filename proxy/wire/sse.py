@@ -72,10 +72,11 @@ class ResponsesStreamEnd(StreamEnd):
         return usage if isinstance(usage, dict) else seen
 
     def error_event(self, error: CtxProxyError) -> bytes:
-        # the official SDK raises on an ``error`` event: {"type": "error", "code", "message", "param"}
+        # OpenAI's ``error`` event is flat ({"type": "error", "code", "message", "param"}); the official
+        # SDK raises APIError only for an event that carries an ``error`` object, so it carries both
         body = error.to_openai()["error"]
         payload = {"type": "error", "code": body.get("code"), "message": body.get("message"),
-                   "param": body.get("param"), "sequence_number": 0}
+                   "param": body.get("param"), "sequence_number": 0, "error": body}
         return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 

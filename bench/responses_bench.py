@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Per-request CPU of a Responses request next to the same conversation as Chat Completions, in one run.
+
+The benchmark payloads (Chat Completions) are converted to Responses input items
+(messages, ``function_call`` / ``function_call_output`` by call id, the tools in the
+Responses shape); each request is what the managed handler does on the CPU: parse the
+JSON body, run the pipeline (``Runtime.assemble``), serialise the body to forward when it
+changed. The two wires alternate request by request (ABAB), so both see the same machine
+state. cold = empty token-count and summary caches; warm = the same conversation plus one
+new turn after the previous request. Medians of --runs runs, CPU time (process) per request.
+
+    .venv/bin/python bench/responses_bench.py [--runs 7] [--json-out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.pipeline_bench import MANAGERS, config, make_runtime, read_payload  # noqa: E402
+from proxy.core.tokens import Tokenizers, use_bundled_encodings  # noqa: E402
+from proxy.runtime import Runtime  # noqa: E402
+from proxy.wire.chat import WIRE as CHAT  # noqa: E402
+from proxy.wire.responses import WIRE as RESPONSES  # noqa: E402
+
+Message = dict[str, Any]
+
+
+def to_responses(body: dict[str, Any]) -> dict[str, Any]:
+    """The same conversation on the Responses wire."""
+    items: list[Message] = []
+    for m in body["messages"]:
+        role, content = m["role"], m.get("content")
+        if role in ("system", "developer", "user"):
+            items.append({"role": role, "content": content})
+        elif role == "assistant":
+            if content:
+                items.append({"type": "message", "role": "assistant", "status": "completed",
+                              "content": [{"type": "output_text", "text": content, "annotations": []}]})
+            for call in m.get("tool_calls") or []:
+                items.append({"type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
+                              "arguments": call["function"]["arguments"], "status": "completed"})
+        elif role == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": content})
+    tools = [{"type": "function", **t["function"]} for t in body.get("tools") or []]
+    out: dict[str, Any] = {"model": body["model"], "input": items}
+    if tools:
+        out["tools"] = tools
+    return out
+
+
+def grown_chat(body: dict[str, Any], i: int) -> dict[str, Any]:
+    from bench.pipeline_bench import grown
+
+    return grown(body, i)
+
+
+async def one(runtime: Runtime, wire: Any, raw: bytes) -> tuple[float, float, int]:
+    """CPU and wall seconds of one request as the handler spends them, and the tokens forwarded."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    body = orjson.loads(raw)
+    assembly, _route, _policy = await runtime.assemble(wire, body, tenant=None)
+    if assembly.changed:
+        orjson.dumps(assembly.body)
+    return time.process_time() - cpu, time.perf_counter() - wall, assembly.report.tokens_after
+
+
+async def run_case(name: str, manager: Any, budget: int, runs: int, tokenizers: Tokenizers) -> list[dict[str, Any]]:
+    chat_body = read_payload(name)
+    bodies = {"chat": [chat_body] + [grown_chat(chat_body, i) for i in range(3)]}
+    bodies["responses"] = [to_responses(b) for b in bodies["chat"]]
+    raws = {w: [orjson.dumps(b) for b in bs] for w, bs in bodies.items()}
+    wires = {"chat": CHAT, "responses": RESPONSES}
+    cold: dict[str, list[float]] = {"chat": [], "responses": []}
+    warm: dict[str, list[float]] = {"chat": [], "responses": []}
+    tokens: dict[str, int] = {}
+    for _ in range(runs):
+        for w in ("chat", "responses"):  # ABAB: each wire on a fresh runtime and empty caches
+            tokenizers.get("o200k_base").clear()
+            runtime = make_runtime(config(manager, budget), tokenizers)
+            cpu, _wall, _n = await one(runtime, wires[w], raws[w][0])
+            cold[w].append(cpu)
+            for raw in raws[w][1:]:
+                cpu, _wall, tokens[w] = await one(runtime, wires[w], raw)
+                warm[w].append(cpu)
+    return [{"payload": name, "manager": manager["type"], "budget": budget, "wire": w,
+             "cold_ms": statistics.median(cold[w]) * 1e3, "warm_ms": statistics.median(warm[w]) * 1e3,
+             "tokens_out": tokens[w], "bytes": len(raws[w][-1])} for w in ("chat", "responses")]
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--json-out")
+    a = ap.parse_args()
+    use_bundled_encodings()
+    tokenizers = Tokenizers()
+    tokenizers.get("o200k_base")
+    rows: list[dict[str, Any]] = []
+    cases = [("agent_long.json", 200_000, MANAGERS["summarising"]),  # under budget: forwarded as sent
+             ("agent_long.json", 16_000, MANAGERS["summarising"]),  # over budget: summarised, then reused
+             ("agent_long.json", 16_000, MANAGERS["sliding-window"]),
+             ("agent_huge.json", 128_000, MANAGERS["summarising"])]
+    for name, budget, manager in cases:
+        rows += await run_case(name, manager, budget, a.runs, tokenizers)
+    print("| payload → budget | manager | wire | body bytes | cold CPU ms | warm CPU ms (+1 turn) | tokens out |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['payload'].split('.')[0]} → {r['budget'] // 1000}k | {r['manager']} | {r['wire']} | "
+              f"{r['bytes']:,} | {r['cold_ms']:.1f} | {r['warm_ms']:.2f} | {r['tokens_out']:,} |")
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,318 @@
+"""The Responses API (``POST /v1/responses``): the second wire adapter.
+
+``input`` (a string: one user turn; or a list of input items) becomes neutral items
+(``proxy.wire.responses_items``): leading ``system``/``developer`` messages are the
+system band, a ``user`` message starts a turn, call and output items pair by their
+ids, and a ``reasoning`` item travels with the item after it. ``instructions`` and
+``tools`` are pinned and counted in the fixed tokens. The provider's last
+``compaction`` item (and ctxproxy's own compaction summary) is pinned: the items
+before it may go, never it. Kept items are rendered from the client's own JSON, in
+order; the only items ctxproxy writes are a summary (a ``message``) and
+placeholder outputs.
+
+A request that continues state held by the provider (``previous_response_id``,
+``conversation``, or ``item_reference`` items) carries history the proxy cannot see:
+it is marked unmanaged and forwarded as sent, output caps and model rules aside.
+Errors have OpenAI's shape; a stream ends with ``response.completed`` /
+``response.failed`` / ``response.incomplete``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from proxy.core.conversation import Conversation
+from proxy.core.errors import PayloadError
+from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
+from proxy.core.pairing import PLACEHOLDER, REASONING_DROPPED
+from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key
+from proxy.wire.responses_items import (
+    CALL_NS,
+    CALLS,
+    COMPACT_PREFIX,
+    ITEM_TOKENS,
+    MESSAGE_ROLES,
+    OPTIONAL_IDS,
+    PINNED_TYPES,
+    RESULTS,
+    ResponsesItem,
+    count_raw,
+    kind_of,
+    neutral,
+    unkey,
+)
+from proxy.wire.sse import RESPONSES as RESPONSES_STREAM
+from proxy.wire.sse import StreamEnd
+
+NAME = "responses"
+_SALT = 0x2  # content keys of Responses items, distinct from other wires' formulas in the shared LRU
+PROVIDER_STATE = ("previous_response_id", "conversation")
+# outputs ctxproxy can write for a call that got none (the others cannot be faked: the call is removed)
+PLACEHOLDERS: dict[str, dict[str, Any]] = {
+    "function_call": {"type": "function_call_output", "call_id": "", "output": PLACEHOLDER},
+    "custom_tool_call": {"type": "custom_tool_call_output", "call_id": "", "output": PLACEHOLDER},
+    # a local shell call is answered the way Codex answers it (a function_call_output by call_id)
+    "local_shell_call": {"type": "function_call_output", "call_id": "", "output": PLACEHOLDER},
+    "apply_patch_call": {"type": "apply_patch_call_output", "call_id": "", "status": "failed",
+                         "output": PLACEHOLDER},
+}
+STRING_OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output", "local_shell_call_output"})
+
+
+class ResponsesWire:
+    """The Responses adapter (stateless; one shared instance)."""
+
+    name = NAME
+    field = "input"
+    merge_call_runs = True  # parallel calls are consecutive call items; their outputs follow the run
+    output_fields: tuple[str, ...] = ("max_output_tokens",)
+    path = "/responses"
+    error_shape = "openai"
+    stream_end: StreamEnd = RESPONSES_STREAM
+
+    def parse(self, body: dict[str, Any], counter: TokenCounter) -> Conversation:
+        notes: list[str] = []
+        unmanaged = provider_state(body)
+        if unmanaged is not None:
+            notes.append(f"{unmanaged}: the earlier conversation is held by the provider, which ctxproxy cannot see "
+                         "or count; this request is forwarded without context management")
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise PayloadError("'instructions' must be a string", param="instructions", code="invalid_instructions")
+        items, dropped, references, paired = build_items(body.get("input"), keep_trailing=unmanaged is not None)
+        if references and unmanaged is None:
+            unmanaged = "item_reference"
+            notes.append("input refers to items held by the provider (item_reference), which ctxproxy cannot see "
+                         "or count; this request is forwarded without context management")
+        keys = [content_key(item.raw) ^ _SALT for item in items]
+        counts = counter.many(keys, [item.raw for item in items], count_raw)
+        for item, key, n in zip(items, keys, counts):
+            item.key, item.tokens = key, n
+        fixed = REPLY_PRIMING + counter.tools(body.get("tools"))
+        if instructions:
+            fixed += ITEM_TOKENS + counter.text(instructions)
+        if unmanaged is not None:
+            return Conversation(items, fixed, True, notes, unmanaged=unmanaged)
+        repairs: Counter[str] = Counter({REASONING_DROPPED: dropped}) if dropped else Counter()
+        return Conversation(items, fixed, paired, notes, repairs=repairs)
+
+    def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
+        out = dict(body)
+        source = body.get("input")
+        if not (isinstance(source, str) and len(items) == 1 and items[0].raw is source) \
+                and not (source is None and not items):
+            rendered: list[Any] = []
+            for item in items:
+                raw = item.raw
+                if isinstance(raw, list):
+                    rendered.extend(raw)
+                elif isinstance(raw, str):
+                    rendered.append({"role": "user", "content": raw})
+                else:
+                    rendered.append(raw)
+            out["input"] = rendered
+        out.update(changes)
+        return out
+
+    def count(self, item: Item, counter: TokenCounter) -> None:
+        item.key = content_key(item.raw) ^ _SALT
+        item.tokens = counter.cached(item.key, item.raw, count_raw)
+
+    def summary(self, text: str, covered_turns: int, counter: TokenCounter) -> Item:
+        item = ResponsesItem({"type": "message", "role": "system", "content": text}, SYSTEM)
+        self.count(item, counter)
+        return item
+
+    def without_calls(self, item: Item) -> Item | None:
+        return None  # a call item is nothing but its call (and the reasoning that led to it goes with it)
+
+    def placeholder(self, call: Item, call_id: str) -> Item | None:
+        _, ident = unkey(call_id)
+        kind = kind_of(call.main) if isinstance(call, ResponsesItem) else ""
+        template = PLACEHOLDERS.get(kind)
+        if template is None:
+            return None  # a screenshot, shell outcome, approval or program result cannot be made up
+        raw = dict(template)
+        raw["call_id"] = ident
+        return ResponsesItem(raw, TOOL, result_id=call_id, source=call.source)
+
+    def output_field(self, upstream_model: str) -> str:
+        return "max_output_tokens"
+
+
+WIRE = ResponsesWire()
+
+
+def provider_state(body: dict[str, Any]) -> str | None:
+    """The field through which the provider holds part of the conversation, if any."""
+    for field in PROVIDER_STATE:
+        value = body.get(field)
+        if value is not None and value != "":
+            return field
+    return None
+
+
+def input_elements(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return value
+    raise PayloadError("'input' must be a string or an array of input items", param="input", code="invalid_input")
+
+
+def build_items(value: Any, *, keep_trailing: bool = False) -> tuple[list[Item], int, int, bool]:
+    """Neutral items of ``input``, checked: (items, trailing reasoning items dropped, item references, paired).
+
+    A string is one user message. Reasoning items join the item after them; the last
+    ``compaction`` (or ctxproxy compaction summary) and items that change later items'
+    meaning are pinned. ``paired`` is the pairing check's verdict, found in the same pass
+    (``proxy.core.pairing.check`` with merged call runs), so a valid request costs one scan.
+    """
+    if isinstance(value, str):
+        return [ResponsesItem(value, USER, source=0)], 0, 0, True
+    elements = input_elements(value)
+    items: list[Item] = []
+    pending: list[Any] = []
+    references = 0
+    last_compaction = -1
+    open_calls: set[str] | None = None  # the ids of the open run of calls still awaiting outputs
+    taking_calls = False
+    paired = True
+    calls: tuple[str, ...]
+    result: str | None
+    for i, element in enumerate(elements):
+        # the common items take a few dict lookups; anything unusual gets the precise checks
+        kind = element.get("type") if type(element) is dict else None
+        if kind is None and type(element) is dict and "role" in element and "type" not in element:
+            kind = "message"
+        if kind == "message" and type(element.get("role")) is str and element["role"] in MESSAGE_ROLES \
+                and type(element.get("content")) is str:
+            role, calls, result = MESSAGE_ROLES[element["role"]], (), None
+        elif kind == "function_call" and type(element.get("call_id")) is str and element["call_id"] \
+                and type(element.get("name")) is str and element["name"] and type(element.get("arguments")) is str:
+            role, calls, result = ASSISTANT, (CALL_NS + element["call_id"],), None
+        elif kind == "function_call_output" and type(element.get("call_id")) is str and element["call_id"] \
+                and type(element.get("output")) is str:
+            role, calls, result = TOOL, (), CALL_NS + element["call_id"]
+        else:
+            kind = check_element(element, i)
+            if kind == "reasoning":
+                pending.append(element)
+                continue
+            role, calls, result = neutral(element, kind)
+        item = ResponsesItem([*pending, element] if pending else element, role, call_ids=calls, result_id=result,
+                             source=i)
+        pending = []
+        if result is not None:
+            if open_calls is None or result not in open_calls:
+                paired = False
+            else:
+                open_calls.discard(result)
+            taking_calls = False
+        elif calls:
+            if taking_calls and open_calls is not None:
+                if calls[0] in open_calls:
+                    paired = False  # the same id twice in one run: the pairing check names it
+                open_calls.add(calls[0])
+            else:
+                if open_calls:
+                    paired = False
+                open_calls, taking_calls = {calls[0]}, True
+        else:
+            if open_calls:
+                paired = False
+            open_calls, taking_calls = None, False
+            if kind == "compaction" or (kind == "message" and is_compact_summary(element)):
+                last_compaction = len(items)
+            elif kind in PINNED_TYPES:
+                item.pinned = True
+            references += kind == "item_reference"
+        items.append(item)
+    if open_calls:
+        paired = False
+    if last_compaction >= 0:
+        items[last_compaction].pinned = True
+    dropped = len(pending)
+    if pending and keep_trailing:
+        items.append(ResponsesItem(pending, OTHER, source=len(elements) - len(pending)))
+        dropped = 0
+    return items, dropped, references, paired
+
+
+def is_compact_summary(element: dict[str, Any]) -> bool:
+    """ctxproxy's own compaction summary (``/responses/compact`` answered by ctxproxy), carried back as input."""
+    if element.get("role") != "user":
+        return False
+    content = element.get("content")
+    if isinstance(content, list) and content and isinstance(content[0], dict):
+        content = content[0].get("text")
+    return isinstance(content, str) and content.startswith(COMPACT_PREFIX)
+
+
+def check_element(element: Any, i: int) -> str:
+    """Raise PayloadError unless ``input[i]`` is a well-formed item; return its type."""
+    param = f"input[{i}]"
+    if not isinstance(element, dict):
+        raise PayloadError(f"{param} must be an object (an input item)", param=param, code="invalid_input_item")
+    if "type" in element and not isinstance(element["type"], str):
+        raise PayloadError(f"{param}.type must be a string", param=f"{param}.type", code="invalid_input_item")
+    kind = kind_of(element)
+    if not kind:
+        raise PayloadError(f"{param} has no type", param=f"{param}.type", code="invalid_input_item")
+    if kind == "message":
+        _check_message(element, param)
+    elif kind in CALLS:
+        _check_id(element, param, kind, (CALLS[kind],))
+        if kind in ("function_call", "custom_tool_call", "mcp_approval_request"):
+            name = element.get("name")
+            if not isinstance(name, str) or not name:
+                raise PayloadError(f"{param} ({kind}) has no name", param=f"{param}.name", code="invalid_tool_call")
+        if kind == "function_call" and not isinstance(element.get("arguments"), str):
+            raise PayloadError(f"{param}.arguments must be a string (JSON)", param=f"{param}.arguments",
+                               code="invalid_tool_call")
+    elif kind in RESULTS:
+        _check_id(element, param, kind, RESULTS[kind][1])
+        if kind in STRING_OUTPUTS and not isinstance(element.get("output"), (str, list)):
+            raise PayloadError(f"{param}.output must be a string or an array of content parts",
+                               param=f"{param}.output", code="invalid_tool_output")
+    return kind
+
+
+def _check_id(element: dict[str, Any], param: str, kind: str, fields: tuple[str, ...]) -> None:
+    if kind in OPTIONAL_IDS and all(element.get(f) is None for f in fields):
+        return
+    if not any(isinstance(element.get(f), str) and element[f] for f in fields):
+        raise PayloadError(f"{param} ({kind}) has no {fields[0]}", param=f"{param}.{fields[0]}",
+                           code="missing_tool_call_id")
+
+
+def _check_message(element: dict[str, Any], param: str) -> None:
+    role = element.get("role")
+    if not isinstance(role, str) or role not in MESSAGE_ROLES:
+        shown = repr(role) if len(repr(role)) <= 80 else repr(role)[:77] + "..."
+        raise PayloadError(f"{param}.role must be one of {sorted(MESSAGE_ROLES)}, got {shown}",
+                           param=f"{param}.role", code="invalid_role")
+    if "content" not in element:
+        raise PayloadError(f"{param} ({role}) has no content", param=f"{param}.content", code="missing_content")
+    content = element["content"]
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise PayloadError(f"{param}.content must be a string or an array of content parts",
+                           param=f"{param}.content", code="invalid_content")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise PayloadError(f"{param}.content[{j}] must be an object with a 'type'",
+                               param=f"{param}.content[{j}]", code="invalid_content")
+
+
+def items_of(value: Any, counter: TokenCounter | None = None) -> list[Item]:
+    """Input items as neutral items (counted when a counter is given): for tests and tools."""
+    items, _, _, _ = build_items(value)
+    if counter is not None:
+        for item in items:
+            WIRE.count(item, counter)
+    return items

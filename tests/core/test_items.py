@@ -1,0 +1,130 @@
+"""proxy.core.items: the neutral item, its atoms' digests, chained turn digests and media digests."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.core.items import (
+    ASSISTANT,
+    NO_GROUP,
+    OTHER,
+    SYSTEM,
+    TOOL,
+    USER,
+    Item,
+    atom_digests,
+    media_digest,
+    turn_digest,
+)
+
+
+class AtomItem(Item):
+    """An item whose atoms are given (what a wire adapter's subclass computes from its JSON)."""
+
+    __slots__ = ("_atoms",)
+
+    def __init__(self, atoms: list[tuple[str, ...]], role: str = USER) -> None:
+        super().__init__({"atoms": atoms}, role)
+        self._atoms = atoms
+
+    def atoms(self) -> Iterator[tuple[str, ...]]:
+        return iter(self._atoms)
+
+
+def test_defaults() -> None:
+    raw = {"role": "user", "content": "hi"}
+    item = Item(raw, USER)
+    assert item.raw is raw
+    assert (item.call_ids, item.result_id, item.source, item.pinned, item.key, item.tokens) == ((), None, -1, False, 0, 0)
+    assert item.group == NO_GROUP
+    assert item.describe() == ""
+    assert list(item.atoms()) == []
+    assert atom_digests(item) == b""
+
+
+def test_keyword_fields_are_kept() -> None:
+    item = Item({}, ASSISTANT, call_ids=("call_1", "call_2"), source=4, pinned=True, key=99, tokens=12)
+    assert item.call_ids == ("call_1", "call_2")
+    assert (item.source, item.pinned, item.key, item.tokens) == (4, True, 99, 12)
+    assert "assistant" in repr(item) and "call_1" in repr(item) and "src=4" in repr(item)
+
+
+@pytest.mark.parametrize(("role", "starts"), [(USER, True), (SYSTEM, False), (ASSISTANT, False), (TOOL, False),
+                                              (OTHER, False)])
+def test_only_a_user_item_starts_a_turn(role: str, starts: bool) -> None:
+    assert Item({}, role).starts_turn is starts
+
+
+def test_items_have_slots_no_dict() -> None:
+    item = Item({}, USER)
+    with pytest.raises(AttributeError):
+        item.anything = 1  # type: ignore[attr-defined]
+
+
+def test_atom_digests_are_16_bytes_per_atom_and_match_an_independent_blake2b() -> None:
+    atoms = [("text", "user", "Book flight HAT001"), ("call", "call_9", "search", '{"from":"BOS"}')]
+    got = atom_digests(AtomItem(atoms))
+    assert len(got) == 32
+    for i, atom in enumerate(atoms):
+        h = hashlib.blake2b(digest_size=16)
+        for part in atom:
+            h.update(part.encode("utf-8") + b"\x1f")
+        assert got[16 * i: 16 * (i + 1)] == h.digest()
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    (("text", "user", "ab"), ("text", "usera", "b")),  # field boundaries count
+    (("text", "user", "a"), ("text", "user", "a", "")),  # an empty trailing field counts
+    (("result", "call_1", "ok"), ("result", "call_1", "ok ")),
+    (("call", "c1", "f", "{}"), ("call", "c1", "f", "[]")),
+])
+def test_different_atoms_have_different_digests(a: tuple[str, ...], b: tuple[str, ...]) -> None:
+    assert atom_digests(AtomItem([a])) != atom_digests(AtomItem([b]))
+
+
+def test_lone_surrogates_in_atoms_do_not_raise() -> None:
+    d1 = atom_digests(AtomItem([("call", "call_\ud800", "f", "{}")]))
+    d2 = atom_digests(AtomItem([("call", "call_\udc00", "f", "{}")]))
+    assert len(d1) == len(d2) == 16 and d1 != d2
+
+
+def test_turn_digest_is_a_chain() -> None:
+    a = atom_digests(AtomItem([("text", "user", "hello")]))
+    b = atom_digests(AtomItem([("text", "assistant", "hi")]))
+    first = turn_digest(b"", [a, b])
+    assert len(first) == 16
+    assert turn_digest(b"", [a, b]) == first  # deterministic
+    assert turn_digest(b"", [b, a]) != first  # order counts
+    assert turn_digest(first, [a, b]) != first  # the link counts
+    # digests are concatenated: how a turn's atoms are split across its items does not matter
+    assert turn_digest(b"", [a + b]) == first
+    assert turn_digest(b"", [a, b"", b]) == first
+
+
+@given(st.lists(st.tuples(st.text(max_size=8), st.text(max_size=8)), max_size=6))
+def test_atom_digest_length_is_16_per_atom(atoms: list[tuple[str, str]]) -> None:
+    assert len(atom_digests(AtomItem(atoms))) == 16 * len(atoms)
+
+
+@pytest.mark.parametrize(("x", "y", "same"), [
+    ("data:image/png;base64,iVBORw0KGgo=", "data:image/jpeg;base64,iVBORw0KGgo=", True),  # only the payload
+    ("data:image/png;base64,iVBORw0KGgo=", "iVBORw0KGgo=", True),
+    ("https://example.com/cat.png", "https://example.com/cat.png", True),
+    ("https://example.com/cat.png", "https://example.com/dog.png", False),
+    ("file-abc123", "file-abc124", False),
+    ("data:no-comma", "data:no-comma", True),
+])
+def test_media_digest(x: str, y: str, same: bool) -> None:
+    dx, dy = media_digest(x), media_digest(y)
+    assert len(dx) == 16 and all(c in "0123456789abcdef" for c in dx)
+    assert (dx == dy) is same
+
+
+def test_media_digest_without_a_comma_keeps_the_whole_string() -> None:
+    assert media_digest("data:abc") != media_digest("abc")
+    assert media_digest("x\ud800") != media_digest("x")  # a lone surrogate is hashed, not an error

@@ -1,0 +1,315 @@
+"""proxy.core.pairing: the neutral repair and check on items, with a fake wire factory.
+
+The chat-specific behaviour (messages, legacy function calls) is in tests/test_pairing.py;
+here only items: calls by id, results by id, merged runs of calls (Responses-style
+wires) and factories that cannot make placeholders or leave nothing after stripping.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.core.errors import PayloadError
+from proxy.core.items import ASSISTANT, SYSTEM, TOOL, USER, Item
+from proxy.core.pairing import (
+    CALLS_DROPPED,
+    DUPLICATE,
+    EMPTY_DROPPED,
+    MOVED,
+    ORPHAN,
+    PLACEHOLDER,
+    PLACEHOLDER_FILLED,
+    REPAIR_KINDS,
+    check,
+    is_paired,
+    repair,
+)
+
+
+class Factory:
+    """A wire's two edits: ``placeholders`` False = this kind of call has none; ``texts`` False = a call
+    item is nothing but its calls (stripping leaves nothing)."""
+
+    def __init__(self, placeholders: bool = True, texts: bool = True) -> None:
+        self.placeholders = placeholders
+        self.texts = texts
+        self.stripped: list[Item] = []
+        self.made: list[tuple[Item, str]] = []
+
+    def without_calls(self, item: Item) -> Item | None:
+        if not self.texts or not item.raw.get("text"):
+            return None
+        out = Item({"text": item.raw["text"], "stripped": True}, ASSISTANT, source=item.source)
+        self.stripped.append(out)
+        return out
+
+    def placeholder(self, call: Item, call_id: str) -> Item | None:
+        self.made.append((call, call_id))
+        if not self.placeholders:
+            return None
+        return Item({"placeholder": call_id, "content": PLACEHOLDER}, TOOL, result_id=call_id, source=call.source)
+
+
+def items(spec: str) -> list[Item]:
+    """s=system u=user a=assistant c<ids>=call item (``c1,2``; ``c1+`` has text too) t<id>=result."""
+    out: list[Item] = []
+    for i, tok in enumerate(spec.split()):
+        kind, rest = tok[0], tok[1:]
+        if kind == "s":
+            out.append(Item({"i": i}, SYSTEM, source=i))
+        elif kind == "u":
+            out.append(Item({"i": i}, USER, source=i))
+        elif kind == "a":
+            out.append(Item({"i": i, "text": "answer"}, ASSISTANT, source=i))
+        elif kind == "c":
+            text = rest.endswith("+")
+            ids = tuple(rest.rstrip("+").split(","))
+            out.append(Item({"i": i, "text": "let me look" if text else ""}, ASSISTANT, call_ids=ids, source=i))
+        elif kind == "t":
+            out.append(Item({"i": i}, TOOL, result_id=rest, source=i))
+        else:  # pragma: no cover
+            raise ValueError(tok)
+    return out
+
+
+def show(xs: list[Item]) -> str:
+    """The inverse of ``items`` (placeholders as p<id>, stripped call items as x<source>)."""
+    out = []
+    for x in xs:
+        if "placeholder" in x.raw:
+            out.append(f"p{x.result_id}")
+        elif x.raw.get("stripped"):
+            out.append(f"x{x.source}")
+        elif x.call_ids:
+            out.append("c" + ",".join(x.call_ids))
+        elif x.result_id is not None:
+            out.append(f"t{x.result_id}")
+        else:
+            out.append({SYSTEM: "s", USER: "u", ASSISTANT: "a"}[x.role])
+    return " ".join(out)
+
+
+# --------------------------------------------------------------------------- repair, one group per call item
+
+
+@pytest.mark.parametrize(("spec", "expected", "repairs"), [
+    ("u c1 t1 a", "u c1 t1 a", {}),
+    ("u t1 a", "u a", {ORPHAN: 1}),
+    ("u t1 c1 t1", "u c1 t1", {ORPHAN: 1}),  # a result before its call is an orphan; the later one pairs
+    ("u c1 t1 t1", "u c1 t1", {DUPLICATE: 1}),
+    ("u c1 u t1", "u c1 t1 u", {MOVED: 1}),
+    ("u c1,2 t1 c3 t2 t3", "u c1,2 t1 t2 c3 t3", {MOVED: 1}),
+    ("u c1,2 t2", "u c1,2 t2 p1", {PLACEHOLDER_FILLED: 1}),
+    ("u c1,2,3 t3", "u c1,2,3 t3 p1 p2", {PLACEHOLDER_FILLED: 2}),
+    ("u c1+ a", "u x1 a", {CALLS_DROPPED: 1}),
+    ("u c1 a", "u a", {CALLS_DROPPED: 1, EMPTY_DROPPED: 1}),
+    ("u c1 c1 t1", "u c1 t1", {CALLS_DROPPED: 1, EMPTY_DROPPED: 1}),  # the later call with that id gets it
+    ("u c1 t1 c1 t1", "u c1 t1 c1 t1", {}),  # the same id in two groups is fine
+    ("u c1 t1 c1 t1 t1", "u c1 t1 c1 t1", {DUPLICATE: 1}),
+    ("u c1 t2 t1", "u c1 t1", {ORPHAN: 1}),
+    ("c1 t1", "c1 t1", {}),
+])
+def test_repair_one_group_per_call_item(spec: str, expected: str, repairs: dict[str, int]) -> None:
+    xs = items(spec)
+    out, got = repair(xs, Factory())
+    assert show(out) == expected
+    assert dict(got) == repairs
+    assert set(got) <= REPAIR_KINDS
+    check(out)
+
+
+def test_nothing_to_repair_returns_the_same_list_object() -> None:
+    xs = items("s u c1,2 t2 t1 a u")
+    out, got = repair(xs, Factory())
+    assert out is xs
+    assert not got
+
+
+def test_repair_never_mutates_its_input() -> None:
+    xs = items("u t9 c1,2 t2 u c3 t3 t3")
+    before = [(x.raw, x.call_ids, x.result_id) for x in xs]
+    repair(xs, Factory())
+    assert [(x.raw, x.call_ids, x.result_id) for x in xs] == before
+
+
+def test_placeholders_are_the_factorys_and_follow_the_received_results() -> None:
+    factory = Factory()
+    xs = items("u c1,2,3 t2")
+    out, _ = repair(xs, factory)
+    assert [cid for _, cid in factory.made] == ["1", "3"]
+    assert all(call is xs[1] for call, _ in factory.made)
+    assert out[2] is xs[2]
+    assert [x.result_id for x in out[3:]] == ["1", "3"]
+
+
+# --------------------------------------------------------------------------- a factory without placeholders
+
+
+def test_unanswered_calls_without_placeholders_are_dropped() -> None:
+    out, got = repair(items("u c1+ t9 a"), Factory(placeholders=False))
+    assert show(out) == "u x1 a"
+    assert dict(got) == {ORPHAN: 1, CALLS_DROPPED: 1}
+
+
+def test_a_partly_answered_call_item_without_placeholders_is_refused() -> None:
+    with pytest.raises(PayloadError) as err:
+        repair(items("u c1,2 t1"), Factory(placeholders=False))
+    assert err.value.code == "unpaired_tool_call"
+    assert err.value.status == 400
+    assert "'2'" in err.value.message
+
+
+def test_without_placeholders_an_answered_item_in_a_group_is_kept() -> None:
+    out, got = repair(items("u c1 t1 a"), Factory(placeholders=False))
+    assert show(out) == "u c1 t1 a"
+    assert not got
+
+
+# --------------------------------------------------------------------------- merged runs of call items
+
+
+@pytest.mark.parametrize(("spec", "expected", "repairs"), [
+    ("u c1 c2 t1 t2 a", "u c1 c2 t1 t2 a", {}),
+    ("u c1 c2 t2 t1", "u c1 c2 t2 t1", {}),  # results of a run in any order
+    ("u c1 c2 t1", "u c1 c2 t1 p2", {PLACEHOLDER_FILLED: 1}),
+    ("u c1 c2 t2", "u c1 c2 t2 p1", {PLACEHOLDER_FILLED: 1}),
+    ("u c1 c2 a", "u a", {CALLS_DROPPED: 2, EMPTY_DROPPED: 2}),
+    ("u c1+ c2 a", "u x1 a", {CALLS_DROPPED: 2, EMPTY_DROPPED: 1}),
+    ("u c1 c2 t1 t2 c3 t3", "u c1 c2 t1 t2 c3 t3", {}),  # a result closes the run
+    ("u c1 t1 c2 t2", "u c1 t1 c2 t2", {}),
+    ("u c1 c2 u t1 t2", "u c1 c2 t1 t2 u", {MOVED: 2}),
+    ("u c1 c2 t2 c3 t1 t3", "u c1 c2 t2 t1 c3 t3", {MOVED: 1}),
+    ("u c1,2 c3 t3 t1 t2", "u c1,2 c3 t3 t1 t2", {}),
+])
+def test_repair_merged_runs(spec: str, expected: str, repairs: dict[str, int]) -> None:
+    out, got = repair(items(spec), Factory(), merge_call_runs=True)
+    assert show(out) == expected
+    assert dict(got) == repairs
+    check(out, merge_call_runs=True)
+
+
+@pytest.mark.parametrize("spec", ["u c1 c2 t1 t2", "u c1 c2 t2 t1 a"])
+def test_a_valid_merged_run_is_not_paired_without_merging(spec: str) -> None:
+    xs = items(spec)
+    assert is_paired(xs, merge_call_runs=True)
+    assert not is_paired(xs, merge_call_runs=False)
+
+
+def test_merged_run_without_placeholders_first_call_unanswered() -> None:
+    out, got = repair(items("u c1 c2 t2"), Factory(placeholders=False, texts=False), merge_call_runs=True)
+    assert show(out) == "u c2 t2"
+    assert dict(got) == {CALLS_DROPPED: 1, EMPTY_DROPPED: 1}
+    check(out, merge_call_runs=True)
+
+
+def test_merged_run_without_placeholders_last_call_unanswered_and_nothing_left() -> None:
+    out, got = repair(items("u c1 c2 t1"), Factory(placeholders=False, texts=False), merge_call_runs=True)
+    assert show(out) == "u c1 t1"
+    assert dict(got) == {CALLS_DROPPED: 1, EMPTY_DROPPED: 1}
+    check(out, merge_call_runs=True)
+
+
+def test_duplicate_ids_in_a_merged_run_survive_repair_and_are_refused_by_check() -> None:
+    out, _ = repair(items("u c1 c1 t1"), Factory(), merge_call_runs=True)
+    with pytest.raises(PayloadError) as err:
+        check(out, merge_call_runs=True)
+    assert err.value.code == "duplicate_tool_call_id"
+
+
+# --------------------------------------------------------------------------- check
+
+
+@pytest.mark.parametrize(("spec", "merge", "code", "param"), [
+    ("u t1", False, "unpaired_tool_result", "messages[1]"),
+    ("u c1 u t1", False, "unpaired_tool_call", "messages[2]"),
+    ("u c1", False, "unpaired_tool_call", "messages"),
+    ("u c1,1 t1", False, "duplicate_tool_call_id", "messages[1]"),
+    ("u c1 t1 t1", False, "unpaired_tool_result", "messages[3]"),
+    ("u c1 c2 t1 t2", False, "unpaired_tool_call", "messages[2]"),
+    ("u c1 c1 t1", True, "duplicate_tool_call_id", "messages[2]"),
+    ("u c1 t2", False, "unpaired_tool_result", "messages[2]"),
+    ("t1 c1", False, "unpaired_tool_result", "messages[0]"),
+])
+def test_check_codes_and_params(spec: str, merge: bool, code: str, param: str) -> None:
+    with pytest.raises(PayloadError) as err:
+        check(items(spec), merge)
+    assert (err.value.code, err.value.param) == (code, param)
+    assert not is_paired(items(spec), merge)
+
+
+def test_check_names_its_field_and_items_without_a_source() -> None:
+    xs = items("u t1")
+    with pytest.raises(PayloadError) as err:
+        check(xs, where="input")
+    assert err.value.param == "input[1]"
+    xs[1].source = -1
+    with pytest.raises(PayloadError) as err:
+        check(xs, where="input")
+    assert err.value.param == "input"
+
+
+def test_check_shortens_hostile_ids() -> None:
+    xs = [Item({}, USER), Item({}, TOOL, result_id="x" * 10_000)]
+    with pytest.raises(PayloadError) as err:
+        check(xs)
+    assert len(err.value.message) < 300
+
+
+@pytest.mark.parametrize("spec", ["", "s", "u a u a", "s u c1 t1 c2,3 t3 t2 a u"])
+def test_check_accepts_valid_lists(spec: str) -> None:
+    check(items(spec))
+    assert is_paired(items(spec))
+
+
+# --------------------------------------------------------------------------- property: repair then check
+
+
+@st.composite
+def item_lists(draw: Any) -> list[Item]:
+    """Random items where every call id is unique (duplicates are refused by design, not repaired)."""
+    out: list[Item] = [Item({}, USER, source=0)]
+    next_id = 0
+    issued: list[str] = []
+    for _ in range(draw(st.integers(0, 14))):
+        kind = draw(st.sampled_from(["u", "a", "c", "c", "t", "t", "t"]))
+        src = len(out)
+        if kind == "u":
+            out.append(Item({}, USER, source=src))
+        elif kind == "a":
+            out.append(Item({"text": "hi"}, ASSISTANT, source=src))
+        elif kind == "c":
+            n = draw(st.integers(1, 3))
+            ids = tuple(f"call_{next_id + k}" for k in range(n))
+            next_id += n
+            issued.extend(ids)
+            text = "thinking" if draw(st.booleans()) else ""
+            out.append(Item({"text": text}, ASSISTANT, call_ids=ids, source=src))
+        else:
+            pool = [*issued, "call_orphan"]
+            out.append(Item({}, TOOL, result_id=draw(st.sampled_from(pool)), source=src))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(item_lists(), st.booleans(), st.booleans())
+def test_repair_output_always_passes_check(xs: list[Item], merge: bool, texts: bool) -> None:
+    out, got = repair(xs, Factory(texts=texts), merge_call_runs=merge)
+    check(out, merge_call_runs=merge)
+    assert (out is xs) == (not got)
+    assert is_paired(xs, merge) == (not got)
+
+
+@settings(max_examples=300, deadline=None)
+@given(item_lists(), st.booleans())
+def test_repair_without_placeholders_refuses_or_pairs(xs: list[Item], merge: bool) -> None:
+    """A wire whose calls have no placeholder and leave nothing behind: repaired output is paired, or refused."""
+    try:
+        out, _ = repair(xs, Factory(placeholders=False, texts=False), merge_call_runs=merge)
+    except PayloadError as exc:
+        assert exc.code == "unpaired_tool_call"
+        return
+    check(out, merge_call_runs=merge)

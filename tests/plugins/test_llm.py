@@ -1,0 +1,150 @@
+"""plugins.summarizers.llm: settings ids, the calls it makes, chunking under the summariser's window, caps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from plugins.base import Completion, Services, SummaryUnavailable
+from plugins.summarizers.llm import PROMPT, LLMParams, LLMSummarizer, _cap, _chunks, render_turn
+from proxy.core.tokens import TokenCounter
+from proxy.wire.chat import items_of
+from tests.helpers import assistant, call, tool, user
+
+COUNTER = TokenCounter("o200k_base")
+
+
+class Engine:
+    def __init__(self, answers: list[str] | None = None) -> None:
+        self.answers = answers
+        self.calls: list[dict[str, Any]] = []
+
+    async def complete(self, model: str, messages: list[dict[str, Any]], *, max_tokens: int, timeout: float,
+                       purpose: str, request_id: str = "") -> Completion:
+        self.calls.append({"model": model, "messages": messages, "max_tokens": max_tokens, "timeout": timeout,
+                           "purpose": purpose, "request_id": request_id})
+        text = self.answers[len(self.calls) - 1] if self.answers is not None else f"summary {len(self.calls)}"
+        return Completion(text, model, 100, 10, "gpt-4o-mini-2024-07-18")
+
+
+def services(engine: Any = None, **extra: Any) -> Services:
+    options: dict[str, Any] = {"engine": engine, "model": "gpt-4o", "counter": COUNTER, "request_id": "rid-7",
+                               "summary_tokens": 200, "summarizer_timeout": 9.0}
+    options.update(extra)
+    return Services(**options)
+
+
+def turns(n: int, words: int = 20) -> list[list[Any]]:
+    out = []
+    for i in range(n):
+        out.append(items_of([user(f"turn {i}: " + "lorem " * words), call((f"c{i}", "lookup")), tool(f"c{i}", "ok"),
+                             assistant(f"answer {i}")], COUNTER))
+    return out
+
+
+def summarizer(**params: Any) -> LLMSummarizer:
+    return LLMSummarizer(LLMParams(**params))
+
+
+@pytest.mark.parametrize(("params", "extra", "model"), [
+    ({}, {}, "gpt-4o"),  # the turn's model
+    ({}, {"summarizer_model": "gpt-4o-mini"}, "gpt-4o-mini"),  # the summariser slot
+    ({"model": "cheap"}, {"summarizer_model": "gpt-4o-mini"}, "cheap"),  # params win
+])
+def test_settings_id_names_the_model_and_the_prompt(params: dict[str, Any], extra: dict[str, Any], model: str) -> None:
+    sid = summarizer(**params).settings_id(services(**extra))
+    assert sid.startswith(f"llm/v2/{model}/")
+    assert summarizer(**params, instructions="Be terse.").settings_id(services(**extra)) != sid
+
+
+def test_without_an_engine_it_drops() -> None:
+    assert summarizer().bind(services(None)) is None
+
+
+async def test_one_call_with_the_prompt_and_the_rendered_turns() -> None:
+    engine = Engine()
+    fn = summarizer().bind(services(engine, summarizer_model="gpt-4o-mini"))
+    assert fn is not None
+    out = await fn(None, turns(2))
+    assert out.text == "summary 1"
+    assert (out.model, out.prompt_tokens, out.completion_tokens) == ("gpt-4o-mini", 100, 10)
+    (c,) = engine.calls
+    assert (c["model"], c["max_tokens"], c["timeout"], c["purpose"], c["request_id"]) == (
+        "gpt-4o-mini", 200, 9.0, "summarize", "rid-7")
+    system, body = c["messages"]
+    assert system == {"role": "system", "content": PROMPT}
+    assert body["content"].startswith("New turns:\nUSER: turn 0:")
+    assert "TOOL CALL c1 lookup" in body["content"] and "TOOL RESULT c1: ok" in body["content"]
+
+
+async def test_custom_instructions_replace_the_prompt_and_a_previous_summary_is_folded_in() -> None:
+    engine = Engine()
+    fn = summarizer(instructions="Summarise in French.").bind(services(engine))
+    assert fn is not None
+    await fn("- earlier: user Ada", turns(1))
+    system, body = engine.calls[0]["messages"]
+    assert system["content"] == "Summarise in French."
+    assert body["content"].startswith("Previous summary:\n- earlier: user Ada\n\nNew turns:\n")
+
+
+async def test_turns_larger_than_the_summarisers_window_are_folded_in_chunks() -> None:
+    engine = Engine()
+    fn = summarizer().bind(services(engine, summarizer_window=1500, summary_tokens=64))
+    assert fn is not None
+    out = await fn(None, turns(12, words=60))
+    assert len(engine.calls) > 1
+    assert out.text == f"summary {len(engine.calls)}"
+    assert out.prompt_tokens == 100 * len(engine.calls)
+    for i, c in enumerate(engine.calls[1:], start=1):
+        assert c["messages"][1]["content"].startswith(f"Previous summary:\nsummary {i}\n\n")
+
+
+async def test_the_work_per_summary_is_bounded_and_says_what_was_dropped() -> None:
+    engine = Engine()
+    fn = summarizer().bind(services(engine, summarizer_window=1500, summary_tokens=64, summarizer_max_calls=1))
+    assert fn is not None
+    await fn(None, turns(12, words=60))
+    assert len(engine.calls) == 1
+    assert "[Older turns were dropped without being summarised.]" in engine.calls[0]["messages"][1]["content"]
+    assert "turn 0:" not in engine.calls[0]["messages"][1]["content"]
+
+
+@pytest.mark.parametrize("answer", ["", "   \n\t"])
+async def test_an_empty_answer_is_a_failure(answer: str) -> None:
+    fn = summarizer().bind(services(Engine([answer])))
+    assert fn is not None
+    with pytest.raises(SummaryUnavailable):
+        await fn(None, turns(1))
+
+
+async def test_an_oversized_answer_is_cut_to_the_summary_budget() -> None:
+    fn = summarizer().bind(services(Engine(["word " * 2000]), summary_tokens=100))
+    assert fn is not None
+    out = await fn(None, turns(1))
+    assert COUNTER.text(out.text) <= 110
+    assert out.text.endswith(" […]")
+
+
+def test_cap() -> None:
+    count = COUNTER.text
+    assert _cap("short text", 100, count) == "short text"
+    cut = _cap("alpha beta " * 500, 50, count)
+    assert cut.endswith(" […]") and count(cut) <= 60
+
+
+def test_chunks_group_turns_by_size_and_cut_an_enormous_one() -> None:
+    def count(text: str) -> int:
+        return len(text)
+
+    assert _chunks(["a", "b", "c"], [40, 40, 40], 100, count) == [["a", "b"], ["c"]]
+    assert _chunks(["a"], [10], 100, count) == [["a"]]
+    huge = "x" * 1000
+    (chunk,) = _chunks([huge], [1000], 100, count)
+    assert chunk == ["x" * 300]
+    assert _chunks([], [], 100, count) == [[]]
+
+
+def test_render_turn_skips_items_without_text() -> None:
+    items = items_of([user("hello"), assistant(None), assistant("hi")])
+    assert render_turn(items) == "USER: hello\nASSISTANT: hi"

@@ -1,0 +1,222 @@
+"""proxy.serve.http: header_safe, request ids, client keys, body parsing, error answers and the error middleware."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+from hypothesis import given
+from hypothesis import strategies as st
+from multidict import CIMultiDict
+
+from proxy.core.errors import (
+    BadRequest,
+    ContextLengthExceeded,
+    CtxProxyError,
+    InvalidJSON,
+    UpstreamStatus,
+)
+from proxy.serve.http import (
+    ERROR_SHAPE,
+    RESPONSE_HEADERS,
+    client_key,
+    error_middleware,
+    error_payload,
+    error_response,
+    header_safe,
+    parse_body,
+    request_id,
+)
+
+
+def req(headers: dict[str, str] | list[tuple[str, str]] | None = None, method: str = "POST",
+        path: str = "/v1/chat/completions") -> web.Request:
+    return make_mocked_request(method, path, headers=CIMultiDict(headers or {}))
+
+
+# --------------------------------------------------------------------------- header_safe
+
+
+@pytest.mark.parametrize(("text", "safe"), [
+    ("x-ctxproxy-context-manager ignored: not valid JSON", "x-ctxproxy-context-manager ignored: not valid JSON"),
+    ("line one\r\nSet-Cookie: a=b", "line one??Set-Cookie: a=b"),
+    ("tab\there", "tab?here"),
+    ("Zürich 東京 🚀", "Z?rich ?? ?"),
+    ("\x00\x7f~ ", "??~ "),
+    ("", ""),
+])
+def test_header_safe(text: str, safe: str) -> None:
+    assert header_safe(text) == safe
+
+
+def test_header_safe_cuts_long_text() -> None:
+    assert header_safe("a" * 5000) == "a" * 1000
+    assert header_safe("abcdef", limit=3) == "abc"
+
+
+@given(st.text(max_size=300))
+def test_header_safe_is_always_a_valid_header_value(text: str) -> None:
+    out = header_safe(text)
+    assert all(" " <= c <= "~" for c in out)
+    assert len(out) == min(len(text), 1000)
+
+
+# --------------------------------------------------------------------------- request ids
+
+
+@pytest.mark.parametrize("given_id", [
+    "req_abc123", "3f1c9b2a-7d4e-4c6b-9a8f-1e2d3c4b5a69", "trace:span.01-A", "a", "x" * 128,
+    "01HZX4Y5Z6ABCDEFGHJKMNPQRS",
+])
+def test_plain_client_request_ids_are_kept(given_id: str) -> None:
+    assert request_id(req({"X-Request-ID": given_id})) == given_id
+
+
+@pytest.mark.parametrize("given_id", [
+    "", "x" * 129, "has space", "semi;colon", "quote\"d", "ünïcode", "slash/y", "a,b", "{json}", "tab\tx",
+    "new\r\nline",
+])
+def test_other_request_ids_are_replaced_with_uuids(given_id: str) -> None:
+    rid = request_id(make_mocked_request("POST", "/", headers=CIMultiDict({"x-request-id": given_id})))
+    assert rid != given_id
+    assert uuid.UUID(rid).version == 4
+
+
+def test_a_missing_request_id_gets_a_fresh_uuid_each_time() -> None:
+    a, b = request_id(req()), request_id(req())
+    assert a != b
+    assert uuid.UUID(a) and uuid.UUID(b)
+
+
+# --------------------------------------------------------------------------- client keys
+
+
+@pytest.mark.parametrize(("headers", "key"), [
+    ({"Authorization": "Bearer sk-acme-1"}, "sk-acme-1"),
+    ({"Authorization": "bearer sk-acme-1"}, "sk-acme-1"),
+    ({"Authorization": "BEARER   sk-acme-1  "}, "sk-acme-1"),
+    ({"x-api-key": "sk-ant-acme"}, "sk-ant-acme"),  # Anthropic clients
+    ({"api-key": "azure-acme"}, "azure-acme"),  # Azure OpenAI clients
+    ({"Authorization": "Basic dXNlcjpwdw==", "x-api-key": "sk-ant-acme"}, "sk-ant-acme"),
+    ({"Authorization": "Bearer sk-a", "x-api-key": "sk-b", "api-key": "sk-c"}, "sk-a"),
+    ({"x-api-key": "", "api-key": "azure-acme"}, "azure-acme"),
+    ({"Authorization": "Bearer "}, None),
+    ({"Authorization": "Bearer"}, None),
+    ({}, None),
+])
+def test_client_key(headers: dict[str, str], key: str | None) -> None:
+    assert client_key(req(headers)) == key
+
+
+# --------------------------------------------------------------------------- bodies
+
+
+def test_parse_body_accepts_json_objects() -> None:
+    assert parse_body(b'{"model": "gpt-4o", "messages": []}') == {"model": "gpt-4o", "messages": []}
+
+
+@pytest.mark.parametrize(("raw", "cls", "code"), [
+    (b"", InvalidJSON, "invalid_json"),
+    (b"{", InvalidJSON, "invalid_json"),
+    (b'{"a": NaN}', InvalidJSON, "invalid_json"),
+    (b"\xff\xfe{}", InvalidJSON, "invalid_json"),
+    (b'"a string"', BadRequest, "invalid_body"),
+    (b"[]", BadRequest, "invalid_body"),
+    (b"null", BadRequest, "invalid_body"),
+    (b"42", BadRequest, "invalid_body"),
+])
+def test_parse_body_refuses(raw: bytes, cls: type[CtxProxyError], code: str) -> None:
+    with pytest.raises(cls) as err:
+        parse_body(raw)
+    assert err.value.code == code
+    assert err.value.status == 400
+
+
+# --------------------------------------------------------------------------- error answers
+
+
+def test_error_payload_in_each_shape() -> None:
+    error = ContextLengthExceeded("This request needs 9000 input tokens", param="messages")
+    assert error_payload(error, "openai") == error.to_openai()
+    assert error_payload(error, "chat") == error.to_openai()
+    assert error_payload(error, "messages") == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "This request needs 9000 input tokens"}}
+
+
+def test_error_response_carries_request_headers_and_an_upstreams_headers() -> None:
+    error = UpstreamStatus(429, {"error": {"message": "slow down"}},
+                           {"Retry-After": "7", "Content-Type": "text/html", "x-ratelimit-remaining-tokens": "0"})
+    headers = CIMultiDict({"x-request-id": "rid-1", "Content-Type": "text/event-stream"})
+    response = error_response(error, headers)
+    assert response.status == 429
+    assert response.content_type == "application/json"
+    assert response.headers["x-request-id"] == "rid-1"
+    assert response.headers["Retry-After"] == "7"
+    assert response.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert json.loads(response.body) == {"error": {"message": "slow down"}}  # type: ignore[arg-type]
+    assert headers["Content-Type"] == "text/event-stream"  # the caller's headers are not touched
+
+
+async def call(handler: Any, request: web.Request) -> web.StreamResponse:
+    return await error_middleware(request, handler)  # type: ignore[no-any-return]
+
+
+async def test_middleware_renders_tree_errors_in_the_requests_shape() -> None:
+    async def refuse(request: web.Request) -> web.StreamResponse:
+        request[RESPONSE_HEADERS] = CIMultiDict({"x-request-id": "rid-9"})
+        raise BadRequest("'model' is required", param="model", code="missing_model")
+
+    r = req()
+    response = await call(refuse, r)
+    assert response.status == 400
+    assert response.headers["x-request-id"] == "rid-9"
+    assert json.loads(response.body)["error"]["code"] == "missing_model"  # type: ignore[attr-defined]
+    r = req(path="/v1/messages")
+    r[ERROR_SHAPE] = "messages"
+    response = await call(refuse, r)
+    assert json.loads(response.body)["type"] == "error"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("exc", "status", "code"), [
+    (web.HTTPNotFound(), 404, "not_found"),
+    (web.HTTPMethodNotAllowed("GET", ["POST"]), 405, "method_not_allowed"),
+    (web.HTTPRequestEntityTooLarge(max_size=10, actual_size=20), 413, "request_too_large"),
+    (web.HTTPConflict(), 409, "http_error"),
+])
+async def test_middleware_turns_http_exceptions_into_openai_errors(exc: web.HTTPException, status: int, code: str) -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        raise exc
+
+    response = await call(handler, req())
+    assert response.status == status
+    assert json.loads(response.body)["error"]["code"] == code  # type: ignore[attr-defined]
+
+
+async def test_middleware_hides_internal_errors(caplog: pytest.LogCaptureFixture) -> None:
+    async def broken(request: web.Request) -> web.StreamResponse:
+        raise KeyError("secret internals sk-upstream")
+
+    response = await call(broken, req())
+    assert response.status == 500
+    body = response.body.decode()  # type: ignore[union-attr]
+    assert "sk-upstream" not in body and "KeyError" not in body
+    assert json.loads(body)["error"] == {"message": "The proxy failed to handle this request.", "type": "server_error",
+                                         "param": None, "code": "internal_error"}
+    assert "internal error on POST /v1/chat/completions" in caplog.text
+
+
+async def test_middleware_lets_redirects_and_successes_through() -> None:
+    async def ok(request: web.Request) -> web.StreamResponse:
+        return web.Response(text="ok")
+
+    assert (await call(ok, req())).status == 200
+
+    async def redirect(request: web.Request) -> web.StreamResponse:
+        raise web.HTTPFound("/elsewhere")
+
+    with pytest.raises(web.HTTPFound):
+        await call(redirect, req())

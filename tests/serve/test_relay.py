@@ -1,0 +1,180 @@
+"""proxy.serve.relay: canonical paths, the relay allow-list matcher, relay URLs and the model of any body kind."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from proxy.core.errors import ModelNotFound, NotFound
+from proxy.serve.relay import _allowed, _check_model, _models_of, canonical_path, relay_url
+from proxy.settings import DEFAULT_RELAY_ALLOW, load_config
+
+# --------------------------------------------------------------------------- canonical paths
+
+
+@pytest.mark.parametrize(("raw", "path"), [
+    ("/v1/chat/completions", "/v1/chat/completions"),
+    ("/v1/chat/completions/", "/v1/chat/completions"),
+    ("/v1/chat/completions///", "/v1/chat/completions"),
+    ("//v1//chat/completions", "/v1/chat/completions"),
+    ("/v1//chat//completions", "/v1/chat/completions"),
+    ("/v1/chat%2Fcompletions", "/v1/chat/completions"),
+    ("/v1/chat%2fcompletions", "/v1/chat/completions"),
+    ("/v1%2Fchat%2Fcompletions", "/v1/chat/completions"),
+    ("/v1/chat/completions?stream=true", "/v1/chat/completions"),
+    ("/v1/chat/completions/?x=/y", "/v1/chat/completions"),
+    ("/v1\\chat\\completions", "/v1/chat/completions"),
+    ("/v1/chat%5Ccompletions", "/v1/chat/completions"),
+    ("/v1/%63hat/completions", "/v1/chat/completions"),  # any percent-encoding decodes
+    ("/", "/"),
+    ("", "/"),
+    ("///", "/"),
+    ("/v1/Chat/Completions", "/v1/Chat/Completions"),  # case is kept (upstreams route case-sensitively)
+    ("/v1/embeddings", "/v1/embeddings"),
+])
+def test_canonical_path(raw: str, path: str) -> None:
+    assert canonical_path(raw) == path
+
+
+def test_canonical_path_is_idempotent() -> None:
+    for raw in ("//v1//chat%2Fcompletions/", "/v1\\x//y/", "/a%2F%2Fb"):
+        once = canonical_path(raw)
+        assert canonical_path(once) == once
+
+
+# --------------------------------------------------------------------------- the allow-list matcher
+
+
+@pytest.mark.parametrize(("method", "path", "allowed"), [
+    ("POST", "/v1/embeddings", True),
+    ("POST", "/v1/responses", True),
+    ("POST", "/v1/responses/compact", True),
+    ("POST", "/v1/messages/count_tokens", True),
+    ("POST", "/v1/audio/transcriptions", True),
+    ("GET", "/v1/embeddings", False),  # the method counts
+    ("POST", "/v1/embeddings/x", False),  # no implicit prefix match
+    ("GET", "/v1/files", False),  # stored-object listings are not in the default list
+    ("GET", "/v1/chat/completions", False),
+    ("GET", "/v1/responses/resp_123", False),
+    ("POST", "/v1/batches", False),
+    ("DELETE", "/v1/files/file-abc", False),
+    ("POST", "/v1/Embeddings", False),
+])
+def test_default_allow_list(method: str, path: str, allowed: bool) -> None:
+    assert _allowed(method, path, DEFAULT_RELAY_ALLOW) is allowed
+
+
+@pytest.mark.parametrize(("allow", "method", "path", "allowed"), [
+    (("GET /v1/files/*",), "GET", "/v1/files/file-abc", True),
+    (("GET /v1/files/*",), "GET", "/v1/files/file-abc/content", True),  # shell patterns: * spans slashes
+    (("GET /v1/files/*",), "GET", "/v1/files", False),
+    (("* /v1/models",), "DELETE", "/v1/models", True),
+    (("post /v1/embeddings",), "POST", "/v1/embeddings", True),  # entry methods in any case
+    (("POST /v1/embeddings",), "post", "/v1/embeddings", False),  # aiohttp gives methods upper case
+    (("POST /v1/images/[ge]*",), "POST", "/v1/images/generations", True),
+    (("POST /v1/images/[ge]*",), "POST", "/v1/images/variations", False),
+    (("GET /v1/models?",), "GET", "/v1/models", False),  # ? is one character
+    ((), "POST", "/v1/embeddings", False),
+    (("POST",), "POST", "/v1/embeddings", False),
+])
+def test_allow_entries(allow: tuple[str, ...], method: str, path: str, allowed: bool) -> None:
+    assert _allowed(method, path, allow) is allowed
+
+
+# --------------------------------------------------------------------------- relay URLs
+
+
+@pytest.mark.parametrize(("base", "raw", "url"), [
+    ("https://api.openai.com/v1", "/v1/embeddings", "https://api.openai.com/v1/embeddings"),
+    ("https://api.openai.com/v1", "/v1/files?purpose=batch&limit=2",
+     "https://api.openai.com/v1/files?purpose=batch&limit=2"),
+    ("https://gw.example.com/openai/v1", "/v1/files/file-abc%2Fx/content",
+     "https://gw.example.com/openai/v1/files/file-abc%2Fx/content"),
+    ("https://api.openai.com/v1", "/v1/a..b/c.d", "https://api.openai.com/v1/a..b/c.d"),  # dots inside a segment
+    ("https://api.openai.com/v1", "/v1/files?q=../..", "https://api.openai.com/v1/files?q=../.."),  # not the path
+    ("https://api.openai.com/v1", "/v1/files/%252e%252e", "https://api.openai.com/v1/files/%252e%252e"),
+])
+def test_relay_url_keeps_the_path_as_sent(base: str, raw: str, url: str) -> None:
+    assert relay_url(base, raw) == url
+
+
+@pytest.mark.parametrize("raw", [
+    "/v1/../admin", "/v1/files/../../secrets", "/v1/./files", "/v1/files/.", "/v1/%2e%2e/admin", "/v1/%2E%2e/x",
+    "/v1/files/%2e", "/v1/files/..%2f..%2fadmin", "/v1/files\\..\\admin", "/v1/files%5c..%5cadmin", "/v1/..",
+    "/v1/files/..?x=1",
+])
+def test_relay_url_refuses_dot_segments_however_spelled(raw: str) -> None:
+    with pytest.raises(NotFound):
+        relay_url("https://api.openai.com/v1", raw)
+
+
+# --------------------------------------------------------------------------- the model of a body
+
+
+def multipart(fields: list[tuple[str, str]], boundary: str = "----WebKitFormBoundary7MA4YWxkTrZu0gW",
+              file: bool = True) -> tuple[bytes, str]:
+    parts = []
+    for name, value in fields:
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n')
+    if file:
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="speech.mp3"\r\n'
+                     "Content-Type: audio/mpeg\r\n\r\nID3\x03\x00binary\r\n")
+    body = "".join(parts) + f"--{boundary}--\r\n"
+    return body.encode(), f"multipart/form-data; boundary={boundary}"
+
+
+@pytest.mark.parametrize(("raw", "content_type", "model"), [
+    (b'{"model": "text-embedding-3-small", "input": "hi"}', "application/json", "text-embedding-3-small"),
+    (b'{"model": "text-embedding-3-small"}', "application/json; charset=utf-8", "text-embedding-3-small"),
+    (b'{"model": "gpt-4o"}', "", "gpt-4o"),  # no content type: tried as JSON
+    (b'{"model": "gpt-4o"}', "text/plain", "gpt-4o"),
+    (b'{"model": 42}', "application/json", None),
+    (b'{"input": "no model"}', "application/json", None),
+    (b'["model"]', "application/json", None),
+    (b"not json", "application/json", None),
+    (b"model=whisper-1&language=en", "application/x-www-form-urlencoded", "whisper-1"),
+    (b"model=gpt%2D4o&x=1", "application/x-www-form-urlencoded; charset=utf-8", "gpt-4o"),
+    (b"language=en", "application/x-www-form-urlencoded", None),
+    (*multipart([("model", "whisper-1"), ("language", "en")]), "whisper-1"),
+    (*multipart([("language", "en"), ("model", "  gpt-4o-transcribe \r\n")]), "gpt-4o-transcribe"),
+    (*multipart([("language", "en")]), None),
+    (*multipart([("model", "dall-e-2")], boundary="x"), "dall-e-2"),
+    (*multipart([("model", "dall-e-2")], boundary="'()+_,-./:=? "[:-1]), "dall-e-2"),  # every legal boundary char
+    (*multipart([("model", "Zürich-model")], file=False), "Zürich-model"),
+])
+def test_model_of_every_body_kind(raw: bytes, content_type: str, model: str | None) -> None:
+    assert _models_of(raw, content_type) == ([model] if model is not None else [])
+
+
+def test_model_of_a_quoted_boundary() -> None:
+    raw, _ = multipart([("model", "whisper-1")], boundary="abc def")
+    assert _models_of(raw, 'multipart/form-data; boundary="abc def"') == ["whisper-1"]
+
+
+def test_model_of_a_multipart_body_with_the_wrong_boundary_is_unknown() -> None:
+    raw, _ = multipart([("model", "whisper-1")], boundary="right")
+    assert _models_of(raw, "multipart/form-data; boundary=wrong") == []
+
+
+def tenant(models: list[str] | None):  # type: ignore[no-untyped-def]
+    cfg = load_config({"upstreams": {"u": {"base_url": "http://127.0.0.1:9"}}, "cache": {"backend": "memory"},
+                       "tenants": [{"name": "acme", "keys": ["sk-acme"], "models": models}]}, env={})
+    return cfg.tenants[0]
+
+
+def test_check_model_refuses_a_model_outside_the_tenants_list() -> None:
+    acme = tenant(["whisper-1", "text-embedding-3-small"])
+    _check_model(json.dumps({"model": "text-embedding-3-small"}).encode(), "application/json", acme)
+    _check_model(b'{"input": "no model field: the upstream refuses it"}', "application/json", acme)
+    with pytest.raises(ModelNotFound) as err:
+        _check_model(json.dumps({"model": "gpt-4o" + "x" * 300}).encode(), "application/json", acme)
+    assert err.value.param == "model" and err.value.status == 404
+    assert len(err.value.message) < 200
+    raw, ct = multipart([("model", "gpt-4o-transcribe")])
+    with pytest.raises(ModelNotFound):
+        _check_model(raw, ct, acme)
+
+
+def test_check_model_without_a_list_allows_everything() -> None:
+    _check_model(b'{"model": "anything"}', "application/json", tenant(None))

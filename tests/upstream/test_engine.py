@@ -1,0 +1,179 @@
+"""proxy.upstream.engine: the summariser's engine over a fake Provider.
+
+Every failure becomes ``SummaryUnavailable`` with a bounded ``reason`` and a message
+that names the upstream status, the upstream's own message, the route and the
+summariser call's own request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from typing import Any
+
+import pytest
+
+from plugins.base import Completion
+from proxy.core.errors import (
+    BadRequest,
+    ModelNotFound,
+    SummaryUnavailable,
+    UpstreamError,
+    UpstreamStatus,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+    normalise_error_body,
+)
+from proxy.policy import ModelRoute
+from proxy.upstream.engine import FAILURE_REASONS, UpstreamEngine
+
+ROUTE = ModelRoute("summarizer", "openai-eu", "gpt-4o-mini-2024-07-18", "openai", 128_000, 16_384, "o200k_base")
+MESSAGES = [{"role": "system", "content": "Summarise."}, {"role": "user", "content": "New turns: ..."}]
+
+
+class FakeProvider:
+    """A Provider whose ``complete`` answers, raises or hangs as told."""
+
+    def __init__(self, outcome: Any = None, delay: float = 0.0) -> None:
+        self.outcome = outcome
+        self.delay = delay
+        self.calls: list[dict[str, Any]] = []
+
+    async def send(self, route: ModelRoute, call: Any) -> Any:  # pragma: no cover - not used by the engine
+        raise AssertionError("the engine never sends")
+
+    async def complete(self, route: ModelRoute, messages: list[dict[str, Any]], *, max_tokens: int, timeout: float,
+                       request_id: str) -> Completion:
+        self.calls.append({"route": route, "messages": messages, "max_tokens": max_tokens, "timeout": timeout,
+                           "request_id": request_id})
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome or Completion("- summary", route.name, 900, 40, route.upstream_model)
+
+
+def engine(provider: FakeProvider, routes: dict[str, ModelRoute] | None = None) -> UpstreamEngine:
+    table = routes if routes is not None else {"summarizer": ROUTE}
+
+    def route(model: str) -> ModelRoute:
+        if model not in table:
+            raise ModelNotFound(f"The model {model!r} does not exist")
+        return table[model]
+
+    return UpstreamEngine(route, lambda r: provider)
+
+
+async def complete(e: UpstreamEngine, model: str = "summarizer", timeout: float = 2.0) -> Completion:
+    return await e.complete(model, MESSAGES, max_tokens=300, timeout=timeout, purpose="summarize",
+                            request_id="client-req-42")
+
+
+UUID = re.compile(r"summariser request ([0-9a-f-]{36})\)")
+
+
+def call_id_of(message: str) -> str:
+    match = UUID.search(message)
+    assert match, message
+    return match.group(1)
+
+
+async def test_a_call_goes_through_the_routes_provider_with_its_own_uuid() -> None:
+    provider = FakeProvider()
+    out = await complete(engine(provider))
+    assert out.text == "- summary" and out.upstream_model == "gpt-4o-mini-2024-07-18"
+    (call,) = provider.calls
+    assert call["route"] is ROUTE and call["messages"] is MESSAGES
+    assert (call["max_tokens"], call["timeout"]) == (300, 2.0)
+    assert call["request_id"] != "client-req-42"
+    assert uuid.UUID(call["request_id"]).version == 4
+
+
+async def test_each_call_gets_a_new_request_id() -> None:
+    provider = FakeProvider()
+    e = engine(provider)
+    await complete(e)
+    await complete(e)
+    assert provider.calls[0]["request_id"] != provider.calls[1]["request_id"]
+
+
+def where(message: str) -> None:
+    assert "route 'summarizer' -> openai-eu/gpt-4o-mini-2024-07-18" in message
+    call_id_of(message)
+
+
+@pytest.mark.parametrize(("outcome", "reason", "says"), [
+    (UpstreamStatus(429, normalise_error_body(429, {"error": {"message": "Rate limit reached for gpt-4o-mini in "
+                                                              "organization org-x on tokens per min (TPM)"}})),
+     "status", "upstream answered 429: Rate limit reached for gpt-4o-mini"),
+    (UpstreamStatus(500, normalise_error_body(500, "<html>\n  <body>Internal\n error</body>\n</html>")),
+     "status", "upstream answered 500: <html> <body>Internal error</body> </html>"),
+    (UpstreamStatus(503, normalise_error_body(503, None)), "status", "upstream answered 503: upstream answered 503"),
+    (UpstreamStatus(400, normalise_error_body(400, {"error": {"message": "Incorrect API key provided: [redacted]"}})),
+     "status", "upstream answered 400: Incorrect API key provided: [redacted]"),
+    (UpstreamTimeout("The upstream did not answer in time."), "timeout", "timed out after 2s"),
+    (UpstreamUnreachable("The upstream is unreachable (ClientConnectorError)."), "unreachable",
+     "The upstream is unreachable (ClientConnectorError)."),
+    (UpstreamError("The upstream rejected the proxy's credentials; the proxy's operator must fix its configuration.",
+                   code="upstream_auth_failed"), "error", "rejected the proxy's credentials"),
+    (BadRequest("served through litellm on the chat wire only", code="unsupported_wire"), "error",
+     "served through litellm"),
+])
+async def test_failures_become_summary_unavailable(outcome: BaseException, reason: str, says: str) -> None:
+    with pytest.raises(SummaryUnavailable) as err:
+        await complete(engine(FakeProvider(outcome)))
+    assert err.value.reason == reason
+    assert reason in FAILURE_REASONS
+    message = str(err.value)
+    assert says in message
+    where(message)
+    assert "New turns" not in message  # never prompt text
+
+
+async def test_the_upstream_message_is_shortened_to_one_line() -> None:
+    body = normalise_error_body(400, {"error": {"message": "bad\n\n  request " + "x" * 1000}})
+    with pytest.raises(SummaryUnavailable) as err:
+        await complete(engine(FakeProvider(UpstreamStatus(400, body))))
+    upstream_part = str(err.value).split("upstream answered 400: ", 1)[1].split(" (route", 1)[0]
+    assert upstream_part.startswith("bad request xxx")
+    assert len(upstream_part) == 300
+    assert "\n" not in str(err.value)
+
+
+async def test_a_provider_slower_than_the_timeout_is_cut_off() -> None:
+    provider = FakeProvider(delay=5)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(SummaryUnavailable) as err:
+        await complete(engine(provider), timeout=0.05)
+    assert loop.time() - started < 1
+    assert err.value.reason == "timeout"
+    assert "timed out after 0.05s" in str(err.value)
+    where(str(err.value))
+
+
+async def test_an_unrouted_summariser_model() -> None:
+    provider = FakeProvider()
+    with pytest.raises(SummaryUnavailable) as err:
+        await complete(engine(provider, routes={}), model="nope-" + "x" * 500)
+    assert err.value.reason == "no_route"
+    assert "has no route" in str(err.value)
+    assert len(str(err.value)) < 200
+    assert provider.calls == []
+
+
+async def test_the_call_id_in_the_message_is_the_one_sent_upstream() -> None:
+    provider = FakeProvider(UpstreamTimeout("slow"))
+    with pytest.raises(SummaryUnavailable) as err:
+        await complete(engine(provider))
+    assert call_id_of(str(err.value)) == provider.calls[0]["request_id"]
+
+
+async def test_cancellation_is_not_swallowed() -> None:
+    provider = FakeProvider(delay=5)
+    task = asyncio.create_task(complete(engine(provider)))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

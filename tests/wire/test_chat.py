@@ -1,0 +1,431 @@
+"""proxy.wire.chat: the Chat Completions adapter (parse, render, summary, the two pairing edits, atoms).
+
+Repair/check on chat messages is in tests/test_pairing.py and token counts against
+tiktoken in tests/test_tokens.py; this module covers the adapter's own contract.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.core import media
+from proxy.core.errors import PayloadError
+from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, atom_digests
+from proxy.core.pairing import PLACEHOLDER, is_paired
+from proxy.core.tokens import REPLY_PRIMING, TokenCounter
+from proxy.wire.chat import (
+    LEGACY,
+    WIRE,
+    canonical_arguments,
+    check_messages,
+    count,
+    count_message,
+    items_of,
+    repair_messages,
+    scan,
+)
+from tests.helpers import assistant, call, legacy_call, legacy_result, system, tool, user
+
+Message = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def counter() -> TokenCounter:
+    return TokenCounter("o200k_base")
+
+
+# --------------------------------------------------------------------------- parse
+
+
+def test_parse_makes_one_item_per_message_with_its_own_json(counter: TokenCounter) -> None:
+    messages = [system("Be brief."), {"role": "developer", "content": "Use metric units."}, user("Weather in Oslo?"),
+                call(("call_1", "get_weather", '{"city":"Oslo"}')), tool("call_1", "4°C"), assistant("4°C in Oslo.")]
+    body = {"model": "gpt-4o", "messages": messages}
+    conv = WIRE.parse(body, counter)
+    assert [i.role for i in conv.items] == [SYSTEM, SYSTEM, USER, ASSISTANT, TOOL, ASSISTANT]
+    assert all(i.raw is m for i, m in zip(conv.items, messages))
+    assert [i.source for i in conv.items] == list(range(6))
+    assert conv.items[3].call_ids == ("call_1",)
+    assert conv.items[4].result_id == "call_1"
+    assert conv.paired is True
+    assert [i.tokens for i in conv.items] == [count_message(counter, m) for m in messages]
+    assert all(i.key for i in conv.items)
+    assert conv.fixed_tokens == REPLY_PRIMING
+    assert conv.notes == []
+
+
+def test_parse_counts_tool_and_function_schemas_as_fixed(counter: TokenCounter) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    functions = [{"name": "lookup", "parameters": {"type": "object"}}]
+    conv = WIRE.parse({"messages": [user("hi")], "tools": tools, "functions": functions}, counter)
+    assert conv.fixed_tokens == REPLY_PRIMING + counter.tools(tools) + counter.tools(functions)
+
+
+@pytest.mark.parametrize(("messages", "paired"), [
+    ([user("a"), call(("c1", "f")), tool("c1")], True),
+    ([user("a"), call(("c1", "f")), user("b"), tool("c1")], False),
+    ([user("a"), tool("c9")], False),
+    ([user("a"), call(("c1", "f"), ("c1", "f")), tool("c1")], False),  # one id twice in a message
+    ([user("a"), legacy_call("lookup"), legacy_result("lookup")], True),  # legacy: checked on items
+    ([user("a"), legacy_call("lookup"), legacy_result("other")], False),
+])
+def test_parse_reports_pairing(counter: TokenCounter, messages: list[Message], paired: bool) -> None:
+    assert WIRE.parse({"messages": messages}, counter).paired is paired
+
+
+def test_parse_never_mutates_the_body(counter: TokenCounter) -> None:
+    body = {"model": "m", "messages": [user("a"), call(("c1", "f")), tool("c1", "x")], "tools": [{"a": 1}]}
+    before = copy.deepcopy(body)
+    WIRE.parse(body, counter)
+    assert body == before
+
+
+@pytest.mark.parametrize(("messages", "code"), [
+    (None, "invalid_messages"),
+    ({}, "invalid_messages"),
+    ([], "empty_messages"),
+    (["hi"], "invalid_message"),
+    ([{"role": "robot", "content": "x"}], "invalid_role"),
+    ([{"role": ["user"], "content": "x"}], "invalid_role"),
+    ([{"role": "user"}], "missing_content"),
+    ([{"role": "user", "content": 5}], "invalid_content"),
+    ([{"role": "user", "content": [{"text": "no type"}]}], "invalid_content"),
+    ([{"role": "tool", "content": "x"}], "missing_tool_call_id"),
+    ([{"role": "function", "content": "x"}], "missing_tool_call_id"),
+    ([{"role": "assistant", "tool_calls": {"id": "c"}}], "invalid_tool_call"),
+    ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f"}}]}], "invalid_tool_call"),
+    ([{"role": "assistant", "tool_calls": [{"id": "", "type": "function", "function": {"name": "f"}}]}],
+     "invalid_tool_call"),
+    ([{"role": "assistant", "tool_calls": [{"id": "c", "type": "custom", "custom": {}}]}], "invalid_tool_call"),
+    ([{"role": "assistant", "function_call": {"arguments": "{}"}}], "invalid_tool_call"),
+])
+def test_parse_refuses_malformed_messages(counter: TokenCounter, messages: Any, code: str) -> None:
+    with pytest.raises(PayloadError) as err:
+        WIRE.parse({"messages": messages}, counter)
+    assert err.value.code == code
+    assert err.value.status == 400
+
+
+@pytest.mark.parametrize("tool_call", [
+    {"id": "call_fn", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}},
+    {"id": "call_custom", "type": "custom", "custom": {"name": "apply_patch", "input": "*** Begin Patch"}},
+    {"id": "ws_1", "type": "web_search", "web_search": {"query": "oslo"}},  # an unknown type with an id
+    {"id": "x_2", "type": "mcp"},
+])
+def test_every_tool_call_type_pairs_by_id(counter: TokenCounter, tool_call: dict[str, Any]) -> None:
+    messages = [user("go"), {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+                tool(tool_call["id"], "done")]
+    conv = WIRE.parse({"messages": messages}, counter)
+    assert conv.items[1].call_ids == (tool_call["id"],)
+    assert conv.paired is True
+    check_messages(messages)
+
+
+def test_legacy_function_call_pairs_by_name_in_its_own_namespace(counter: TokenCounter) -> None:
+    messages = [user("go"), legacy_call("lookup"), legacy_result("lookup")]
+    items = WIRE.parse({"messages": messages}, counter).items
+    assert items[1].call_ids == (LEGACY + "lookup",)
+    assert items[2].result_id == LEGACY + "lookup"
+    assert is_paired(items)
+
+
+def test_a_legacy_call_answered_by_a_tool_message_with_its_name_is_not_paired(counter: TokenCounter) -> None:
+    messages = [user("go"), legacy_call("lookup"), tool("lookup", "result")]
+    items = WIRE.parse({"messages": messages}, counter).items
+    assert items[2].result_id == "lookup"
+    assert not is_paired(items)
+    repaired, repairs = repair_messages(messages)
+    assert dict(repairs) == {"orphan_result": 1, "unanswered_calls": 1, "empty_assistant": 1}
+    assert repaired == [user("go")]
+
+
+def test_a_tool_call_answered_by_a_function_message_is_not_paired(counter: TokenCounter) -> None:
+    messages = [user("go"), call(("lookup", "lookup")), legacy_result("lookup")]
+    assert not is_paired(WIRE.parse({"messages": messages}, counter).items)
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "tool", "tool_call_id": 7, "content": "x"},
+    {"role": "function", "name": None, "content": "x"},
+])
+def test_a_result_without_a_string_id_is_an_other_item(message: Message) -> None:
+    assert items_of([message])[0].role == OTHER
+
+
+# --------------------------------------------------------------------------- render, count, summary
+
+
+def test_render_forwards_kept_messages_as_the_same_objects(counter: TokenCounter) -> None:
+    messages = [system("s"), user("a", cache_control={"type": "ephemeral"}), assistant("b", x_unknown=[1]), user("c")]
+    body = {"model": "gpt-4o", "messages": messages, "temperature": 0.2, "x_vendor": {"k": 1}}
+    items = WIRE.parse(body, counter).items
+    out = WIRE.render(body, [items[0], items[3]], {"max_tokens": 100, "model": "upstream-name"})
+    assert out["messages"][0] is messages[0] and out["messages"][1] is messages[3]
+    assert out["temperature"] == 0.2 and out["x_vendor"] == {"k": 1}
+    assert out["max_tokens"] == 100 and out["model"] == "upstream-name"
+    assert body["messages"] is messages and len(messages) == 4 and "max_tokens" not in body
+    assert orjson.dumps(out["messages"][1]) == orjson.dumps(messages[3])
+
+
+def test_count_sets_key_and_tokens(counter: TokenCounter) -> None:
+    item = items_of([user("hello there")])[0]
+    assert (item.key, item.tokens) == (0, 0)
+    WIRE.count(item, counter)
+    assert item.key != 0
+    assert item.tokens == count_message(counter, item.raw) == count(counter, item.raw)
+    counted = items_of([user("hello there")], counter)[0]
+    assert (counted.key, counted.tokens) == (item.key, item.tokens)
+
+
+def test_summary_is_a_counted_system_message(counter: TokenCounter) -> None:
+    item = WIRE.summary("- the user booked HAT001", 4, counter)
+    assert item.raw == {"role": "system", "content": "- the user booked HAT001"}
+    assert item.role == SYSTEM
+    assert item.tokens == count_message(counter, item.raw) > 0
+    assert item.key != 0
+
+
+# --------------------------------------------------------------------------- the two pairing edits
+
+
+@pytest.mark.parametrize(("message", "kept"), [
+    (call(("c1", "f"), content="Let me check."), {"role": "assistant", "content": "Let me check."}),
+    ({**call(("c1", "f")), "refusal": "I can't do that."}, {"role": "assistant", "content": None,
+                                                           "refusal": "I can't do that."}),
+    ({**call(("c1", "f")), "audio": {"id": "audio_1"}}, {"role": "assistant", "content": None,
+                                                       "audio": {"id": "audio_1"}}),
+    ({**call(("c1", "f"), content=[{"type": "text", "text": "x"}]), "name": "bot"},
+     {"role": "assistant", "content": [{"type": "text", "text": "x"}], "name": "bot"}),
+    ({**legacy_call("lookup"), "content": "Looking it up."}, {"role": "assistant", "content": "Looking it up."}),
+    (call(("c1", "f")), None),
+    (call(("c1", "f"), content="   \n"), None),
+    (call(("c1", "f"), content=[]), None),
+    ({**call(("c1", "f")), "refusal": ""}, None),
+    (legacy_call("lookup"), None),
+])
+def test_without_calls(message: Message, kept: Message | None) -> None:
+    item = items_of([user("u"), message])[1]
+    before = copy.deepcopy(message)
+    out = WIRE.without_calls(item)
+    assert message == before
+    if kept is None:
+        assert out is None
+    else:
+        assert out is not None
+        assert out.raw == kept
+        assert out.role == ASSISTANT and out.call_ids == () and out.source == 1
+
+
+def test_placeholders_answer_in_the_calls_own_form() -> None:
+    items = items_of([user("u"), call(("call_7", "f"))])
+    p = WIRE.placeholder(items[1], "call_7")
+    assert p is not None
+    assert p.raw == {"role": "tool", "tool_call_id": "call_7", "content": PLACEHOLDER}
+    assert (p.role, p.result_id, p.source) == (TOOL, "call_7", 1)
+    legacy = items_of([user("u"), legacy_call("lookup")])
+    q = WIRE.placeholder(legacy[1], LEGACY + "lookup")
+    assert q is not None
+    assert q.raw == {"role": "function", "name": "lookup", "content": PLACEHOLDER}
+    assert q.result_id == LEGACY + "lookup"
+
+
+@pytest.mark.parametrize(("model", "field"), [
+    ("gpt-4o", "max_tokens"), ("gpt-4o-mini", "max_tokens"), ("o1", "max_completion_tokens"),
+    ("o3-mini", "max_completion_tokens"), ("o4-mini-2025-04-16", "max_completion_tokens"),
+    ("gpt-5", "max_completion_tokens"), ("azure/gpt-5-nano", "max_completion_tokens"),
+    ("openai/o1-preview", "max_completion_tokens"), ("claude-3-5-sonnet", "max_tokens"),
+])
+def test_output_field(model: str, field: str) -> None:
+    assert WIRE.output_field(model) == field
+    assert field in WIRE.output_fields
+
+
+def test_adapter_constants() -> None:
+    assert (WIRE.name, WIRE.field, WIRE.path, WIRE.error_shape) == ("chat", "messages", "/chat/completions", "openai")
+    assert WIRE.merge_call_runs is False
+    assert WIRE.output_fields == ("max_completion_tokens", "max_tokens")
+    assert WIRE.stream_end.name == "chat"
+
+
+# --------------------------------------------------------------------------- canonical arguments and atoms
+
+
+@pytest.mark.parametrize(("arguments", "canonical"), [
+    ('{"b": 1, "a": [1, 2]}', '{"a":[1,2],"b":1}'),
+    ('{"a":[1,2],"b":1}', '{"a":[1,2],"b":1}'),
+    ({"b": 1, "a": [1, 2]}, '{"a":[1,2],"b":1}'),  # an object (Anthropic/Responses input) equals its JSON text
+    ("not json {", "not json {"),
+    ("", ""),
+    ("  {\"x\": \"Zürich\"}  ", '{"x":"Zürich"}'),
+    (None, "null"),
+    ("null", "null"),
+    (["a"], '["a"]'),
+    ('"a string"', '"a string"'),
+])
+def test_canonical_arguments(arguments: Any, canonical: str) -> None:
+    assert canonical_arguments(arguments) == canonical
+
+
+def test_canonical_arguments_of_something_json_cannot_hold() -> None:
+    assert canonical_arguments({"x": {1}}) == repr({"x": {1}})
+
+
+@given(st.dictionaries(st.text(max_size=5), st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(max_size=5),
+                                                    st.booleans()), max_size=5))
+def test_canonical_arguments_ignore_key_order_and_spacing(args: dict[str, Any]) -> None:
+    reordered = dict(reversed(list(args.items())))
+    assert canonical_arguments(json.dumps(args, indent=2)) == canonical_arguments(json.dumps(reordered)) \
+        == canonical_arguments(args)
+
+
+def atoms(message: Message, *context: Message) -> list[tuple[str, ...]]:
+    return list(items_of([*context, message])[-1].atoms())
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    (user("Book HAT001"), {"role": "user", "content": [{"type": "text", "text": "Book HAT001"}]}),
+    (user("line 1\nline 2"), {"role": "user", "content": [{"type": "text", "text": "line 1"},
+                                                          {"type": "text", "text": "line 2"}]}),
+    (tool("c1", "ok"), {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "ok"}]}),
+    (user("hi"), user("hi", name="alice", cache_control={"type": "ephemeral"})),  # not meaning: same atoms
+    (call(("c1", "f", '{"a": 1, "b": 2}')), call(("c1", "f", '{"b":2,"a":1}'))),
+    (call(("c1", "f")), {**call(("c1", "f")), "content": ""}),
+    (system("be brief"), {"role": "developer", "content": "be brief"}),
+])
+def test_the_same_meaning_gives_the_same_atoms(a: Message, b: Message) -> None:
+    assert atoms(a) == atoms(b)
+    assert atom_digests(items_of([a])[0]) == atom_digests(items_of([b])[0])
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    (user("Book HAT001"), user("Book HAT002")),
+    (user("x"), assistant("x")),
+    (call(("c1", "f", '{"a":1}')), call(("c1", "f", '{"a":2}'))),
+    (call(("c1", "f")), call(("c2", "f"))),
+    (call(("c1", "f")), call(("c1", "g"))),
+    (tool("c1", "ok"), tool("c2", "ok")),
+    (user("x"), {"role": "user", "content": [{"type": "text", "text": "x"},
+                                             {"type": "image_url", "image_url": {"url": "https://a/cat.png"}}]}),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://a/cat.png"}}]},
+     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://a/dog.png"}}]}),
+    (assistant(None), {"role": "assistant", "content": None, "refusal": "No."}),
+])
+def test_different_meanings_give_different_atoms(a: Message, b: Message) -> None:
+    assert atoms(a) != atoms(b)
+
+
+def test_atoms_of_each_kind() -> None:
+    custom = {"role": "assistant", "content": "Patching.", "tool_calls": [
+        {"id": "cu_1", "type": "custom", "custom": {"name": "apply_patch", "input": "*** Begin"}},
+        {"id": "ws_1", "type": "web_search"},
+        {"id": "fn_1", "type": "function", "function": {"name": "f", "arguments": '{"z":0,"a":1}'}}]}
+    assert atoms(custom) == [("text", ASSISTANT, "Patching."), ("call", "cu_1", "apply_patch", "*** Begin"),
+                             ("call", "ws_1", "web_search", "null"), ("call", "fn_1", "f", '{"a":1,"z":0}')]
+    assert atoms(legacy_call("lookup", '{"q": 1}')) == [("call", LEGACY + "lookup", "lookup", '{"q":1}')]
+    assert atoms(legacy_result("lookup", "found")) == [("result", LEGACY + "lookup", "found")]
+    assert atoms(tool("c1", "")) == [("result", "c1", "")]
+    assert atoms(assistant(None)) == []
+    refusal = {"role": "assistant", "content": None, "refusal": "I can't help with that."}
+    assert atoms(refusal) == [("text", "refusal", "I can't help with that.")]
+
+
+def test_media_atoms_digest_the_reference_not_the_envelope() -> None:
+    png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAAB"
+    a = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}",
+                                                                        "detail": "low"}}]}
+    b = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/webp;base64,{png}"}}]}
+    assert atoms(a) == atoms(b)
+    assert atoms(a)[0][0:2] == ("media", USER)
+    audio = {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}
+    file_by_id = {"role": "user", "content": [{"type": "file", "file": {"file_id": "file-abc"}}]}
+    file_by_data = {"role": "user", "content": [{"type": "file", "file": {"filename": "a.pdf",
+                                                                          "file_data": "data:application/pdf;base64,JVBE"}}]}
+    kinds = {atoms(m)[0][2] for m in (a, audio, file_by_id, file_by_data)}
+    assert len(kinds) == 4
+
+
+# --------------------------------------------------------------------------- describe (what the summariser reads)
+
+
+@pytest.mark.parametrize(("message", "text"), [
+    (user("Weather in Oslo?"), "USER: Weather in Oslo?"),
+    ({"role": "developer", "content": "Be brief."}, "DEVELOPER: Be brief."),
+    (call(("call_1", "get_weather", '{"city": "Oslo"}'), content="Checking."),
+     'ASSISTANT: Checking.\nTOOL CALL call_1 get_weather({"city": "Oslo"})'),
+    (tool("call_1", "4°C"), "TOOL RESULT call_1: 4°C"),
+    (legacy_call("lookup", '{"q":1}'), 'TOOL CALL  lookup({"q":1})'),
+    (legacy_result("lookup", "found"), "TOOL RESULT lookup: found"),
+    ({"role": "assistant", "content": None, "refusal": "No."}, "REFUSAL: No."),
+    ({"role": "assistant", "content": None, "audio": {"id": "a1", "transcript": "Hello there"}},
+     "ASSISTANT: [audio: Hello there]"),
+    ({"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                  {"type": "image_url", "image_url": {"url": "https://x/cat.png", "detail": "odd"}},
+                                  {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "mp3"}},
+                                  {"type": "file", "file": {"filename": "report.pdf", "file_data": "JVBE"}},
+                                  {"type": "file", "file": {"file_id": "file-1"}},
+                                  {"type": "mystery"}]},
+     "USER: What is this? [image] [audio] [file report.pdf] [file] [mystery]"),
+    ({"role": "tool", "tool_call_id": "c2", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
+     "TOOL RESULT c2: [image]"),
+    ({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "cu_1", "type": "custom", "custom": {"name": "apply_patch", "input": "*** Begin"}}]},
+     "TOOL CALL cu_1 apply_patch(*** Begin)"),
+])
+def test_describe(message: Message, text: str) -> None:
+    assert items_of([message])[0].describe() == text
+
+
+# --------------------------------------------------------------------------- the per-message formula
+
+
+def test_count_message_formula(counter: TokenCounter) -> None:
+    t = counter.text
+    assert count_message(counter, user("hello")) == 3 + t("user") + t("hello")
+    assert count_message(counter, user("hello", name="alice")) == 3 + t("user") + t("hello") + t("alice") + 1
+    c = call(("call_1", "get_weather", '{"city":"Oslo"}'))
+    assert count_message(counter, c) == 3 + t("assistant") + 3 + t("get_weather") + t('{"city":"Oslo"}')
+    assert count_message(counter, legacy_call("lookup", "{}")) == 3 + t("assistant") + t("lookup") + t("{}")
+    custom = {"role": "assistant", "tool_calls": [{"id": "c", "type": "custom",
+                                                   "custom": {"name": "apply_patch", "input": "diff"}}]}
+    assert count_message(counter, custom) == 3 + t("assistant") + 3 + t("apply_patch") + t("diff")
+    unknown = {"role": "assistant", "tool_calls": [{"id": "w", "type": "web_search"}]}
+    assert count_message(counter, unknown) == 3 + t("assistant") + 3 + counter.json(unknown["tool_calls"][0])
+    spoken = {"role": "assistant", "content": None, "audio": {"id": "a", "transcript": "Hello"}}
+    assert count_message(counter, spoken) == 3 + t("assistant") + t("Hello")
+
+
+@pytest.mark.parametrize(("part", "tokens"), [
+    ({"type": "image_url", "image_url": {"url": "https://x/cat.png"}}, media.IMAGE_TOKENS),
+    ({"type": "image_url", "image_url": {"url": "https://x/cat.png", "detail": "low"}}, media.IMAGE_TOKENS_LOW),
+    ({"type": "image_url", "image_url": {"url": "https://x/cat.png", "detail": "ultra"}}, media.IMAGE_TOKENS),
+    ({"type": "image_url", "image_url": "https://x/cat.png"}, media.IMAGE_TOKENS),
+    ({"type": "input_audio", "input_audio": {"data": "A" * 21_334, "format": "mp3"}}, 10),
+    ({"type": "file", "file": {"file_id": "file-abc"}}, media.FILE_UNKNOWN_TOKENS),
+    ({"type": "file", "file": {"filename": "a.pdf", "file_data": "A" * 40_000}}, media.FILE_PAGE_TOKENS),
+    ({"type": "file", "file": "file-abc"}, media.FILE_UNKNOWN_TOKENS),
+])
+def test_media_parts_are_billed_estimates_not_base64(counter: TokenCounter, part: dict[str, Any], tokens: int) -> None:
+    message = {"role": "user", "content": [part]}
+    assert count_message(counter, message) == 3 + counter.text("user") + tokens
+
+
+def test_malformed_audio_part_is_counted_as_its_json(counter: TokenCounter) -> None:
+    part = {"type": "input_audio", "input_audio": "not an object"}
+    assert count_message(counter, {"role": "user", "content": [part]}) == 3 + counter.text("user") + counter.json(part)
+
+
+def test_scan_agrees_with_is_paired_on_legacy_mixes() -> None:
+    mixes = [
+        [user("a"), legacy_call("f"), legacy_result("f"), call(("c1", "g")), tool("c1")],
+        [user("a"), call(("c1", "g")), legacy_result("g")],
+        [user("a"), legacy_call("f"), tool("fn:f")],
+    ]
+    for messages in mixes:
+        assert scan(messages) == is_paired(items_of(messages))
