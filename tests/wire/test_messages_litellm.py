@@ -117,3 +117,31 @@ async def test_provider_errors_come_back_in_anthropics_shape(start_proxy: StartP
     body = caught.value.body
     assert isinstance(body, dict) and body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
     assert "slow down" in body["error"]["message"] and "Traceback" not in body["error"]["message"]
+
+
+async def test_context_management_is_emulated_on_a_litellm_route(start_proxy: StartProxy, litellm_httpx: None) -> None:
+    """The provider behind litellm has no context editing: the proxy clears the old tool results itself, sends
+    no context_management field, and the answer carries the report Anthropic would have written."""
+    from proxy.wire.messages.context import CLEARED
+
+    proxy = await start_proxy(config())
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "look everything up"}]
+    for i in range(4):
+        messages.append({"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{i}", "name": "Read",
+                                                           "input": {"n": i}}]})
+        messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}",
+                                                      "content": words(200, i)}]})
+    edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 100},
+            "keep": {"type": "tool_uses", "value": 1}}
+    with mock() as m:
+        provider = m.post(VLLM).mock(return_value=httpx.Response(200, json=CHAT))
+        async with anthropic.AsyncAnthropic(base_url=proxy.url, api_key="sk-client", max_retries=0) as c:
+            reply = await c.beta.messages.create(model="llama", max_tokens=100, messages=messages,  # type: ignore[arg-type]
+                                                 context_management={"edits": [edit]},  # type: ignore[list-item]
+                                                 betas=["context-management-2025-06-27"])
+    sent = json.loads(provider.calls.last.request.content)
+    assert "context_management" not in sent
+    results = [m["content"] for m in sent["messages"] if m["role"] == "tool"]
+    assert results[:3] == [CLEARED] * 3 and results[3] == words(200, 3)
+    assert reply.context_management is not None
+    assert reply.context_management.applied_edits[0].cleared_tool_uses == 3  # type: ignore[union-attr]

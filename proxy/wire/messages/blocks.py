@@ -41,8 +41,8 @@ def count_raw(counter: TokenCounter, raw: Any) -> int:
     """An item's tokens: a message-shaped raw (``role``) or a ``tool_result`` block."""
     if isinstance(raw, dict) and "role" in raw:
         content = raw.get("content")
-        if content == []:
-            return 0  # a boundary item (the adapter's): it stands for no message
+        if content == [] and raw.get("role") == "user":
+            return 0  # a boundary item (the adapter's; a client's empty user message is refused): no message
         return TOKENS_PER_MESSAGE + count_content(counter, content)
     if isinstance(raw, dict):
         return TOKENS_PER_MESSAGE + count_block(counter, raw)
