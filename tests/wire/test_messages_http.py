@@ -405,3 +405,24 @@ async def test_a_large_agent_body_is_parsed_off_the_loop_and_forwarded_paired(
     assert recount(sent) <= 32_000 and not pairing_problems(sent["messages"])
     assert sent["messages"][0] == {"role": "user", "content": "start"}
     assert sent["messages"][-1] == messages[-1]
+
+
+async def test_an_untouched_body_reaches_the_upstream_as_the_clients_exact_bytes(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(config(upstream))
+    raw = (b'{ "model" : "claude-sonnet-4-5", "max_tokens":64,\n "system":[{"type":"text","text":"Be brief.\\u00e9",'
+           b'"cache_control":{"type":"ephemeral"}}], "messages":[{"role":"user","content":[{"type":"text",'
+           b'"text":"hi \xf0\x9f\x9a\x80","x_unknown":1.50}]}], "metadata":{"user_id":"u"} }')
+    status, _ = await post(proxy, raw)
+    assert status == 200
+    assert upstream.messages[-1].raw == raw
+
+
+async def test_models_are_listed_from_an_anthropic_default_upstream(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(config(upstream))
+    async with aiohttp.ClientSession() as s, s.get(proxy.url + "/v1/models",
+                                                   headers={"x-api-key": "sk-ant-client"}) as r:
+        listed = await r.json()
+    # the configured model, and the upstream's own list read from {API root}/v1/models
+    assert {m["id"] for m in listed["data"]} == {CLAUDE, "upstream-model"}
