@@ -1,4 +1,4 @@
-"""``ctxproxy serve | validate | assemble``."""
+"""``ctxproxy serve | validate | assemble | report``."""
 
 from __future__ import annotations
 
@@ -42,11 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     p_assemble.add_argument("--offline", action="store_true",
                             help="as if no summariser were reachable (llm degrades to drop)")
 
+    p_report = sub.add_parser("report", help="the cost report per tenant and model, from the cost ledger")
+    p_report.add_argument("--config", default="config/ctxproxy.yaml")
+    p_report.add_argument("--since", default="24h", help="how far back: 90m, 24h, 7d (default 24h; at most 31d)")
+    p_report.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
     args = parser.parse_args(argv)
     if args.command == "validate":
         return _validate(args.file)
     if args.command == "assemble":
         return _assemble(args)
+    if args.command == "report":
+        return _report(args)
     return _serve(args)
 
 
@@ -100,6 +107,43 @@ async def _run_assemble(config: Config, raw: bytes, args: argparse.Namespace) ->
                 else exc.to_openai()), EXIT_REFUSED
     finally:
         await shared.close()
+
+
+def _report(args: argparse.Namespace) -> int:
+    config = _load(args.config)
+    if config is None:
+        return EXIT_INVALID
+    from proxy.serve.report import parse_since
+
+    try:
+        since = parse_since(args.since)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_INVALID
+    if config.settings.cache.backend == "memory":
+        print("the memory cache lives inside the server process: ask it with GET /admin/report (admin key)",
+              file=sys.stderr)
+        return EXIT_INVALID
+    report = asyncio.run(_run_report(config, since))
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+    else:
+        from proxy.serve.report import render
+
+        sys.stdout.write(render(report))
+    return EXIT_OK
+
+
+async def _run_report(config: Config, since: float) -> dict[str, Any]:
+    from proxy.serve.report import cost_report
+    from proxy.store.backends import open_cache
+
+    c = config.settings.cache
+    cache = open_cache(c.backend, path=c.path, url=c.url, ttl=c.ttl_seconds, size_limit_mb=c.size_limit_mb)
+    try:
+        return await cost_report(cache, since)
+    finally:
+        await cache.close()
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -23,9 +23,15 @@ from proxy.settings import Config, Tenant
 
 
 class Calibration(Protocol):
-    """The provider-over-proxy token ratio per (upstream, model) (``proxy.store.calibration``)."""
+    """The provider-over-proxy token ratio per (upstream, model) (``proxy.store.calibration``).
+
+    ``factor`` is on every request's path and must be a dict lookup; ``prime`` makes sure the route's
+    factor is known (it awaits the shared cache only the first time a route is seen).
+    """
 
     def factor(self, route: ModelRoute) -> float: ...
+
+    async def prime(self, route: ModelRoute) -> None: ...
 
 
 class Runtime:
@@ -109,7 +115,10 @@ class Runtime:
         prepared: Prepared | None = None
         if offload:
             prepared = await asyncio.get_running_loop().run_in_executor(None, prepare, body, wire, counter)
-        calibration = self.calibration.factor(route) if self.calibration is not None else 1.0
+        calibration = 1.0
+        if self.calibration is not None:
+            await self.calibration.prime(route)
+            calibration = self.calibration.factor(route)
         assembly = await assemble(
             body, wire=wire, route=route, policy=policy, counter=counter,
             services=self.services(route, policy, request_id=request_id, dry_run=dry_run),

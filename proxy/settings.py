@@ -57,6 +57,9 @@ class UpstreamSettings(Strict):
     api_key: str | None = Field(None, description="Key sent upstream; empty = forward the client's (no tenants).")
     headers: dict[str, str] = Field(default_factory=dict, description="Extra headers sent upstream.")
     max_connections: int = Field(256, ge=1, description="Pooled connections to this upstream.")
+    keepalive_seconds: float = Field(
+        4, gt=0, description="How long an idle pooled connection is kept: below the upstream's own idle timeout "
+        "(uvicorn-based servers: 5 s), so a connection it is closing is never reused.")
     responses_compact: Literal["relay", "emulate", "auto"] = Field(
         "auto", description="POST /v1/responses/compact: relay it here, answer it with ctxproxy's own summariser "
         "(emulate), or relay and emulate when this upstream answers 404 (auto).")
@@ -91,6 +94,31 @@ class ModelSettings(Strict):
     context_window: int | None = Field(None, ge=1, description="Input window (default: litellm's model map).")
     max_output_tokens: int | None = Field(None, ge=1, description="Model's max output (default: litellm's map).")
     tokenizer: str | None = Field(None, description="tiktoken encoding name (default by model family).")
+    calibration: Literal["auto", "off"] | float = Field(
+        "auto", description="Token-count calibration (proxy.store.calibration): auto = learn the provider's count "
+        "over ctxproxy's from usage (starting from the family default), off = 1.0, a number = pinned factor.")
+    input_cost_per_token: float | None = Field(None, ge=0, description="USD per input token (default: litellm's map).")
+    output_cost_per_token: float | None = Field(None, ge=0, description="USD per output token (default: litellm's map).")
+    cache_read_input_token_cost: float | None = Field(
+        None, ge=0, description="USD per input token read from the provider's prompt cache (default: litellm's map).")
+    cache_creation_input_token_cost: float | None = Field(
+        None, ge=0, description="USD per input token written to the provider's prompt cache (default: litellm's map).")
+
+    @field_validator("calibration", mode="before")
+    @classmethod
+    def _calibration(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("auto", "off"):
+            return value.strip().lower()
+        if isinstance(value, bool):  # YAML's `off` is False: the switch, not a number
+            return "auto" if value else "off"
+        return value
+
+    @field_validator("calibration")
+    @classmethod
+    def _pinned(cls, value: str | float) -> str | float:
+        if isinstance(value, float) and not 0.25 <= value <= 4.0:
+            raise ValueError(f"a pinned calibration factor must be within [0.25, 4.0], got {value}")
+        return value
 
     @field_validator("tokenizer")
     @classmethod
@@ -102,6 +130,11 @@ class ModelSettings(Strict):
     @property
     def upstream_model(self) -> str:
         return self.model or self.name
+
+    def prices(self) -> tuple[float | None, float | None, float | None, float | None]:
+        """The config's own prices (None: from litellm's map)."""
+        return (self.input_cost_per_token, self.output_cost_per_token, self.cache_read_input_token_cost,
+                self.cache_creation_input_token_cost)
 
 
 class CacheSettings(Strict):
@@ -241,9 +274,16 @@ class Settings(Strict):
             raise ValueError(f"models: duplicate name(s) {sorted(dup)}")
         if self.default_upstream is not None and self.default_upstream not in self.upstreams:
             raise ValueError(f"default_upstream: no upstream named {self.default_upstream!r}")
+        priced: dict[str, tuple[int, tuple[float | None, ...]]] = {}
         for i, m in enumerate(self.models):
             if m.upstream is not None and m.upstream not in self.upstreams:
                 raise ValueError(f"models[{i}].upstream: no upstream named {m.upstream!r}")
+            if any(p is not None for p in m.prices()):
+                # prices are keyed by the model the provider runs: two routes to it must agree
+                first = priced.setdefault(m.upstream_model, (i, m.prices()))
+                if first[1] != m.prices():
+                    raise ValueError(f"models[{i}]: its prices for upstream model {m.upstream_model!r} differ from "
+                                     f"models[{first[0]}]'s")
         tenant_names = [t.name for t in self.tenants]
         if len(set(tenant_names)) != len(tenant_names):
             raise ValueError("tenants: duplicate tenant names")

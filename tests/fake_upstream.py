@@ -29,11 +29,22 @@ Other relayed requests land in ``other`` and, when not streaming, are
 answered with the usual echo. ``require_uuid_request_id`` makes it refuse (400, empty body) every
 request whose ``X-Request-ID`` is not a UUID, as several ASGI request-id
 middlewares do; ``request_ids`` records every id received.
+
+Usage that tells the truth (issue 15), off by default (``fixed_usage``, the fixed ``USAGE`` unless a test
+sets another, odd one): ``prompt_scale`` reports
+``prompt_tokens`` = scale × the request's true o200k count (OpenAI's per-message formula, counted here
+with tiktoken, not with the proxy's code), as a provider with another tokenizer would;
+``report_cached`` reports ``cached_tokens`` as a provider's prompt cache would: the longest common
+prefix, in whole messages, with the previous request of the same conversation (header
+``x-fake-conversation``, else the first message), in the same units, floored to ``cache_block`` tokens
+and 0 below ``cache_min`` (OpenAI: 128 and 1024). Summariser calls then report their true counts too.
+``usages`` and ``summary_usages`` record every usage reported for a chat request and a summary.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -99,6 +110,15 @@ class FakeUpstream:
     require_uuid_request_id: bool = False
     request_ids: list[tuple[str, str | None]] = field(default_factory=list)  # (purpose or path, X-Request-ID)
     rejected: list[Received] = field(default_factory=list)
+    # usage (issue 15): ``fixed_usage`` is reported as is unless the truthful switches below are on
+    fixed_usage: Any = field(default_factory=lambda: USAGE)
+    prompt_scale: float | None = None
+    report_cached: bool = False
+    cache_min: int = 0
+    cache_block: int = 1
+    usages: list[dict[str, Any]] = field(default_factory=list)
+    summary_usages: list[dict[str, Any]] = field(default_factory=list)
+    _conversations: dict[str, list[str]] = field(default_factory=dict)
     url: str = ""
     _runner: web.AppRunner | None = None
     _pending_summaries: int = 0
@@ -191,8 +211,44 @@ class FakeUpstream:
         if self.summary_mode == "hang":
             await asyncio.sleep(3600)
         text = "" if self.summary_mode == "empty" else self.summary_text
-        return web.json_response(_completion(body.get("model", "m"), text, {
-            "prompt_tokens": 1000, "completion_tokens": 100, "total_tokens": 1100}))
+        usage = {"prompt_tokens": 1000, "completion_tokens": 100, "total_tokens": 1100}
+        if self.truthful:
+            prompt = round(self._scale * request_tokens(body))
+            completion = round(self._scale * o200k_tokens(text))
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        self.summary_usages.append(usage)
+        return web.json_response(_completion(body.get("model", "m"), text, usage))
+
+    @property
+    def truthful(self) -> bool:
+        return self.prompt_scale is not None or self.report_cached
+
+    @property
+    def _scale(self) -> float:
+        return self.prompt_scale if self.prompt_scale is not None else 1.0
+
+    def usage_for(self, request: web.Request, body: Any) -> Any:
+        """The usage of one chat request: the fixed USAGE, or counted (``prompt_scale``, ``report_cached``)."""
+        if not self.truthful:
+            return self.fixed_usage  # type: ignore[no-any-return]
+        messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+        prompt = round(self._scale * request_tokens(body))
+        cached = 0
+        if self.report_cached:
+            key = request.headers.get("x-fake-conversation") or json.dumps(messages[:1], sort_keys=True)
+            seen = [json.dumps(m, sort_keys=True) for m in messages]
+            previous = self._conversations.get(key, [])
+            common = 0
+            while common < min(len(seen), len(previous)) and seen[common] == previous[common]:
+                common += 1
+            self._conversations[key] = seen
+            prefix = round(self._scale * sum(message_tokens(m) for m in messages[:common]))
+            prefix = prefix // self.cache_block * self.cache_block
+            cached = min(prompt, prefix) if prefix >= self.cache_min else 0
+        usage = {"prompt_tokens": prompt, "completion_tokens": 12, "total_tokens": prompt + 12,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        self.usages.append(usage)
+        return usage
 
     async def _answer(self, request: web.Request, body: Any) -> web.StreamResponse:
         model = body.get("model", "m")
@@ -208,14 +264,15 @@ class FakeUpstream:
             return await self._echo_key(request, model)
         if self.mode == "bad_chunk" and body.get("stream"):
             return await self._bad_chunk(request, model)
+        usage = self.usage_for(request, body)
         if not body.get("stream"):
-            return web.json_response(_completion(model, REPLY, USAGE))
+            return web.json_response(_completion(model, REPLY, usage))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunks = [_chunk(model, {"role": "assistant", "content": ""})]
         chunks += [_chunk(model, {"content": p}) for p in PIECES]
-        chunks.append(_chunk(model, {}, "stop", USAGE if include_usage else None))
+        chunks.append(_chunk(model, {}, "stop", usage if include_usage else None))
         for i, chunk in enumerate(chunks):
             if self.mode == "stall" and i == 2:
                 await asyncio.sleep(self.delay or 3600)
@@ -242,7 +299,7 @@ class FakeUpstream:
         message.setdefault("content", None)
         finish = "tool_calls" if message.get("tool_calls") else "stop"
         if not body.get("stream"):
-            out = _completion(model, "", USAGE)
+            out = _completion(model, "", self.usage_for(request, body))
             out["choices"][0].update(message=message, finish_reason=finish)
             return web.json_response(out)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -391,6 +448,49 @@ class FakeUpstream:
         await self._record(request)
         events = [f"event: progress\ndata: {json.dumps({'step': i})}\n\n".encode() for i in range(4)]
         return await self._wire_stream(request, events)
+
+
+@functools.lru_cache(maxsize=1)
+def _o200k() -> Any:
+    import tiktoken
+
+    return tiktoken.get_encoding("o200k_base")
+
+
+@functools.lru_cache(maxsize=100_000)
+def o200k_tokens(text: str) -> int:
+    return len(_o200k().encode(text, disallowed_special=()))
+
+
+def message_tokens(message: Any) -> int:
+    """OpenAI's per-message formula, written out here: 3 + every string value (+1 for name), text parts,
+    each tool call 3 + name + arguments."""
+    if not isinstance(message, dict):
+        return 0
+    n = 3
+    for key, value in message.items():
+        if isinstance(value, str):
+            n += o200k_tokens(value) + (1 if key == "name" else 0)
+        elif key == "content" and isinstance(value, list):
+            for part in value:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    n += o200k_tokens(part["text"])
+        elif key == "tool_calls" and isinstance(value, list):
+            for call in value:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict):
+                    n += 3 + o200k_tokens(str(fn.get("name") or "")) + o200k_tokens(str(fn.get("arguments") or ""))
+    return n
+
+
+def request_tokens(body: Any) -> int:
+    """A chat request's true o200k count: its messages, 3 priming tokens, and its tool schemas as JSON."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    n = 3 + sum(message_tokens(m) for m in messages) if isinstance(messages, list) else 0
+    tools = body.get("tools") if isinstance(body, dict) else None
+    if tools:
+        n += o200k_tokens(json.dumps(tools, separators=(",", ":")))
+    return n
 
 
 def is_uuid(value: str | None) -> bool:

@@ -13,8 +13,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from plugins.base import Completion
 from proxy.core.modelinfo import ModelMap
+from proxy.core.usage import Usage
 from proxy.pipeline import Report
+from proxy.serve.costs import RequestCost
 from proxy.serve.metrics import Metrics
+from proxy.store.calibration import Sample
+from proxy.store.promptcache import CacheEffect
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "config" / "grafana-dashboard.json"
 METRIC = re.compile(r"\bctxproxy_[A-Za-z0-9_:]*")
@@ -36,6 +40,11 @@ REQUIRED_TITLES = [
     "Provider cached tokens",
     "Prefix stability share",
     "Cache errors by operation",
+    "Gross, costs and net per tenant and model",
+    "Prompt-cache effect by kind",
+    "Token calibration factor",
+    "Token count error p10/p50/p90",
+    "Calibration samples by result",
 ]
 
 
@@ -71,7 +80,7 @@ def names() -> dict[str, set[str]]:
 
 def exported() -> dict[str, set[str]]:
     """Every sample name a Metrics instance exports after each method ran once, with its label names."""
-    m = Metrics(["acme"], ["gpt-4o-mini"], ModelMap())
+    m = Metrics(["acme"], ["gpt-4o-mini"], ModelMap(), upstreams=["openai"])
     report = Report(model="gpt-4o-mini", tenant="acme", context_manager="summarising", tokens_before=100,
                     tokens_after=40, removed={"summarised": 50, "trimmed": 10}, summary="created",
                     repairs={"orphan_result": 1})
@@ -82,6 +91,11 @@ def exported() -> dict[str, set[str]]:
                usage={"prompt_tokens_details": {"cached_tokens": 30}})
     m.payload_error("invalid_role")
     m.prefix("acme", "gpt-4o-mini", True)
+    for net in (0.5, -0.25):
+        m.account("acme", "gpt-4o-mini", RequestCost(
+            "gpt-4o-mini", 100, 1.0, 0.1, 0.2, 0.3, net, True, CacheEffect(True, True, 10, 2, 5, 1.0)))
+    m.calibration_factor("openai", "gpt-4o-mini", 1.2)
+    m.calibration_sample("gpt-4o-mini", Sample("used", 1.2), Usage(1200), 1000, 1.2)
     body, _ = m.render()
     names: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(body.decode()):

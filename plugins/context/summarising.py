@@ -103,13 +103,18 @@ class Summarising(ContextManager):
         k = summary.covered_turns
         item: Item = view.summary_item(summary_text(k, summary.text), k)
         replaced = sum(view.turn_tokens[:k])
+        detail: dict[str, Any] = {"turns": k, "tokens_replaced": replaced, "cached": True}
+        made = summary.made_with
+        if status == "created" and made is not None:  # what making it cost (priced in proxy.serve.costs)
+            detail["summarizer"] = {"model": made.model, "priced_model": made.priced_model,
+                                    "prompt_tokens": made.prompt_tokens, "completion_tokens": made.completion_tokens}
         return HistoryResult(
             turns=view.turns[k:],
             summary=item,
             turns_summarised=k,
             summary_status=status,
             removed={"summarised": max(0, replaced - item.tokens)},
-            detail={"turns": k, "tokens_replaced": replaced, "cached": True},
+            detail=detail,
         )
 
     def _would_create(self, view: HistoryView, cut: int, found: CachedSummary | None) -> HistoryResult:

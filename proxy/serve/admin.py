@@ -10,8 +10,9 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.core.errors import AuthenticationError, CtxProxyError, NotFound
-from proxy.serve.explain import explain
+from proxy.core.errors import AuthenticationError, BadRequest, CtxProxyError, ModelNotFound, NotFound
+from proxy.runtime import Runtime
+from proxy.serve.explain import calibration_detail, explain
 from proxy.serve.http import (
     ERROR_SHAPE,
     OVERRIDE_HEADER,
@@ -21,7 +22,9 @@ from proxy.serve.http import (
     request_id,
     state,
 )
+from proxy.serve.report import cost_report, parse_since, render
 from proxy.serve.requestlog import RequestRecord
+from proxy.settings import Config, Tenant
 from proxy.upstream.anthropic import anthropic_headers
 from proxy.upstream.http import open_request, upstream_headers
 from proxy.wire import WIRES
@@ -63,13 +66,36 @@ async def explain_handler(request: web.Request) -> web.Response:
 
 
 async def policy_handler(request: web.Request) -> web.Response:
+    """GET /v1/ctxproxy/policy[?model=]: the caller's effective policy, and the calibration of its models."""
     st = state(request)
-    tenant = st.runtime.authenticate(client_key(request))
-    policy = st.runtime.policy(tenant, None, request.headers.get(OVERRIDE_HEADER))
+    runtime = st.runtime
+    tenant = runtime.authenticate(client_key(request))
+    model = request.query.get("model") or None
+    policy = runtime.policy(tenant, model, request.headers.get(OVERRIDE_HEADER))  # 404: a model it may not use
     out = policy.describe()
+    out["calibration"] = await _calibration(runtime, [model] if model else _usable(runtime.config, tenant))
     if policy.warnings:
         out["warnings"] = policy.warnings
     return json_response(out)
+
+
+def _usable(config: Config, tenant: Tenant | None) -> list[str]:
+    allowed = tenant.settings.models if tenant is not None else None
+    return list(allowed) if allowed is not None else [m.name for m in config.settings.models]
+
+
+async def _calibration(runtime: Runtime, models: list[str]) -> dict[str, Any]:
+    """Per model name: the factor its budget uses, and where it comes from."""
+    out: dict[str, Any] = {}
+    for name in models:
+        try:
+            route = runtime.route(name)
+        except ModelNotFound:
+            continue
+        if runtime.calibration is not None:
+            await runtime.calibration.prime(route)
+        out[name] = calibration_detail(runtime, route)
+    return out
 
 
 async def models_handler(request: web.Request) -> web.Response:
@@ -139,6 +165,23 @@ async def admin_reload(request: web.Request) -> web.Response:
     if problems:
         return json_response({"reloaded": False, "problems": problems}, 400)
     return json_response({"reloaded": True})
+
+
+async def admin_report(request: web.Request) -> web.Response:
+    """GET /admin/report?since=24h (admin key): the cost report, per tenant and model, from the cost ledger."""
+    st = state(request)
+    key = client_key(request)
+    if not key or not st.config.is_admin_key(key):
+        raise AuthenticationError("An admin key is required for /admin/report.")
+    try:
+        since = parse_since(request.query.get("since", "24h"))
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="since", code="invalid_since") from None
+    await st.shared.ledger.flush()  # this process's latest buckets first
+    report = await cost_report(st.shared.cache, since)
+    if request.query.get("format") == "text":
+        return web.Response(text=render(report), content_type="text/plain")
+    return json_response(report)
 
 
 async def not_found(request: web.Request) -> web.Response:

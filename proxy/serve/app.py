@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator
 
@@ -11,7 +13,15 @@ from proxy.core.modelinfo import ModelMap
 from proxy.serve.http import error_middleware
 from proxy.serve.metrics import Metrics
 from proxy.serve.routes import add_routes
-from proxy.serve.state import STATE, State, build_runtime, build_shared, model_names, tenant_names
+from proxy.serve.state import (
+    STATE,
+    State,
+    build_runtime,
+    build_shared,
+    model_names,
+    tenant_names,
+    upstream_names,
+)
 from proxy.settings import Config
 from proxy.store.cache import Cache
 
@@ -22,7 +32,7 @@ def create_app(config: Config, *, config_path: str | None = None, cache: Cache |
     """Build the app; shared objects are created here and closed on cleanup."""
     model_map = ModelMap()
     metrics = Metrics(tenant_names(config), model_names(config), model_map,
-                      multiprocess_dir=os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+                      multiprocess_dir=os.environ.get("PROMETHEUS_MULTIPROC_DIR"), upstreams=upstream_names(config))
     shared = build_shared(config, metrics=metrics, cache=cache, model_map=model_map)
     state = State(build_runtime(config, shared), shared, metrics, config_path)
     max_body = int(config.settings.server.max_body_mb * MB) + 1
@@ -34,5 +44,10 @@ def create_app(config: Config, *, config_path: str | None = None, cache: Cache |
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    shared = app[STATE].shared
+    flushing = asyncio.create_task(shared.ledger.run())  # the cost ledger, written every few seconds
     yield
-    await app[STATE].shared.close()
+    flushing.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await flushing
+    await shared.close()

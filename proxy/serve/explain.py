@@ -3,6 +3,12 @@
 Explain never bills anyone: summaries are looked up in the cache, and what a new
 summary would replace is reported (``summary: would_create``) instead of made,
 unless the caller asks for it (``summarize``).
+
+The report also says which calibration factor the budget used and why
+(``calibration_detail``), and what context management saved and cost on this one
+request (``cost``, ``proxy.serve.costs``): the gross saving and the summariser's cost
+are known here; the prompt-cache effect is measured only from a provider's answer, so
+explain gives the net before it.
 """
 
 from __future__ import annotations
@@ -11,9 +17,13 @@ import asyncio
 from typing import Any
 
 from proxy.core.conversation import WireAdapter
+from proxy.pipeline import Report
+from proxy.policy import ModelRoute
 from proxy.runtime import Runtime
+from proxy.serve.costs import request_cost
 from proxy.serve.http import parse_body
 from proxy.settings import Tenant
+from proxy.store.calibration import ConfiguredCalibration
 
 
 async def explain(
@@ -23,6 +33,43 @@ async def explain(
     # large bodies are parsed and assembled off the event loop, as on the managed path
     offload = len(raw) > runtime.config.settings.server.offload_bytes
     body = (await asyncio.get_running_loop().run_in_executor(None, parse_body, raw)) if offload else parse_body(raw)
-    assembly, _route, _policy = await runtime.assemble(wire, body, tenant=tenant, override=override, offload=offload,
-                                                       request_id=request_id, dry_run=not summarize)
-    return {wire.field: assembly.messages, "report": assembly.report.as_dict()}
+    assembly, route, _policy = await runtime.assemble(wire, body, tenant=tenant, override=override, offload=offload,
+                                                      request_id=request_id, dry_run=not summarize)
+    report = assembly.report.as_dict()
+    report["calibration_detail"] = calibration_detail(runtime, route)
+    report["cost"] = cost_figures(runtime, route, assembly.report)
+    return {wire.field: assembly.messages, "report": report}
+
+
+def calibration_detail(runtime: Runtime, route: ModelRoute) -> dict[str, Any]:
+    calibration = runtime.calibration
+    if isinstance(calibration, ConfiguredCalibration):
+        return calibration.effective(route).describe()
+    factor = calibration.factor(route) if calibration is not None else 1.0
+    return {"factor": factor, "source": "runtime" if calibration is not None else "off"}
+
+
+def cost_figures(runtime: Runtime, route: ModelRoute, report: Report) -> dict[str, Any]:
+    """This request's figures in USD, priced on the route's upstream model (None: unknown here)."""
+    cost = request_cost(report, route.upstream_model, runtime.model_map)
+    prices = runtime.model_map.prices(route.upstream_model)
+    summarizer = cost.summarizer_usd
+    notes = ["the prompt-cache effect is measured from the provider's answer; explain forwards nothing"]
+    if report.summary == "would_create":
+        summarizer = None
+        notes.append("a summary would be made here: its cost is known once made (?summarize=true makes it)")
+    if prices is None:
+        notes.append(f"no price for {route.upstream_model!r} in the config or litellm's map")
+    before_cache = cost.gross_usd - summarizer if cost.gross_usd is not None and summarizer is not None else None
+    return {
+        "priced_model": route.upstream_model,
+        "prices": None if prices is None else {"input": prices.input, "output": prices.output,
+                                               "cache_read": prices.cache_read, "cache_write": prices.cache_write,
+                                               "source": prices.source},
+        "removed_tokens": cost.removed_tokens,
+        "gross_usd": cost.gross_usd,
+        "summarizer_usd": summarizer,
+        "prompt_cache_usd": None,
+        "net_before_prompt_cache_usd": before_cache,
+        "notes": notes,
+    }

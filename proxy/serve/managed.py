@@ -8,6 +8,7 @@ the adapter: parsing and rendering, the error shape, the stream's end.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Protocol
 
@@ -18,7 +19,9 @@ from multidict import CIMultiDict
 from proxy.core.conversation import WireAdapter
 from proxy.core.errors import BadRequest, CtxProxyError, PayloadError
 from proxy.pipeline import Assembly
+from proxy.policy import ModelRoute
 from proxy.runtime import Runtime
+from proxy.serve.feedback import settle
 from proxy.serve.http import (
     ERROR_SHAPE,
     OVERRIDE_HEADER,
@@ -32,10 +35,13 @@ from proxy.serve.http import (
     state,
 )
 from proxy.serve.requestlog import RequestRecord
+from proxy.serve.state import State
 from proxy.serve.streaming import STREAM_ERROR, relay_answer
 from proxy.settings import Tenant
 from proxy.upstream.base import Answer, Outgoing
 from proxy.wire.sse import StreamEnd, StreamWatcher
+
+log = logging.getLogger("ctxproxy")
 
 
 class ManagedWire(WireAdapter, Protocol):
@@ -110,6 +116,8 @@ async def _handle(request: web.Request, wire: ManagedWire, hook: RequestHook | N
     request[ERROR_SHAPE] = wire.error_shape
     record = RequestRecord(request_id=rid, started=started, wire=wire.name)
     status = 500
+    assembly: Assembly | None = None
+    route: ModelRoute | None = None
     try:
         tenant = runtime.authenticate(client_key(request))
         record.tenant = tenant.name if tenant else "default"
@@ -170,5 +178,18 @@ async def _handle(request: web.Request, wire: ManagedWire, hook: RequestHook | N
             record.error = request[STREAM_ERROR]
         st.metrics.finished(record.tenant, record.model or "other", status, overhead=record.overhead,
                             upstream=record.upstream, ttft=record.ttft, usage=record.usage, wire=wire.name)
-        if st.config.settings.logging.requests:
+        if assembly is not None and route is not None:
+            # learn from the answer's usage and count what it cost, once the answer is on its way (next loop turn)
+            asyncio.get_running_loop().call_soon(_after_answer, st, route, assembly, record, status, wire.name)
+        elif st.config.settings.logging.requests:
             record.log()
+
+
+def _after_answer(st: State, route: ModelRoute, assembly: Assembly, record: RequestRecord, status: int,
+                  wire: str) -> None:
+    try:
+        record.cost = settle(st.shared, st.metrics, route, assembly, record.tenant, record.usage, status, wire)
+    except Exception:  # a bug here must never touch the answer, nor silence the request log
+        log.exception("usage feedback failed for request %s", record.request_id)
+    if st.config.settings.logging.requests:
+        record.log()

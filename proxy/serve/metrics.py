@@ -3,7 +3,12 @@
 One ``Metrics`` instance owns its own ``CollectorRegistry`` (the global
 ``REGISTRY`` is never touched) and is the ``Observer`` the runtime reports
 summariser calls and cache errors to; the request handler calls ``assembled``,
-``finished``, ``payload_error`` and ``prefix``.
+``finished``, ``payload_error`` and ``prefix``, and after each answer
+``account`` (the request's cost figures, ``proxy.serve.costs``) and
+``calibration_sample``; the calibration store reports its factors to
+``calibration_factor``. What the cost report needs is also added to the cost
+ledger (``ledger``, ``proxy.store.ledger``) at the same places, with the same
+labels, so the report's totals equal the counters'.
 
 Label values come only from bounded sets, never from a key, a user id or
 prompt text: a tenant is a configured tenant name ("default" when no tenants
@@ -35,19 +40,32 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client import values as prom_values
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from proxy.core.conversation import UNMANAGED_REASONS
 from proxy.core.pairing import REPAIR_KINDS
+from proxy.core.usage import normalise_usage
 from proxy.pipeline import REMOVED_HOW, SUMMARY_STATUSES
+from proxy.store.calibration import SAMPLE_RESULTS
 from proxy.upstream.engine import FAILURE_REASONS
 
 if TYPE_CHECKING:
     from plugins.base import Completion
     from proxy.core.modelinfo import ModelMap
+    from proxy.core.usage import Usage
     from proxy.pipeline import Report
+    from proxy.serve.costs import RequestCost
+    from proxy.store.calibration import Sample
+    from proxy.store.ledger import Ledger
 
 log = logging.getLogger("ctxproxy")
 
@@ -61,6 +79,9 @@ MAX_ERROR_CODES = 50
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 UPSTREAM_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0)
+# (ctxproxy's count - the provider's) / the provider's: negative = ctxproxy counted fewer (budgets too large)
+ERROR_BUCKETS = (-0.5, -0.3, -0.2, -0.15, -0.1, -0.05, -0.02, -0.01, 0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+CACHE_EFFECT_KINDS = ("break", "removed")
 
 TM = ("tenant", "model")
 
@@ -73,6 +94,7 @@ class Metrics:
         model_map: ModelMap,
         *,
         multiprocess_dir: str | None = None,
+        upstreams: Iterable[str] = (),
     ) -> None:
         if multiprocess_dir is not None:
             _check_multiprocess(multiprocess_dir)
@@ -81,9 +103,12 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._tenants: frozenset[str] = frozenset()
         self._models: frozenset[str] = frozenset()
+        self._upstreams: frozenset[str] = frozenset()
         self._error_codes: set[str] = set()
         self._unpriced_logged: set[str] = set()
-        self.set_labels(tenants, models)
+        self.ledger: Ledger | None = None  # set by the app: the cost report's persistent twin of these counters
+        self._children: dict[tuple[Any, ...], Any] = {}  # labelled series of the after-answer metrics (bounded labels)
+        self.set_labels(tenants, models, upstreams)
 
         def counter(name: str, doc: str, labels: tuple[str, ...]) -> Counter:
             return Counter(name, doc, labels, registry=self.registry)
@@ -123,13 +148,57 @@ class Metrics:
         self.upstream = histogram(
             "ctxproxy_upstream_seconds", "Upstream response time (whole response).", TM, UPSTREAM_BUCKETS)
         self.ttft = histogram("ctxproxy_upstream_ttft_seconds", "Upstream time to first token.", TM, TTFT_BUCKETS)
+        # the net cost of context management (proxy.serve.costs), per tenant and the request's model
+        self.request_summarizer_cost = counter(
+            "ctxproxy_request_summarizer_cost_usd",
+            "Summariser cost in USD, attributed to the tenant and model of the request that made the summary.", TM)
+        self.cache_effect = counter(
+            "ctxproxy_prompt_cache_effect_usd",
+            "Prompt-cache cost of context management in USD, measured from the provider's cached tokens, by kind: "
+            "break (a compaction changed a prefix the provider had cached) or removed (removed tokens the provider "
+            "would have read from its cache: gross prices them at the full input price).", (*TM, "kind"))
+        self.cache_effect_tokens = counter(
+            "ctxproxy_prompt_cache_effect_tokens",
+            "Provider tokens behind ctxproxy_prompt_cache_effect_usd, by kind.", (*TM, "kind"))
+        self.net_savings = counter(
+            "ctxproxy_net_savings_usd",
+            "Net savings in USD of requests whose net was positive: gross - summariser - prompt-cache effect "
+            "(net = this - ctxproxy_net_loss_usd).", TM)
+        self.net_loss = counter(
+            "ctxproxy_net_loss_usd",
+            "Net savings in USD of requests whose net was negative, as a positive amount.", TM)
+        # token-count calibration (proxy.store.calibration), per upstream model
+        self.calibration = Gauge(
+            "ctxproxy_token_calibration_factor",
+            "The provider's input-token count over ctxproxy's, learned from usage (or the family default).",
+            ("upstream", "model"), registry=self.registry, multiprocess_mode="mostrecent")
+        self.calibration_samples = counter(
+            "ctxproxy_calibration_samples", "Answers considered for calibration, by result.", ("model", "result"))
+        self.count_error = histogram(
+            "ctxproxy_token_count_error_ratio",
+            "Relative error of ctxproxy's input count against the provider's, (ctxproxy - provider) / provider: "
+            "raw, and calibrated (ctxproxy's count times the factor the request's budget used).",
+            ("model", "count"), ERROR_BUCKETS)
 
     # -- labels ---------------------------------------------------------------------------------------
 
-    def set_labels(self, tenants: Iterable[str], models: Iterable[str]) -> None:
-        """Replace the allowed tenant and model names (on config reload)."""
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: the after-answer metrics are updated on every answer."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def _ledger(self, tenant: str, model: str, **amounts: float) -> None:
+        if self.ledger is not None:
+            self.ledger.add(tenant, model, **amounts)
+
+    def set_labels(self, tenants: Iterable[str], models: Iterable[str], upstreams: Iterable[str] = ()) -> None:
+        """Replace the allowed tenant, model and upstream names (on config reload)."""
         self._tenants = frozenset(tenants) or frozenset({"default"})
         self._models = frozenset(models)
+        self._upstreams = frozenset(upstreams)
 
     def tenant_label(self, tenant: str) -> str:
         return tenant if tenant in self._tenants else OTHER
@@ -191,13 +260,57 @@ class Metrics:
         if report.unmanaged:
             reason = report.unmanaged if report.unmanaged in UNMANAGED_REASONS else OTHER
             self.unmanaged.labels(report.wire if report.wire in WIRES else OTHER, reason).inc()
+        gross = 0.0
         if removed:
             priced = upstream_model or model
             price = self.model_map.input_price(priced)
             if price is None:
                 self._unpriced(priced)
             else:
-                self.savings.labels(t, m).inc(removed * price)
+                # tokens removed as the provider counts them (the calibration factor), at its input price
+                gross = removed * _factor(report.calibration) * price
+                self.savings.labels(t, m).inc(gross)
+        self._ledger(t, m, tokens_received=max(0, report.tokens_before), tokens_forwarded=max(0, report.tokens_after),
+                     tokens_removed=removed, gross_usd=gross,
+                     summaries_created=int(report.summary == "created"), summaries_reused=int(report.summary == "reused"))
+
+    def account(self, tenant: str, model: str, cost: RequestCost) -> None:
+        """One request's cost figures, after its answer: the summariser's share, the prompt-cache effect, net."""
+        t, m = self.tenant_label(tenant), self.model_label(model)
+        if cost.summarizer_usd:
+            self._child(self.request_summarizer_cost, t, m).inc(max(0.0, cost.summarizer_usd))
+        effects = {"break": (cost.cache_break_usd, cost.cache.lost_reads + cost.cache.extra_writes),
+                   "removed": (cost.cache_removed_usd, cost.cache.removed_reads)}
+        effect_usd = 0.0
+        for kind, (usd, tokens) in effects.items():
+            if tokens > 0:
+                self._child(self.cache_effect_tokens, t, m, kind).inc(tokens)
+            if usd:
+                self._child(self.cache_effect, t, m, kind).inc(max(0.0, usd))
+                effect_usd += max(0.0, usd)
+        net = cost.net_usd
+        if net is not None and net > 0:
+            self._child(self.net_savings, t, m).inc(net)
+        elif net is not None and net < 0:
+            self._child(self.net_loss, t, m).inc(-net)
+        # an unknown price was already counted where it was met (assembled, summary_call)
+        self._ledger(t, m, summarizer_usd=max(0.0, cost.summarizer_usd or 0.0), cache_effect_usd=effect_usd,
+                     net_usd=net or 0.0, unpriced=int(net is None))
+
+    def calibration_factor(self, upstream: str, model: str, factor: float) -> None:
+        """The factor in effect for an upstream model (the calibration store's hook)."""
+        self.calibration.labels(upstream if upstream in self._upstreams else OTHER, self.model_label(model)).set(factor)
+
+    def calibration_sample(self, model: str, sample: Sample, usage: Usage | None, proxy_tokens: int,
+                           factor: float) -> None:
+        """One answer considered for calibration; a used one adds to the accuracy histogram."""
+        m = self.model_label(model)
+        self._child(self.calibration_samples, m, sample.result if sample.result in SAMPLE_RESULTS else OTHER).inc()
+        if sample.result != "used" or usage is None or usage.input_tokens <= 0:
+            return
+        provider = usage.input_tokens
+        self._child(self.count_error, m, "raw").observe((proxy_tokens - provider) / provider)
+        self._child(self.count_error, m, "calibrated").observe((proxy_tokens * _factor(factor) - provider) / provider)
 
     def finished(
         self,
@@ -214,13 +327,14 @@ class Metrics:
         """One finished request: status, timings, and the provider's usage block if any."""
         t, m = self.tenant_label(tenant), self.model_label(model)
         self.requests.labels(t, m, wire if wire in WIRES else OTHER, str(status) if 100 <= status <= 599 else OTHER).inc()
+        self._ledger(t, m, requests=1)
         if overhead is not None:
             self.overhead.observe(max(0.0, overhead))
         if upstream is not None:
             self.upstream.labels(t, m).observe(max(0.0, upstream))
         if ttft is not None:
             self.ttft.labels(t, m).observe(max(0.0, ttft))
-        cached = _cached_tokens(usage)
+        cached = _cached_tokens(usage, wire)
         if cached:
             self.cached_tokens.labels(t, m).inc(cached)
 
@@ -248,10 +362,17 @@ class Metrics:
         return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
-def _cached_tokens(usage: dict[str, Any] | None) -> int:
+def _cached_tokens(usage: dict[str, Any] | None, wire: str = "chat") -> int:
+    normalised = normalise_usage(usage, wire if wire in WIRES else None)
+    if normalised is not None:
+        return normalised.cached_tokens
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     value = details.get("cached_tokens") if isinstance(details, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _factor(value: float) -> float:
+    return value if isinstance(value, (int, float)) and 0 < value < 100 else 1.0
 
 
 def _check_multiprocess(path: str) -> None:

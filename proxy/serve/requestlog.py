@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from proxy.pipeline import Report
+
+if TYPE_CHECKING:
+    from proxy.serve.costs import RequestCost
 
 log = logging.getLogger("ctxproxy.requests")
 
@@ -33,6 +36,7 @@ class RequestRecord:
     upstream: float | None = None
     ttft: float | None = None
     usage: dict[str, Any] | None = None
+    cost: RequestCost | None = None
 
     def fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -70,6 +74,11 @@ class RequestRecord:
             out["ttft_ms"] = round(self.ttft * 1000, 3)
         if self.usage:
             out["usage"] = {k: v for k, v in self.usage.items() if isinstance(v, int)}
+        c = self.cost
+        if c is not None:
+            out["cost"] = {"calibration": r.calibration if r is not None else None, "gross_usd": c.gross_usd,
+                           "summarizer_usd": c.summarizer_usd, "cache_break_usd": c.cache_break_usd,
+                           "cache_removed_usd": c.cache_removed_usd, "net_usd": c.net_usd}
         return out
 
     def log(self) -> None:

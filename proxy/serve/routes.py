@@ -45,5 +45,6 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/readyz", admin.readyz)
     r.add_get("/metrics", admin.metrics_handler)
     r.add_post("/admin/reload", admin.admin_reload)
+    r.add_get("/admin/report", admin.admin_report)
     r.add_route("*", "/v1/ctxproxy/{tail:.*}", admin.not_found)  # the proxy's own namespace is never relayed
     r.add_route("*", "/v1/{tail:.*}", make_relay(managed))

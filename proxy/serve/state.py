@@ -1,8 +1,9 @@
 """The application's state, typed, and the one way to build a runtime from a config.
 
 ``build_shared`` opens the objects that outlive a reload (token counters, model map,
-summary cache, summaries, calibration); ``build_runtime`` wires a config to them
-(routes, providers, the summariser's engine). The server, ``ctxproxy assemble`` and
+summary cache, summaries, calibration, the prompt-cache tracker, the cost ledger);
+``build_runtime`` wires a config to them (routes, providers, the summariser's engine,
+the config's calibration modes and prices). The server, ``ctxproxy assemble`` and
 explain all go through these two functions.
 """
 
@@ -14,14 +15,17 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from proxy.core.errors import ConfigError
-from proxy.core.modelinfo import ModelMap
+from proxy.core.modelinfo import ModelMap, PriceOverride
 from proxy.core.tokens import Tokenizers
 from proxy.runtime import Runtime
 from proxy.serve.metrics import Metrics
 from proxy.settings import Config, load_config
 from proxy.store.backends import open_cache
 from proxy.store.cache import Cache, SafeCache
+from proxy.store.calibration import CalibrationStore, ConfiguredCalibration
+from proxy.store.ledger import Ledger
 from proxy.store.prefix import PrefixTracker
+from proxy.store.promptcache import PromptCacheTracker
 from proxy.store.summaries import LOCK_TTL, SummaryService
 from proxy.upstream.engine import UpstreamEngine
 from proxy.upstream.http import UpstreamPool
@@ -39,9 +43,14 @@ class Shared:
     cache: Cache | SafeCache
     summaries: SummaryService
     pool: UpstreamPool
+    calibration: CalibrationStore
+    ledger: Ledger
+    prompt_cache: PromptCacheTracker = field(default_factory=PromptCacheTracker)
 
     async def close(self) -> None:
         await self.summaries.close()
+        await self.calibration.close()
+        await self.ledger.close()
         await self.pool.close()
         await self.cache.close()
 
@@ -69,7 +78,11 @@ def build_shared(
         on_call=metrics.summary_call if metrics else None,
         on_failure=metrics.summary_failed if metrics else None,
     )
-    return Shared(Tokenizers(), model_map or ModelMap(), cache, summaries, UpstreamPool(s.server))
+    calibration = CalibrationStore(cache, on_factor=metrics.calibration_factor if metrics else None)
+    ledger = Ledger(cache)
+    if metrics is not None:
+        metrics.ledger = ledger
+    return Shared(Tokenizers(), model_map or ModelMap(), cache, summaries, UpstreamPool(s.server), calibration, ledger)
 
 
 @dataclass
@@ -83,7 +96,9 @@ class Served:
 def build_runtime(config: Config, shared: Shared, *, engine: bool = True) -> Served:
     """The runtime for ``config``; ``engine=False`` leaves it without a summariser (``assemble --offline``)."""
     providers = Providers(config, shared.pool)
-    runtime = Runtime(config, tokenizers=shared.tokenizers, model_map=shared.model_map, summaries=shared.summaries)
+    shared.model_map.set_price_overrides(price_overrides(config))
+    runtime = Runtime(config, tokenizers=shared.tokenizers, model_map=shared.model_map, summaries=shared.summaries,
+                      calibration=ConfiguredCalibration(shared.calibration, config))
     if engine:
         runtime.engine = UpstreamEngine(runtime.route, providers.for_route)
     return Served(runtime, providers)
@@ -119,7 +134,7 @@ class State:
                 log.error("reload rejected, keeping the running config: %s", problem)
             return exc.problems
         self.served = build_runtime(config, self.shared)
-        self.metrics.set_labels(tenant_names(config), model_names(config))
+        self.metrics.set_labels(tenant_names(config), model_names(config), upstream_names(config))
         log.info("config reloaded from %s", self.config_path)
         return []
 
@@ -132,4 +147,19 @@ def tenant_names(config: Config) -> list[str]:
 
 
 def model_names(config: Config) -> list[str]:
-    return [m.name for m in config.settings.models]
+    """Configured model names, and the upstream models they route to (calibration and prices are per upstream model)."""
+    names = [m.name for m in config.settings.models]
+    return names + [m.upstream_model for m in config.settings.models if m.upstream_model not in names]
+
+
+def upstream_names(config: Config) -> list[str]:
+    return list(config.settings.upstreams)
+
+
+def price_overrides(config: Config) -> dict[str, PriceOverride]:
+    """The config's own prices, by the upstream model they price (``models[].input_cost_per_token`` ...)."""
+    out: dict[str, PriceOverride] = {}
+    for m in config.settings.models:
+        if any(p is not None for p in m.prices()):
+            out[m.upstream_model] = PriceOverride(*m.prices())
+    return out

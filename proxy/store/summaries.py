@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import time
@@ -144,6 +145,8 @@ class SummaryService:
         summary = _summary(record, job.cut, job.link)
         if summary is None:
             raise SummaryUnavailable("cached summary is unreadable", reason="error")
+        if fresh:  # what it cost, for the request that reports it created (proxy.serve.costs)
+            summary = dataclasses.replace(summary, made_with=_usage(record.get("usage")))
         return summary, fresh
 
     async def _record(self, job: _Job) -> tuple[dict[str, Any], bool]:
@@ -190,7 +193,10 @@ class SummaryService:
         if self.on_call is not None:
             self.on_call(job.scope.tenant, completion)
         record = {"text": text, "turns": cut, "chain": job.link, "model": completion.model,
-                  "incremental": bool(start), "created": time.time()}
+                  "incremental": bool(start), "created": time.time(),
+                  "usage": {"model": completion.model, "upstream_model": completion.upstream_model,
+                            "prompt_tokens": completion.prompt_tokens,
+                            "completion_tokens": completion.completion_tokens}}
         await self.cache.set(job.key, record, self.ttl)
         return record
 
@@ -231,6 +237,16 @@ class _Job:
     previous: CachedSummary | None
     summarize: SummarizeFn
     request_id: str
+
+
+def _usage(raw: Any) -> Completion | None:
+    if not isinstance(raw, dict):
+        return None
+    model, upstream = raw.get("model"), raw.get("upstream_model")
+    prompt, completion = raw.get("prompt_tokens"), raw.get("completion_tokens")
+    if not isinstance(model, str) or not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    return Completion("", model, max(0, prompt), max(0, completion), upstream if isinstance(upstream, str) else "")
 
 
 def _summary(record: dict[str, Any] | None, turns: int, chain: str) -> CachedSummary | None:

@@ -57,7 +57,7 @@ class UpstreamPool:
         session = self._sessions.get(upstream.base_url)
         if session is None or session.closed:
             connector = aiohttp.TCPConnector(limit=upstream.max_connections, ttl_dns_cache=300,
-                                             enable_cleanup_closed=True)
+                                             enable_cleanup_closed=True, keepalive_timeout=upstream.keepalive_seconds)
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.server.connect_timeout)
             session = aiohttp.ClientSession(
                 connector=connector, timeout=timeout, auto_decompress=True, skip_auto_headers=("User-Agent",),

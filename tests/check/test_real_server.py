@@ -18,9 +18,6 @@ from tests.check._support import RESULTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-ISSUE_17 = ("issue 17: ctxproxy sends `X-Request-ID: ctxproxy-summarize` on summariser calls; llama_cpp.server "
-            "(starlette-context's RequestIdPlugin) answers an X-Request-ID that is not a UUID with 400 and an "
-            "empty body, so every summary fails and ctxproxy serves with the trimmer alone")
 TOKEN_GAP = ("issue 17, calibration: the server counts 7-18 % more prompt tokens than ctxproxy's o200k count of "
              "the same messages (SmolLM2's tokenizer and chat template), more than the 10 % margin, so a payload "
              "near ctxproxy's budget B overflows the real window (400 context_length_exceeded, or a stream closed "
@@ -77,13 +74,11 @@ def test_the_server_refuses_a_non_uuid_request_id(run: dict[str, Any]) -> None:
     assert probe["uuid"]["status"] == 200
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE_17)
 def test_summariser_calls_accepted_by_the_server(run: dict[str, Any]) -> None:
     assert run["summariser_calls"]["failed"] == 0, run["proxy_warnings"]
     assert not any("summariser failed" in line for line in run["proxy_warnings"])
 
 
-@pytest.mark.xfail(strict=True, reason=ISSUE_17)
 def test_summaries_created_by_the_real_model_and_reused(run: dict[str, Any]) -> None:
     s = run["summariser_calls"]
     assert s["created"] >= 1 and s["reused"] >= 1, s

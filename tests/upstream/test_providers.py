@@ -94,10 +94,10 @@ async def test_client_credentials_are_forwarded_only_without_tenants_and_key(
     assert p.forward_client_auth is forward
 
 
-async def test_the_litellm_provider_serves_the_chat_wire_only() -> None:
+async def test_the_litellm_provider_refuses_a_wire_it_does_not_serve() -> None:
     cfg = config()
     route = routes(cfg).resolve("claude")
-    call = Outgoing("responses", "/responses", {"model": "claude", "input": "hi"}, b"{}", False, {}, "r")
+    call = Outgoing("no-such-wire", "/nowhere", {"model": "claude", "input": "hi"}, b"{}", False, {}, "r")
     with pytest.raises(BadRequest) as err:
         await LiteLLMProvider(None).send(route, call)
     assert err.value.code == "unsupported_wire"

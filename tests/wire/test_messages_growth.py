@@ -82,12 +82,14 @@ async def test_a_growing_60_turn_conversation_on_a_16k_budget(
         "trimmer": {"max_tokens": BUDGET}, "cache": {"backend": "memory"},
         "logging": {"level": "WARNING", "requests": False},
     })
+    runtime = proxy.state.runtime
+    factor = runtime.calibration.factor(runtime.route(CLAUDE)) if runtime.calibration is not None else 1.0
     stats = await grow(proxy.url, manager)
     sent = [r.body for r in upstream.messages]
     assert len(sent) == len(stats)
     for body in sent:
         assert not pairing_problems(body["messages"])
-        assert recount(body) <= BUDGET and cache_marks(body) <= 4
+        assert recount(body) * factor <= BUDGET and cache_marks(body) <= 4
         assert body["system"] == SYSTEM and body["tools"] == TOOLS
     pairs = list(itertools.pairwise(sent))
     survived = sum(cached_prefix_survives(a, b) for a, b in pairs)
@@ -99,7 +101,8 @@ async def test_a_growing_60_turn_conversation_on_a_16k_budget(
           f"summariser calls {summariser_calls}; tokens received {received:,}, forwarded {forwarded:,} "
           f"({forwarded / received:.0%}); compacted requests {compacted}; cached prefix survived in "
           f"{survived}/{len(pairs)} consecutive requests ({survived / len(pairs):.1%}); "
-          f"largest forwarded {max(r['out'] for r in stats):,}")
+          f"largest forwarded {max(r['out'] for r in stats):,} (token figures in the proxy's count; the budget holds "
+          f"in the provider's, at the calibration factor {factor})")
     assert compacted > len(stats) // 2  # the budget really binds for most of the conversation
     assert forwarded < received * 0.6
     assert survived / len(pairs) >= 0.9  # compaction moves on a grid: most requests keep the provider's cache

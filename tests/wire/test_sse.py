@@ -274,7 +274,7 @@ def test_error_events_in_each_wires_shape(error: Any) -> None:
     body = error.to_openai()["error"]
     assert name == "error"
     assert payload == {"type": "error", "code": body["code"], "message": body["message"], "param": body["param"],
-                       "sequence_number": 0}
+                       "sequence_number": 0, "error": body}  # the error object: the SDK raises APIError on it
     (name, payload), = parse_events(MESSAGES.error_event(error))
     assert name == "error"
     assert payload["type"] == "error" and payload["error"]["message"] == error.message

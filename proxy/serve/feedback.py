@@ -1,0 +1,38 @@
+"""After each answer: learn from the provider's usage, and count what context management saved and cost.
+
+``settle`` runs in the managed handler's ``finally`` for every request the pipeline assembled (no
+await: nothing here can delay or fail the answer). It normalises the provider's usage
+(``proxy.core.usage``), gives the calibration store its sample (``proxy.store.calibration``), lets the
+prompt-cache tracker compare the answer with the conversation's previous one
+(``proxy.store.promptcache``), prices the request (``proxy.serve.costs``) and counts it in the
+metrics (and through them the cost ledger).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.core.usage import Usage, normalise_usage
+from proxy.pipeline import Assembly
+from proxy.policy import ModelRoute
+from proxy.serve.costs import RequestCost, removed_tokens, request_cost
+from proxy.serve.metrics import Metrics
+from proxy.serve.state import Shared
+from proxy.store.calibration import hidden_input
+
+
+def settle(shared: Shared, metrics: Metrics, route: ModelRoute, assembly: Assembly, tenant: str, usage: Any,
+           status: int, wire: str) -> RequestCost:
+    """Calibrate from one answer, measure its prompt-cache effect, count its figures; returns them (for the log)."""
+    report = assembly.report
+    answered: Usage | None = normalise_usage(usage, wire) if 200 <= status < 300 else None
+    sample = shared.calibration.observe(route.upstream, route.upstream_model,
+                                        answered.input_tokens if answered is not None else None,
+                                        report.tokens_after, hidden_input(assembly.body))
+    metrics.calibration_sample(route.upstream_model, sample, answered, report.tokens_after, report.calibration)
+    # cached-token counts that do not add up (cached above the input ...) measure nothing
+    cached = answered if answered is not None and answered.consistent else None
+    effect = shared.prompt_cache.observe(tenant, assembly.received, assembly.items, cached, removed_tokens(report))
+    cost = request_cost(report, route.upstream_model, shared.model_map, effect if cached is not None else None)
+    metrics.account(tenant, route.name, cost)
+    return cost

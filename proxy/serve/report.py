@@ -1,0 +1,78 @@
+"""The cost report: per tenant and model, from the cost ledger (``proxy.store.ledger``).
+
+``ctxproxy report --since 24h`` reads the configured cache backend directly; ``GET /admin/report`` (admin
+key) flushes the serving process's buckets first, then reads the same. Both print, per tenant and model:
+requests, tokens received / forwarded / removed, summaries created / reused, the summariser's cost, the
+gross saving, the prompt-cache effect and the net saving, with a total line.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from proxy.store.cache import Cache, SafeCache
+from proxy.store.ledger import HOUR, RETENTION_SECONDS, Row, read
+
+_SINCE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNITS = {"s": 1, "m": 60, "h": HOUR, "d": 24 * HOUR, "": HOUR}
+
+
+def parse_since(text: str) -> float:
+    """``90m``, ``24h``, ``7d`` (a bare number is hours) as seconds; at most the ledger's retention."""
+    match = _SINCE.match(text or "")
+    if match is None:
+        raise ValueError(f"since: expected a duration such as 90m, 24h or 7d, got {text[:40]!r}")
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if not 0 < seconds <= RETENTION_SECONDS:
+        raise ValueError(f"since: must be more than 0 and at most {RETENTION_SECONDS // (24 * HOUR)}d")
+    return seconds
+
+
+async def cost_report(cache: Cache | SafeCache, since_seconds: float, now: float | None = None) -> dict[str, Any]:
+    now = time.time() if now is None else now
+    since = now - since_seconds
+    rows = await read(cache, since, now)
+    total = Row("*", "*")
+    for row in rows:
+        total.add(row.amounts)
+    return {
+        "since": since, "until": now, "resolution": "hour",
+        "note": "from the cost ledger (hourly buckets in the cache backend); the first hour is counted whole",
+        "rows": [row.as_dict() for row in rows],
+        "total": total.as_dict(),
+    }
+
+
+COLUMNS = (
+    ("tenant", "tenant"), ("model", "model"), ("requests", "requests"), ("tokens_received", "received"),
+    ("tokens_forwarded", "forwarded"), ("tokens_removed", "removed"), ("summaries_created", "sum.new"),
+    ("summaries_reused", "sum.reused"), ("summarizer_usd", "summariser $"), ("gross_usd", "gross $"),
+    ("cache_effect_usd", "cache effect $"), ("net_usd", "net $"),
+)
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report as a plain-text table."""
+    def cell(name: str, value: Any) -> str:
+        if name.endswith("_usd"):
+            return f"{value:.6f}"
+        return str(value)
+
+    lines = [[title for _, title in COLUMNS]]
+    for row in [*report["rows"], report["total"]]:
+        lines.append([cell(name, row.get(name, 0)) for name, _ in COLUMNS])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]
+    out = []
+    for n, line in enumerate(lines):
+        if n == len(lines) - 1:
+            out.append("  ".join("-" * w for w in widths))
+        out.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
+    since = time.strftime("%Y-%m-%d %H:00 UTC", time.gmtime(report["since"]))
+    until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(report["until"]))
+    unpriced = report["total"].get("unpriced", 0)
+    footer = f"from {since} to {until}; net = gross - summariser - cache effect"
+    if unpriced:
+        footer += f"; {unpriced} request(s) had no price and are not in the $ columns"
+    return "\n".join([*out, footer]) + "\n"

@@ -1,0 +1,244 @@
+"""The calibration store: samples, the windowed median, family defaults, sharing through the cache, modes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from proxy.policy import ModelRoute
+from proxy.settings import load_config
+from proxy.store.cache import SafeCache
+from proxy.store.calibration import (
+    DEADBAND,
+    MAX_FACTOR,
+    MIN_FACTOR,
+    MIN_SAMPLE_TOKENS,
+    MIN_SAMPLES,
+    WINDOW,
+    CalibrationStore,
+    ConfiguredCalibration,
+    cache_key,
+    family_default,
+    hidden_input,
+    publish,
+    sample_of,
+)
+from proxy.store.memory import MemoryCache
+
+UP, MODEL = "fake", "SmolLM2-135M-Instruct"
+BIG = 4000  # a forwarded payload well above MIN_SAMPLE_TOKENS
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CountingCache(MemoryCache):
+    """A memory cache that counts reads (the request path must not read it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gets = 0
+        self.sets = 0
+
+    async def get(self, key: str) -> dict[str, Any] | None:
+        self.gets += 1
+        return await super().get(key)
+
+    async def set(self, key: str, value: dict[str, Any], ttl: float | None = None) -> None:
+        self.sets += 1
+        await super().set(key, value, ttl)
+
+
+def store(cache: Any = None, **kw: Any) -> CalibrationStore:
+    return CalibrationStore(SafeCache(cache if cache is not None else MemoryCache()), **kw)
+
+
+def feed(s: CalibrationStore, ratios: list[float], model: str = MODEL) -> None:
+    for r in ratios:
+        assert s.observe(UP, model, round(BIG * r), BIG).result == "used"
+
+
+@pytest.mark.parametrize(("model", "family", "factor"), [
+    ("gpt-4o-mini", "openai", 1.0),
+    ("openai/gpt-4o", "openai", 1.0),
+    ("o3-mini", "openai", 1.0),
+    ("anthropic/claude-sonnet-4-5", "claude", 1.20),
+    ("SmolLM2-135M-Instruct", "small-vocabulary", 1.20),
+    ("mistral-large-latest", "mistral", 1.20),
+    ("gemini/gemini-2.0-flash", "gemini", 1.15),
+    ("meta-llama/Llama-3.1-70B-Instruct", "llama", 1.15),
+    ("Qwen/Qwen2.5-72B-Instruct", "qwen", 1.15),
+    ("deepseek-chat", "deepseek", 1.15),
+    ("small", "unknown", 1.0),
+])
+def test_family_defaults(model: str, family: str, factor: float) -> None:
+    assert family_default(model) == (family, factor)
+
+
+def test_what_is_a_sample() -> None:
+    assert sample_of(None, BIG).result == "no_usage"
+    assert sample_of(0, BIG).result == "zero"
+    assert sample_of(-5, BIG).result == "zero"
+    assert sample_of(50, MIN_SAMPLE_TOKENS - 1).result == "small"
+    assert sample_of(5000, BIG, hidden="previous_response_id").result == "hidden_input"
+    # the fake upstream's fixed usage (10 prompt tokens) is not a count of this payload
+    assert sample_of(10, BIG).result == "implausible"
+    assert sample_of(BIG * 4, BIG).result == "implausible"
+    assert sample_of(1300, 1000) == sample_of(1300, 1000)
+    assert sample_of(1300, 1000).ratio == pytest.approx(1.3)
+    assert sample_of(2900, 1000).ratio == MAX_FACTOR  # plausible, clamped
+    assert sample_of(400, 1000).ratio == MIN_FACTOR
+
+
+def test_hidden_input() -> None:
+    assert hidden_input({"model": "m", "messages": []}) is None
+    assert hidden_input({"previous_response_id": "resp_1"}) == "previous_response_id"
+    assert hidden_input({"conversation": "conv_1"}) == "conversation"
+    assert hidden_input({"previous_response_id": None}) is None
+    assert hidden_input({"tools": [{"type": "function", "function": {"name": "f"}}]}) is None
+    assert hidden_input({"tools": [{"name": "get_weather", "input_schema": {}}]}) is None  # Anthropic client tool
+    assert hidden_input({"tools": [{"type": "web_search_preview"}]}) == "server_tools"
+    assert hidden_input({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}) == "server_tools"
+    assert hidden_input(None) is None
+    assert hidden_input({"tools": "garbage"}) is None
+
+
+async def test_default_until_enough_samples_then_the_median() -> None:
+    s = store()
+    assert s.factor(UP, MODEL) == 1.20  # the family default before any answer
+    feed(s, [1.3] * (MIN_SAMPLES - 1))
+    assert s.get(UP, MODEL).source == "default"
+    feed(s, [1.3])
+    got = s.get(UP, MODEL)
+    assert (got.factor, got.source, got.samples) == (1.3, "learned", MIN_SAMPLES)
+    assert s.factor(UP, MODEL) == 1.3
+    await s.flush()
+
+
+async def test_outliers_do_not_move_it_and_a_real_change_takes_over() -> None:
+    s = store()
+    feed(s, [1.3] * 20)
+    feed(s, [2.5, 0.6, 2.9])  # odd requests (clamped): the median does not move
+    assert s.factor(UP, MODEL) == 1.3
+    feed(s, [1.1] * (WINDOW // 2 + 1))  # a new tokenizer behind the same name
+    assert s.factor(UP, MODEL) == 1.1
+    await s.flush()
+
+
+def test_dead_band_and_rounding() -> None:
+    assert publish(1.3049, None) == 1.3
+    assert publish(1.31, 1.3) == 1.3  # inside the dead band: no jitter in B
+    assert publish(1.3 + DEADBAND, 1.3) == pytest.approx(1.32)
+    assert publish(9.0, None) == MAX_FACTOR
+    assert publish(0.1, None) == MIN_FACTOR
+
+
+async def test_shared_through_the_cache_and_merged_without_duplicates() -> None:
+    cache = MemoryCache()
+    a, b = store(cache), store(cache)
+    feed(a, [1.3] * 4)
+    await a.flush()
+    await b.load(UP, MODEL)  # a new replica (or a restart): the first request of a model awaits the read
+    assert b.get(UP, MODEL).factor == 1.3
+    feed(b, [1.3] * 2)
+    await b.flush()
+    await a.load(UP, MODEL)  # fresh: not re-read (a dict hit)
+    a._entries[(UP, MODEL)].loaded = float("-inf")  # stale: refreshed in the background
+    await a.load(UP, MODEL)
+    await a.flush()
+    record = await cache.get(cache_key(UP, MODEL))
+    assert record is not None and len(record["samples"]) == 6  # 4 from a, 2 from b, none twice
+    assert {o for _, _, o in record["samples"]} == {a.origin, b.origin}
+    assert a.get(UP, MODEL).samples == 6
+
+
+async def test_the_request_path_reads_no_cache() -> None:
+    cache = CountingCache()
+    s = store(cache)
+    await s.load(UP, MODEL)
+    assert cache.gets == 1
+    for _ in range(1000):
+        await s.load(UP, MODEL)
+        s.factor(UP, MODEL)
+    assert cache.gets == 1
+
+
+async def test_a_stale_entry_is_refreshed_in_the_background() -> None:
+    cache, clock = CountingCache(), Clock()
+    s = store(cache, monotonic=clock, refresh=30.0)
+    await s.load(UP, MODEL)
+    clock.now += 31
+    await s.load(UP, MODEL)  # returns at once, the refresh runs in the background
+    await s.flush()
+    assert cache.gets == 2
+
+
+@pytest.mark.parametrize("stored", [
+    "not a dict-shaped value",
+    {"upstream": UP, "model": MODEL, "factor": 99, "samples": "garbage"},
+    {"upstream": UP, "model": MODEL, "factor": True,
+     "samples": [[1.3, 1.0], ["1.3", 1.0, "x"], [7.0, 1.0, "x"], [1.3, "t", "x"], [1.3, 1.0, 5], [True, 1.0, "x"]]},
+    {"upstream": "other", "model": MODEL, "factor": 1.9, "samples": [[1.9, 1.0, "x"]] * 5},  # another key's record
+])
+async def test_a_corrupt_or_foreign_record_is_ignored(stored: Any) -> None:
+    cache = MemoryCache()
+    if isinstance(stored, dict):
+        await cache.set(cache_key(UP, MODEL), stored)
+    else:
+        cache._data[cache_key(UP, MODEL)] = (b"[1, 2", None)  # not JSON: SafeCache turns it into a miss
+    s = store(cache)
+    await s.load(UP, MODEL)
+    got = s.get(UP, MODEL)
+    assert (got.factor, got.source) == (1.20, "default")
+
+
+async def test_a_failing_backend_never_fails_a_request() -> None:
+    class Down(MemoryCache):
+        async def get(self, key: str) -> dict[str, Any] | None:
+            raise OSError("down")
+
+        async def set(self, key: str, value: dict[str, Any], ttl: float | None = None) -> None:
+            raise OSError("down")
+
+    for s in (store(Down()), CalibrationStore(Down())):  # behind SafeCache, and bare
+        await s.load(UP, MODEL)
+        feed(s, [1.4] * 3)
+        await s.flush()
+        assert s.factor(UP, MODEL) == 1.4  # learned locally all the same
+
+
+async def test_the_local_table_is_bounded() -> None:
+    s = store(max_entries=5)
+    for i in range(20):
+        s.observe(UP, f"model-{i}", 1300, 1000)
+    assert len(s.entries()) == 5
+    await s.flush()
+
+
+async def test_config_modes() -> None:
+    config = load_config({"upstreams": {"u": {"base_url": "http://127.0.0.1:9"}}, "models": [
+        {"name": "auto", "model": MODEL}, {"name": "off", "model": MODEL, "calibration": "off"},
+        {"name": "pinned", "model": MODEL, "calibration": 1.5}, {"name": "alias", "model": MODEL}]}, env={})
+    s = store()
+    view = ConfiguredCalibration(s, config)
+
+    def route(name: str) -> ModelRoute:
+        return ModelRoute(name, "u", MODEL, "openai", 8000, None, "o200k_base")
+
+    s.observe("u", MODEL, 1300, 1000)
+    s.observe("u", MODEL, 1300, 1000)
+    s.observe("u", MODEL, 1300, 1000)
+    assert view.factor(route("auto")) == 1.3
+    assert view.factor(route("alias")) == 1.3  # keyed by the upstream model, not the alias
+    assert view.factor(route("unlisted")) == 1.3
+    assert view.factor(route("off")) == 1.0
+    assert view.factor(route("pinned")) == 1.5
+    assert view.effective(route("pinned")).describe()["learned"] == 1.3  # still learned, shown beside
+    assert view.effective(route("off")).source == "off"
+    await s.flush()

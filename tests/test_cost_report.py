@@ -1,0 +1,130 @@
+"""The cost report (``GET /admin/report``, ``ctxproxy report``): its totals equal the metrics'."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from proxy.cli import main
+from proxy.serve.report import parse_since, render
+from tests.conftest import RunningProxy, StartProxy
+from tests.fake_upstream import FakeUpstream
+from tests.outside import metric_samples, metric_total, scrape
+from tests.test_costs import ALIAS, SUMMARISER, config, growing
+
+ADMIN = "sk-admin"
+TENANTS = {"acme": "sk-acme", "globex": "sk-globex"}
+
+
+def report_config(url: str, **extra: Any) -> dict[str, Any]:
+    return config(url, tenants=[{"name": n, "keys": [k]} for n, k in TENANTS.items()], admin={"keys": [ADMIN]},
+                  **extra)
+
+
+async def traffic(proxy: RunningProxy) -> None:
+    """Two tenants, two models, summaries created and reused, cache effects, a refused request."""
+    async with aiohttp.ClientSession() as s:
+        for tenant, turns, model in (("acme", [10, 11, 40, 41], ALIAS), ("globex", [38, 39], ALIAS),
+                                     ("globex", [3, 4], SUMMARISER)):
+            for n in turns:
+                async with s.post(proxy.url + "/v1/chat/completions", json={"model": model, "messages": growing(n)},
+                                  headers={"Authorization": f"Bearer {TENANTS[tenant]}"}) as r:
+                    assert r.status == 200
+        async with s.post(proxy.url + "/v1/chat/completions", json={"model": ALIAS, "messages": [{"role": "wizard"}]},
+                          headers={"Authorization": "Bearer sk-acme"}) as r:
+            assert r.status == 400
+
+
+def expected(text: str) -> dict[tuple[str, str], dict[str, float]]:
+    """The report's columns, computed from /metrics."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    keys = {(labels["tenant"], labels["model"]) for labels, _ in metric_samples(text, "ctxproxy_requests_total")}
+    for tenant, model in keys:
+        t = {"tenant": tenant, "model": model}
+        out[(tenant, model)] = {
+            "requests": metric_total(text, "ctxproxy_requests_total", **t),
+            "tokens_received": metric_total(text, "ctxproxy_tokens_received_total", **t),
+            "tokens_forwarded": metric_total(text, "ctxproxy_tokens_forwarded_total", **t),
+            "tokens_removed": metric_total(text, "ctxproxy_tokens_removed_total", **t),
+            "summarizer_usd": metric_total(text, "ctxproxy_request_summarizer_cost_usd_total", **t),
+            "gross_usd": metric_total(text, "ctxproxy_estimated_savings_usd_total", **t),
+            "cache_effect_usd": metric_total(text, "ctxproxy_prompt_cache_effect_usd_total", **t),
+            "net_usd": metric_total(text, "ctxproxy_net_savings_usd_total", **t)
+            - metric_total(text, "ctxproxy_net_loss_usd_total", **t),
+        }
+    return out
+
+
+def check(report: dict[str, Any], text: str) -> None:
+    want = expected(text)
+    rows = {(row["tenant"], row["model"]): row for row in report["rows"]}
+    assert set(rows) == set(want)
+    for key, columns in want.items():
+        for name, value in columns.items():
+            assert rows[key][name] == pytest.approx(value, abs=1e-12), (key, name)
+    for tenant in TENANTS:  # summaries are counted per tenant in the metrics
+        for result in ("created", "reused"):
+            assert sum(row[f"summaries_{result}"] for row in report["rows"] if row["tenant"] == tenant) \
+                == metric_total(text, "ctxproxy_summaries_total", tenant=tenant, result=result)
+    for name in ("requests", "gross_usd", "net_usd", "cache_effect_usd", "summarizer_usd"):
+        assert report["total"][name] == pytest.approx(sum(row[name] for row in report["rows"]), abs=1e-12)
+    # the run did exercise every column
+    total = report["total"]
+    assert total["summaries_created"] >= 2 and total["summaries_reused"] >= 1
+    assert total["gross_usd"] > 0 and total["summarizer_usd"] > 0 and total["cache_effect_usd"] > 0
+
+
+async def test_admin_report_totals_equal_the_metrics(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    upstream.prompt_scale, upstream.report_cached = 1.0, True
+    proxy = await start_proxy(report_config(upstream.base_url))
+    await traffic(proxy)
+    text = await scrape(proxy)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(proxy.url + "/admin/report?since=1h", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            assert r.status == 200
+            report = await r.json()
+        async with s.get(proxy.url + "/admin/report?since=1h&format=text",
+                         headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            assert r.status == 200 and r.content_type == "text/plain"
+            table = await r.text()
+        async with s.get(proxy.url + "/admin/report", headers={"Authorization": "Bearer sk-acme"}) as r:
+            assert r.status == 401  # a tenant's key is not an admin key
+        async with s.get(proxy.url + "/admin/report?since=forever", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "since"
+    check(report, text)
+    assert "acme" in table and "globex" in table and "net $" in table
+    assert table.splitlines()[:-1] == render(report).splitlines()[:-1]  # the same table (the footer has the time)
+
+
+async def test_cli_report_reads_the_ledger_after_the_server_is_gone(
+        upstream: FakeUpstream, start_proxy: StartProxy, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    upstream.prompt_scale, upstream.report_cached = 1.0, True
+    cfg = report_config(upstream.base_url, cache={"backend": "disk", "path": str(tmp_path / "cache")})
+    path = tmp_path / "ctxproxy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proxy = await start_proxy(cfg)
+    await traffic(proxy)
+    text = await scrape(proxy)
+    await proxy.runner.cleanup()  # the server stops: its last buckets are flushed on the way out
+    capsys.readouterr()
+    code = await asyncio.to_thread(main, ["report", "--config", str(path), "--since", "2h", "--json"])
+    assert code == 0
+    check(json.loads(capsys.readouterr().out), text)
+    code = await asyncio.to_thread(main, ["report", "--config", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "acme" in out and "gross $" in out
+    assert await asyncio.to_thread(main, ["report", "--config", str(path), "--since", "40d"]) == 2
+
+
+def test_since() -> None:
+    assert [parse_since(x) for x in ("90m", "24h", "7d", "3600s", "2")] == [5400, 86400, 604800, 3600, 7200]
+    for bad in ("", "forever", "-1h", "0h", "32d", "1w"):
+        with pytest.raises(ValueError):
+            parse_since(bad)
