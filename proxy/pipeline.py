@@ -169,9 +169,6 @@ def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter) -> P
         repaired, repairs = items, Counter[str]()
     else:
         repaired, repairs = repair(items, wire, wire.merge_call_runs)
-        if not repaired:  # e.g. one assistant message whose only call has no result: nothing left to send
-            raise PayloadError(f"'{wire.field}' has nothing left once its tool-call pairing is repaired",
-                               param=wire.field, code="empty_messages")
         check(repaired, wire.merge_call_runs, wire.field)  # what no repair can fix is refused here
         for item in repaired:
             if item.key == 0:  # a placeholder or an edited call: count it

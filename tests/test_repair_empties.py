@@ -30,5 +30,5 @@ async def test_a_payload_emptied_by_repair_is_refused(upstream: FakeUpstream, st
     proxy = await start_proxy(base_config(upstream.base_url))
     status, _, body = await post(proxy, {"model": "gpt-4o-mini", "messages": messages}, path=path)
     assert status == 400
-    assert body["error"]["code"] == "empty_messages" and body["error"]["param"] == "messages"
+    assert body["error"]["code"] == "empty_after_repair" and body["error"]["param"] == "messages"
     assert upstream.chat == []

@@ -38,6 +38,9 @@ class Calibration:
         self.value = factor
         self.routes: list[ModelRoute] = []
 
+    async def prime(self, route: ModelRoute) -> None:
+        """Nothing to load: the factor is fixed."""
+
     def factor(self, route: ModelRoute) -> float:
         self.routes.append(route)
         return self.value

@@ -17,7 +17,7 @@ from proxy.core.modelinfo import ModelMap
 from proxy.pipeline import Report
 from proxy.serve.metrics import MAX_ERROR_CODES, Metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "gpt-4o-mini"
 KEY = "sk-proj-Zx81LqS3cretKeyThatMustNeverBeALabel"
 
