@@ -91,6 +91,7 @@ async def _run_assemble(config: Config, raw: bytes, args: argparse.Namespace) ->
     from proxy.serve.explain import explain
     from proxy.serve.state import build_runtime, build_shared
     from proxy.wire import WIRES
+    from proxy.wire.errors import anthropic_error_body
 
     shared = build_shared(config)
     runtime = build_runtime(config, shared, engine=not args.offline).runtime
@@ -101,7 +102,9 @@ async def _run_assemble(config: Config, raw: bytes, args: argparse.Namespace) ->
                               "param": "wire", "code": "unknown_wire"}}, EXIT_INVALID
         return await explain(runtime, WIRES[args.wire], raw, tenant, args.override, summarize=args.summarize), EXIT_OK
     except CtxProxyError as exc:
-        return exc.to_openai(), EXIT_REFUSED
+        wire = WIRES.get(args.wire)
+        return (anthropic_error_body(exc) if wire is not None and wire.error_shape == "messages"
+                else exc.to_openai()), EXIT_REFUSED
     finally:
         await shared.close()
 

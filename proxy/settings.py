@@ -46,7 +46,14 @@ class ServerSettings(Strict):
 
 
 class UpstreamSettings(Strict):
-    base_url: str = Field(..., description="OpenAI-compatible base URL, e.g. https://api.openai.com/v1.")
+    base_url: str = Field(..., description="OpenAI-compatible base URL, e.g. https://api.openai.com/v1; for "
+                          "api: anthropic the API root, e.g. https://api.anthropic.com.")
+    api: Literal["openai", "anthropic"] = Field(
+        "openai", description="openai: an OpenAI-compatible API (Authorization: Bearer); anthropic: Anthropic's API "
+        "(requests go to {base_url}/v1/messages with x-api-key).")
+    context_management: Literal["forward", "emulate"] | None = Field(
+        None, description="A Messages request's context_management: forwarded to the upstream (default for api: "
+        "anthropic) or emulated by the proxy (default for any other upstream).")
     api_key: str | None = Field(None, description="Key sent upstream; empty = forward the client's (no tenants).")
     headers: dict[str, str] = Field(default_factory=dict, description="Extra headers sent upstream.")
     max_connections: int = Field(256, ge=1, description="Pooled connections to this upstream.")
@@ -68,6 +75,13 @@ class UpstreamSettings(Strict):
     @classmethod
     def _empty_key(cls, value: str | None) -> str | None:
         return value or None
+
+    @property
+    def emulates_context_management(self) -> bool:
+        """Whether Messages ``context_management`` edits are applied by the proxy rather than by this upstream."""
+        if self.context_management is not None:
+            return self.context_management == "emulate"
+        return self.api != "anthropic"
 
 
 class ModelSettings(Strict):

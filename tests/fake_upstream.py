@@ -5,7 +5,7 @@ Behaviour is switched per test through attributes (``mode``, ``summary_mode``,
 ``x-ctxproxy-purpose: summarize`` header and counted separately.
 
 Besides Chat Completions it streams the two other wires exactly as the
-providers end them, for relayed requests with ``"stream": true``:
+providers end them, for requests with ``"stream": true``:
 ``POST /v1/responses`` (named ``response.*`` events ending with
 ``response.completed`` / ``.incomplete`` / ``.failed``, never ``data: [DONE]``)
 and ``POST /v1/messages`` (Anthropic events ending with ``message_stop``), plus
@@ -18,6 +18,13 @@ is answered with a Response object as OpenAI sends it, its ``output`` taken from
 fixed reply. ``POST /v1/responses/compact`` answers a ``response.compaction`` object as
 OpenAI does (the input's user messages and one opaque ``compaction`` item), or 404 with
 ``compact_mode = "404"``; compact requests are recorded in ``compactions``.
+``/v1/messages`` speaks Anthropic's API whole (issue 14): every request is recorded in
+``messages`` (and ``other``); a non-streaming one gets a message; ``anthropic_script``
+gives canned content blocks (e.g. ``tool_use``) one request at a time; ``mode = "status"``
+answers ``status`` with ``status_body`` (Anthropic's error shape by default); summariser
+calls (``x-ctxproxy-purpose: summarize``) go to ``summaries``; and
+``POST /v1/messages/count_tokens`` answers ``{"input_tokens": count_tokens_answer}``
+(404 when ``count_tokens_served`` is false), recorded in ``counts``.
 Other relayed requests land in ``other`` and, when not streaming, are
 answered with the usual echo. ``require_uuid_request_id`` makes it refuse (400, empty body) every
 request whose ``X-Request-ID`` is not a UUID, as several ASGI request-id
@@ -93,7 +100,11 @@ class FakeUpstream:
     responses_script: list[list[dict[str, Any]]] = field(default_factory=list)  # output items, one list per request
     compact_mode: str = "ok"  # ok | 404 (an upstream without /v1/responses/compact)
     compactions: list[Received] = field(default_factory=list)
-    messages: list[Received] = field(default_factory=list)  # streaming /v1/messages (also in ``other``)
+    messages: list[Received] = field(default_factory=list)  # every /v1/messages request (also in ``other``)
+    anthropic_script: list[list[dict[str, Any]]] = field(default_factory=list)  # canned content, one per request
+    count_tokens_served: bool = True
+    count_tokens_answer: int = 42
+    counts: list[Received] = field(default_factory=list)  # /v1/messages/count_tokens requests
     sent: bytes = b""  # the exact bytes of the last relayed-wire stream this upstream wrote
     # X-Request-ID enforcement (issue 17)
     require_uuid_request_id: bool = False
@@ -124,6 +135,7 @@ class FakeUpstream:
         app.router.add_post("/v1/responses", self._responses)
         app.router.add_post("/v1/responses/compact", self._compact)
         app.router.add_post("/v1/messages", self._messages)
+        app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
         app.router.add_route("*", "/v1/sse-clean-close", self._sse_clean_close)
         app.router.add_route("*", "/v1/{tail:.*}", self._other)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
@@ -393,10 +405,44 @@ class FakeUpstream:
                                   "output": [*users, compaction], "usage": RESPONSE_USAGE})
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
-        if not await self._is_stream(request):
-            return await self._other(request)
+        if request.headers.get("x-ctxproxy-purpose") == "summarize":
+            raw = await request.read()
+            body = json.loads(raw)
+            self.summaries.append(Received(request.path, dict(request.headers), raw, body))
+            return await self._anthropic_summary(request, body)
         body = await self._record(request, self.messages)
-        return await self._wire_stream(request, anthropic_events(str(body.get("model", "m"))))
+        model = str(body.get("model", "m"))
+        if self.mode == "status":
+            payload = self.status_body if self.status_body is not None else {
+                "type": "error", "error": {"type": "api_error", "message": "upstream failure"}}
+            return web.json_response(payload, status=self.status, headers=self.status_headers)
+        content = self.anthropic_script.pop(0) if self.anthropic_script else None
+        if not body.get("stream"):
+            message = _anthropic_message(model)
+            if content is not None:
+                message.update(content=content, stop_reason="tool_use" if any(
+                    b.get("type") == "tool_use" for b in content) else "end_turn")
+            return web.json_response(message)
+        return await self._wire_stream(request, anthropic_events(model, content))
+
+    async def _anthropic_summary(self, request: web.Request, body: Any) -> web.StreamResponse:
+        if self.summary_mode == "status":
+            return web.json_response({"type": "error", "error": {"type": "api_error", "message": self.summary_error}},
+                                     status=self.summary_status)
+        if self.summary_mode == "hang":
+            await asyncio.sleep(3600)
+        text = "" if self.summary_mode == "empty" else self.summary_text
+        message = _anthropic_message(str(body.get("model", "m")))
+        message.update(content=[{"type": "text", "text": text}], usage={"input_tokens": 1000, "output_tokens": 100})
+        return web.json_response(message)
+
+    async def _count_tokens(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.counts.append(Received(request.path, dict(request.headers), raw, json.loads(raw) if raw else None))
+        if not self.count_tokens_served:
+            return web.json_response({"type": "error", "error": {"type": "not_found_error", "message": "Not found"}},
+                                     status=404)
+        return web.json_response({"input_tokens": self.count_tokens_answer})
 
     async def _sse_clean_close(self, request: web.Request) -> web.StreamResponse:
         await self._record(request)
@@ -542,19 +588,33 @@ def _anthropic_message(model: str) -> dict[str, Any]:
             "usage": {"input_tokens": 10, "output_tokens": 12}}
 
 
-def anthropic_events(model: str) -> list[bytes]:
-    """An Anthropic Messages stream as Anthropic sends it, ending with ``message_stop``."""
+def anthropic_events(model: str, content: list[dict[str, Any]] | None = None) -> list[bytes]:
+    """An Anthropic Messages stream as Anthropic sends it, ending with ``message_stop``.
+
+    ``content``: canned blocks (text and tool_use) instead of the fixed text reply.
+    """
     start = {**_anthropic_message(model), "content": [], "stop_reason": None,
              "usage": {"input_tokens": 10, "output_tokens": 1}}
-    events: list[tuple[str, dict[str, Any]]] = [
-        ("message_start", {"message": start}),
-        ("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
-        ("ping", {}),
-    ]
-    events += [("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": p}}) for p in PIECES]
+    events: list[tuple[str, dict[str, Any]]] = [("message_start", {"message": start})]
+    stop = "end_turn"
+    if content is None:
+        events += [("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}), ("ping", {})]
+        events += [("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": p}}) for p in PIECES]
+        events.append(("content_block_stop", {"index": 0}))
+    else:
+        for i, block in enumerate(content):
+            if block.get("type") == "tool_use":
+                stop = "tool_use"
+                events.append(("content_block_start", {"index": i, "content_block": {**block, "input": {}}}))
+                events.append(("content_block_delta", {"index": i, "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(block.get("input", {}))}}))
+            else:
+                events.append(("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}}))
+                events.append(("content_block_delta", {"index": i, "delta": {
+                    "type": "text_delta", "text": block.get("text", "")}}))
+            events.append(("content_block_stop", {"index": i}))
     events += [
-        ("content_block_stop", {"index": 0}),
-        ("message_delta", {"delta": {"stop_reason": "end_turn", "stop_sequence": None},
+        ("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None},
                            "usage": {"output_tokens": 12}}),
         ("message_stop", {}),
     ]

@@ -25,6 +25,7 @@ from proxy.serve.http import (
 from proxy.serve.report import cost_report, parse_since, render
 from proxy.serve.requestlog import RequestRecord
 from proxy.settings import Config, Tenant
+from proxy.upstream.anthropic import anthropic_headers
 from proxy.upstream.http import open_request, upstream_headers
 from proxy.wire import WIRES
 
@@ -117,10 +118,16 @@ async def _upstream_models(request: web.Request) -> list[Any]:
     st = state(request)
     config = st.config
     upstream = config.settings.upstreams[config.default_upstream]
-    headers = upstream_headers(request.headers, upstream, forward_client_auth=not config.tenants,
-                               request_id=request_id(request))
+    url = upstream.base_url + "/models"
+    if upstream.api == "anthropic":  # the API root, and its key in x-api-key
+        url = upstream.base_url + "/v1/models"
+        headers = anthropic_headers(request.headers, upstream, request_id=request_id(request),
+                                    forward_client_auth=not config.tenants and upstream.api_key is None)
+    else:
+        headers = upstream_headers(request.headers, upstream, forward_client_auth=not config.tenants,
+                                   request_id=request_id(request))
     try:
-        response = await open_request(st.shared.pool.session(upstream), "GET", upstream.base_url + "/models",
+        response = await open_request(st.shared.pool.session(upstream), "GET", url,
                                       data=None, headers=headers, first_byte_timeout=3)
         async with response:
             if response.status != 200:

@@ -20,6 +20,7 @@ from proxy.core.conversation import WireAdapter
 from proxy.core.errors import BadRequest, CtxProxyError, PayloadError
 from proxy.pipeline import Assembly
 from proxy.policy import ModelRoute
+from proxy.runtime import Runtime
 from proxy.serve.feedback import settle
 from proxy.serve.http import (
     ERROR_SHAPE,
@@ -36,7 +37,8 @@ from proxy.serve.http import (
 from proxy.serve.requestlog import RequestRecord
 from proxy.serve.state import State
 from proxy.serve.streaming import STREAM_ERROR, relay_answer
-from proxy.upstream.base import Outgoing
+from proxy.settings import Tenant
+from proxy.upstream.base import Answer, Outgoing
 from proxy.wire.sse import StreamEnd, StreamWatcher
 
 log = logging.getLogger("ctxproxy")
@@ -50,9 +52,30 @@ class ManagedWire(WireAdapter, Protocol):
     stream_end: StreamEnd
 
 
-def forward_bytes(raw: bytes, assembly: Assembly) -> bytes:
-    """The client's bytes when nothing changed; else the managed body."""
-    if not assembly.changed:
+class Exchange(Protocol):
+    """What a wire's request hook made of one request."""
+
+    body: dict[str, Any]  # the body the pipeline runs on: the client's, or the hook's edit of it
+    edited: bool  # the body is not the client's: its JSON is forwarded, never the client's bytes
+    warnings: list[str]
+
+    def local_answer(self) -> Answer | None:
+        """An answer made without calling the upstream, or None."""
+
+    def wrap(self, answer: Answer) -> Answer:
+        """The upstream's answer as the client gets it."""
+
+
+class RequestHook(Protocol):
+    """What a wire does around the pipeline (Messages: ``context_management`` emulation); None: nothing."""
+
+    async def begin(self, runtime: Runtime, tenant: Tenant | None, body: dict[str, Any], *,
+                    override: str | None, request_id: str) -> Exchange | None: ...
+
+
+def forward_bytes(raw: bytes | None, assembly: Assembly) -> bytes:
+    """The client's bytes when nothing changed (and they are the body's); else the managed body."""
+    if not assembly.changed and raw is not None:
         return raw
     try:
         return orjson.dumps(assembly.body)
@@ -75,15 +98,15 @@ def report_headers(assembly: Assembly, overhead: float) -> dict[str, str]:
     return headers
 
 
-def make_handler(wire: ManagedWire) -> Handler:
+def make_handler(wire: ManagedWire, hook: RequestHook | None = None) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
-        return await _handle(request, wire)
+        return await _handle(request, wire, hook)
 
     handle.__name__ = f"{wire.name}_handler"
     return handle
 
 
-async def _handle(request: web.Request, wire: ManagedWire) -> web.StreamResponse:
+async def _handle(request: web.Request, wire: ManagedWire, hook: RequestHook | None) -> web.StreamResponse:
     st = state(request)
     served = st.served  # in-flight requests keep the policy and providers they started with
     runtime = served.runtime
@@ -103,17 +126,23 @@ async def _handle(request: web.Request, wire: ManagedWire) -> web.StreamResponse
         body: dict[str, Any] = (await asyncio.get_running_loop().run_in_executor(None, parse_body, raw)) \
             if offload else parse_body(raw)
         record.model = body.get("model") if isinstance(body.get("model"), str) else None
+        override = request.headers.get(OVERRIDE_HEADER)
+        exchange = await hook.begin(runtime, tenant, body, override=override, request_id=rid) if hook else None
+        forwardable: bytes | None = raw
+        if exchange is not None and exchange.edited:
+            body, forwardable = exchange.body, None
         assembly, route, _policy = await runtime.assemble(
-            wire, body, tenant=tenant, override=request.headers.get(OVERRIDE_HEADER), offload=offload,
-            request_id=rid,
+            wire, body, tenant=tenant, override=override, offload=offload, request_id=rid,
         )
+        if exchange is not None:
+            assembly.report.warnings.extend(exchange.warnings)
         record.report = assembly.report
         record.model = route.name
         st.metrics.assembled(record.tenant, route.name, assembly.report, route.upstream_model)
         stable = st.prefix.observe(assembly.received, assembly.items)
         if stable is not None:
             st.metrics.prefix(record.tenant, route.name, stable)
-        data = forward_bytes(raw, assembly)
+        data = forward_bytes(forwardable, assembly)
         overhead = time.perf_counter() - started
         record.overhead = overhead
         headers: CIMultiDict[str] = CIMultiDict(report_headers(assembly, overhead))
@@ -123,7 +152,10 @@ async def _handle(request: web.Request, wire: ManagedWire) -> web.StreamResponse
         sent = time.perf_counter()
         watcher = StreamWatcher(sent, wire.stream_end)
         try:
-            answer = await served.providers.for_route(route).send(route, call)
+            local = exchange.local_answer() if exchange is not None else None
+            answer = local if local is not None else await served.providers.for_route(route).send(route, call)
+            if exchange is not None:
+                answer = exchange.wrap(answer)
             response = await relay_answer(request, answer, headers, idle_timeout=st.config.settings.server.idle_timeout,
                                           watcher=watcher)
         finally:

@@ -24,9 +24,10 @@ from yarl import URL
 
 from proxy.core.deadline import deadline
 from proxy.core.errors import BadRequest, ModelNotFound, NotFound, PermissionDenied
-from proxy.serve.http import Handler, client_key, read_body, request_id, state
+from proxy.serve.http import ERROR_SHAPE, Handler, client_key, read_body, request_id, state
 from proxy.serve.streaming import relay_answer
 from proxy.settings import Tenant
+from proxy.upstream.anthropic import anthropic_headers
 from proxy.upstream.http import HTTPAnswer, open_request, read_error, response_headers, upstream_headers
 from proxy.wire.sse import StreamWatcher, stream_end_for_path
 
@@ -45,6 +46,8 @@ def make_relay(managed: dict[str, Handler]) -> Handler:
 
     async def relay(request: web.Request) -> web.StreamResponse:
         path = canonical_path(request.raw_path)
+        if path == "/v1/messages" or path.startswith("/v1/messages/"):
+            request[ERROR_SHAPE] = "messages"  # Anthropic's clients parse Anthropic's error shape
         handler = managed.get(path) if request.method == "POST" else None
         if handler is not None:
             return await handler(request)
@@ -64,11 +67,17 @@ async def _relay(request: web.Request, path: str) -> web.StreamResponse:
     raw = await read_body(request) if request.can_read_body else None
     if tenant is not None and raw:
         _check_model(raw, request.headers.get("Content-Type", ""), tenant)
-    headers = upstream_headers(request.headers, upstream, forward_client_auth=not config.tenants and
-                               upstream.api_key is None, request_id=request_id(request))
+    forward = not config.tenants and upstream.api_key is None
+    if upstream.api == "anthropic":  # base_url is the API root, and the key goes in x-api-key
+        headers = anthropic_headers(request.headers, upstream, forward_client_auth=forward,
+                                    request_id=request_id(request))
+        url = relay_url(upstream.base_url + "/v1", request.raw_path)
+    else:
+        headers = upstream_headers(request.headers, upstream, forward_client_auth=forward,
+                                   request_id=request_id(request))
+        url = relay_url(upstream.base_url, request.raw_path)
     if "Content-Type" in request.headers:
         headers["Content-Type"] = request.headers["Content-Type"]
-    url = relay_url(upstream.base_url, request.raw_path)
     server = config.settings.server
     response = await open_request(st.shared.pool.session(upstream), request.method, URL(url, encoded=True),
                                   data=raw, headers=headers, first_byte_timeout=server.first_byte_timeout)

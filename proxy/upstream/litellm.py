@@ -1,4 +1,6 @@
-"""Model routes with ``provider: litellm``: a ``Provider`` over ``litellm.acompletion``, in OpenAI's shapes.
+"""Model routes with ``provider: litellm``: a ``Provider`` over ``litellm.acompletion``, in OpenAI's shapes,
+and over litellm's Anthropic-messages interface (``litellm.anthropic_interface.messages.acreate``) for
+Messages requests, in Anthropic's shapes, to any provider litellm knows.
 
 The Responses wire goes through ``litellm.aresponses`` (litellm translates it for
 providers without a Responses API); its stream is re-emitted as named SSE events.
@@ -151,6 +153,39 @@ async def open_responses_stream(
     return events()
 
 
+async def messages_call(
+    route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None, stream: bool
+) -> LiteLLMAnswer:
+    """A Messages request through litellm's Anthropic-messages interface: to any provider, in Anthropic's shapes."""
+    _litellm()
+    from litellm.anthropic_interface import messages as anthropic_messages
+
+    kwargs = _kwargs(route, body, upstream)
+    try:
+        result: Any = await anthropic_messages.acreate(**kwargs, stream=stream)
+    except Exception as exc:
+        raise _error(exc) from None
+    if not stream:
+        out = dict(result) if isinstance(result, dict) else result.model_dump(exclude_none=True)
+        out["model"] = route.name
+        return LiteLLMAnswer(body=orjson.dumps(out))
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in result:
+                if isinstance(chunk, bytes):
+                    yield chunk
+                elif isinstance(chunk, str):
+                    yield chunk.encode()
+                else:  # an event object: as Anthropic's named SSE event
+                    data = chunk if isinstance(chunk, dict) else chunk.model_dump(exclude_none=True)
+                    yield f"event: {data.get('type', 'message')}\n".encode() + b"data: " + orjson.dumps(data) + b"\n\n"
+        except Exception as exc:
+            raise _error(exc) from None
+
+    return LiteLLMAnswer(events=events())
+
+
 class LiteLLMAnswer:
     """A litellm result as an ``Answer``: a JSON body, or SSE events as litellm yields them."""
 
@@ -185,19 +220,22 @@ class LiteLLMAnswer:
 
 
 class LiteLLMProvider:
-    """Any provider through litellm (``provider: litellm`` routes); the Chat Completions and Responses wires."""
+    """Any provider through litellm (``provider: litellm`` routes); the Chat Completions, Responses and Messages
+    wires."""
 
     def __init__(self, upstream: UpstreamSettings | None) -> None:
         self.upstream = upstream
 
     async def send(self, route: ModelRoute, call: Outgoing) -> LiteLLMAnswer:
+        if call.wire == "messages":
+            return await messages_call(route, call.body, self.upstream, call.stream)
         if call.wire == "responses" and call.path == "/responses":
             if call.stream:
                 return LiteLLMAnswer(events=await open_responses_stream(route, call.body, self.upstream))
             return LiteLLMAnswer(body=orjson.dumps(await responses(route, call.body, self.upstream)))
         if call.wire != "chat":
             raise BadRequest(f"The model {route.name!r} is served through litellm, which this proxy offers on "
-                             "the Chat Completions and Responses wires only.", param="model",
+                             "the Chat Completions, Responses and Messages wires only.", param="model",
                              code="unsupported_wire")
         if call.stream:
             return LiteLLMAnswer(events=await open_stream(route, call.body, self.upstream))

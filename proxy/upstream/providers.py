@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from proxy.policy import ModelRoute
 from proxy.settings import Config
+from proxy.upstream.anthropic import AnthropicProvider
 from proxy.upstream.base import Provider
 from proxy.upstream.http import HTTPProvider, UpstreamPool
 
@@ -31,4 +32,6 @@ class Providers:
             return LiteLLMProvider(upstreams.get(route.upstream))
         upstream = upstreams[route.upstream]
         forward = not self.config.tenants and upstream.api_key is None
+        if upstream.api == "anthropic":
+            return AnthropicProvider(upstream, self.pool, forward_client_auth=forward)
         return HTTPProvider(upstream, self.pool, forward_client_auth=forward)

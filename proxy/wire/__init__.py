@@ -9,7 +9,10 @@ from types import MappingProxyType
 
 from proxy.wire.chat import WIRE as CHAT
 from proxy.wire.chat import ChatWire
+from proxy.wire.messages import WIRE as MESSAGES
+from proxy.wire.messages import MessagesWire
 from proxy.wire.responses import WIRE as RESPONSES
 from proxy.wire.responses import ResponsesWire
 
-WIRES: MappingProxyType[str, ChatWire | ResponsesWire] = MappingProxyType({CHAT.name: CHAT, RESPONSES.name: RESPONSES})
+WIRES: MappingProxyType[str, ChatWire | ResponsesWire | MessagesWire] = MappingProxyType(
+    {CHAT.name: CHAT, RESPONSES.name: RESPONSES, MESSAGES.name: MESSAGES})

@@ -1,0 +1,100 @@
+"""The Messages wire's extras: its request hook, and ``POST /v1/messages/count_tokens``.
+
+``count_tokens`` counts what the proxy *would* forward for the body (after its context
+management), because a client that compacts on its own (Claude Code) must see the
+size that reaches the model. An upstream that serves the endpoint (``api: anthropic``)
+counts the managed body itself; otherwise the proxy answers ``{"input_tokens": N}``
+with its own count, scaled by the model's calibration factor. It never answers 404:
+Claude Code breaks on that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.core.budget import DEFAULT_RESERVE, RESERVE_WINDOW_SHARE
+from proxy.core.errors import BadRequest, ContextLengthExceeded
+from proxy.serve.http import (
+    ERROR_SHAPE,
+    OVERRIDE_HEADER,
+    RESPONSE_HEADERS,
+    client_key,
+    json_response,
+    parse_body,
+    read_body,
+    request_id,
+    state,
+)
+from proxy.serve.managed import report_headers
+from proxy.serve.streaming import relay_answer
+from proxy.upstream.base import Outgoing
+from proxy.wire.messages import WIRE
+from proxy.wire.messages.emulate import HOOK
+from proxy.wire.sse import StreamWatcher
+
+__all__ = ["HOOK", "count_tokens_handler"]
+
+
+async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
+    st = state(request)
+    served = st.served
+    runtime = served.runtime
+    started = time.perf_counter()
+    rid = request_id(request)
+    request[ERROR_SHAPE] = WIRE.error_shape
+    request[RESPONSE_HEADERS] = CIMultiDict({"x-request-id": rid})
+    tenant = runtime.authenticate(client_key(request))
+    raw = await read_body(request)
+    if len(raw) > runtime.config.settings.server.offload_bytes:
+        body = await asyncio.get_running_loop().run_in_executor(None, parse_body, raw)
+    else:
+        body = parse_body(raw)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model: Field required", param="model", code="missing_model")
+    route = runtime.route(model)
+    # count_tokens takes no max_tokens: budget the count as a request without one would be budgeted
+    probe: dict[str, Any] = dict(body)
+    added = "max_tokens" not in body
+    if added:
+        probe["max_tokens"] = min(route.max_output or DEFAULT_RESERVE, max(1, int(route.window * RESERVE_WINDOW_SHARE)))
+    override = request.headers.get(OVERRIDE_HEADER)
+    exchange = await HOOK.begin(runtime, tenant, probe, override=override, request_id=rid)
+    if exchange is not None:
+        probe = exchange.body
+    headers: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
+    try:
+        assembly, route, _policy = await runtime.assemble(WIRE, probe, tenant=tenant, override=override,
+                                                          request_id=rid)
+    except ContextLengthExceeded:
+        # too large to forward: still say how large, so the client can compact it itself
+        counter = runtime.tokenizers.get(route.encoding)
+        conversation = WIRE.parse(probe, counter)
+        forwarded = probe
+        before = after = conversation.fixed_tokens + sum(item.tokens for item in conversation.items)
+    else:
+        forwarded = assembly.body
+        before, after = assembly.report.tokens_before, assembly.report.tokens_after
+        headers.update(report_headers(assembly, time.perf_counter() - started))
+    request[RESPONSE_HEADERS] = headers
+    provider = served.providers.for_route(route)
+    upstream_count = getattr(provider, "count_tokens", None)
+    if upstream_count is not None:
+        sent = {k: v for k, v in forwarded.items() if not (added and k == "max_tokens") and k != "stream"}
+        call = Outgoing(WIRE.name, "/messages/count_tokens", sent, orjson.dumps(sent), False, request.headers, rid)
+        answer = await upstream_count(route, call)
+        if answer is not None:
+            return await relay_answer(request, answer, headers, idle_timeout=st.config.settings.server.idle_timeout,
+                                      watcher=StreamWatcher(time.perf_counter(), WIRE.stream_end))
+    factor = runtime.calibration.factor(route) if runtime.calibration is not None else 1.0
+    out: dict[str, Any] = {"input_tokens": math.ceil(after * factor)}
+    if body.get("context_management") is not None:
+        out["context_management"] = {"original_input_tokens": math.ceil(before * factor)}
+    return json_response(out, headers=headers)

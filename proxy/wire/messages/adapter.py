@@ -1,0 +1,217 @@
+"""Anthropic's Messages API (``POST /v1/messages``): the wire adapter.
+
+Items. An assistant message is one item, and so is a (mid-conversation) ``system`` message (its ``tool_use`` ids are its calls; its
+``thinking``/``redacted_thinking`` blocks stay inside it, byte for byte). A user
+message is split: one result item per ``tool_result`` block, then one user item
+for its other blocks, if any (a user message whose text comes before its results
+is split the other way round, so the neutral repair sees the results displaced
+and moves them back: Anthropic requires results first). The top-level ``system``
+and ``tools`` are pinned: counted in ``fixed_tokens``, never changed.
+
+Bands. A turn starts at a user item, so the current turn is the last user message
+with content other than ``tool_result`` blocks, and the assistant/result exchanges
+after it are working memory. With ``thinking`` enabled the first assistant item of
+the working memory carries the turn's thinking, which Anthropic requires back while
+the tool loop runs: it is pinned.
+
+Render. A message whose items are all kept, unchanged and in order is the client's
+own dict; any other is ``{**original, "content": [kept blocks]}`` (results first).
+All results that answer one assistant message go into the one user message after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.core.conversation import Conversation
+from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
+from proxy.core.pairing import PLACEHOLDER, is_paired
+from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key
+from proxy.wire.messages.blocks import SALT, THINKING, AnthropicItem, Block, count_raw
+from proxy.wire.messages.shape import check_body
+from proxy.wire.sse import MESSAGES as MESSAGES_STREAM
+from proxy.wire.sse import StreamEnd
+
+NAME = "messages"
+Message = dict[str, Any]
+
+
+def split_message(message: Message, source: int, *, after_assistant: bool = True) -> list[AnthropicItem]:
+    """One message (already shape-checked) as its items.
+
+    ``after_assistant``: the previous message is an assistant message. Results in a user message that
+    is not (e.g. split over two user messages) are not where Anthropic wants them, in the message
+    right after their call; an empty boundary item before them lets the neutral repair see that
+    and move them back (``moved_result``).
+    """
+    role = message["role"]
+    content = message["content"]
+    if role == "system":  # a mid-conversation system message (Claude Code's mid-conversation-system beta)
+        blocks = None if isinstance(content, str) else content
+        return [AnthropicItem(message, SYSTEM, message=message, blocks=blocks, source=source)]
+    if role == "assistant":
+        if isinstance(content, str):
+            return [AnthropicItem(message, ASSISTANT, message=message, blocks=None, source=source)]
+        ids = tuple(b["id"] for b in content if b.get("type") == "tool_use")
+        return [AnthropicItem(message, ASSISTANT, message=message, blocks=content, call_ids=ids, source=source)]
+    if isinstance(content, str) or not any(b.get("type") == "tool_result" for b in content):
+        blocks = None if isinstance(content, str) else content
+        return [AnthropicItem(message, USER, message=message, blocks=blocks, source=source)]
+    results: list[AnthropicItem] = []
+    others: list[Block] = []
+    text_first = False
+    for block in content:
+        if block.get("type") == "tool_result":
+            results.append(AnthropicItem(block, TOOL, message=message, blocks=[block], result_id=block["tool_use_id"],
+                                         source=source))
+        else:
+            text_first = text_first or not results
+            others.append(block)
+    items = results
+    if not after_assistant:
+        # a boundary item: 0 tokens (``count_raw``), no atoms, never rendered
+        boundary = AnthropicItem({"role": "user", "content": []}, OTHER, message=message, blocks=[], source=source)
+        items = [boundary, *results]
+    if others:
+        user = AnthropicItem({"role": "user", "content": others}, USER, message=message, blocks=others, source=source)
+        # text before the results: the repair will see the results displaced and put them first
+        items = [user, *items] if text_first else [*items, user]
+    for item in items:
+        item.siblings = items
+    return items
+
+
+def render_messages(items: list[Item]) -> list[Message]:
+    """The ``messages`` array for ``items``: the client's own dicts wherever a message is kept whole."""
+    out: list[Message] = []
+    run: list[AnthropicItem] = []  # user-side items gathered into one user message
+
+    def flush() -> None:
+        if run:
+            out.append(_user_message(run))
+            run.clear()
+
+    for item in items:
+        assert isinstance(item, AnthropicItem)
+        if item.role == OTHER:
+            continue  # a boundary: nothing to send
+        if item.role not in (USER, TOOL):  # an assistant or system message: always a message of its own
+            flush()
+            out.append(item.raw)
+            continue
+        if run:
+            joins = (all(r.role == TOOL for r in run) if item.role == TOOL
+                     else item.source >= 0 and any(r.source == item.source for r in run))
+            if not joins:
+                flush()
+        run.append(item)
+    flush()
+    return out
+
+
+def _user_message(run: list[AnthropicItem]) -> Message:
+    first = run[0]
+    siblings = first.siblings
+    if first.message is not None and len(siblings) == len(run) and all(a is b for a, b in zip(siblings, run)):
+        return first.message
+    base = next((r.message for r in run if r.message is not None), None) or {"role": "user"}
+    blocks: list[Any] = []
+    for item in run:
+        content = item.content()
+        if isinstance(content, str):
+            blocks.append({"type": "text", "text": content})
+        elif isinstance(content, list):
+            blocks.extend(content)
+    return {**base, "content": blocks}
+
+
+def system_tokens(counter: TokenCounter, system: Any) -> int:
+    if not system:
+        return 0
+    return counter.cached(content_key(system) ^ SALT, {"role": "system", "content": system}, count_raw)
+
+
+def thinking_enabled(body: dict[str, Any]) -> bool:
+    thinking = body.get("thinking")
+    return isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
+
+
+def pin_turn_thinking(items: list[AnthropicItem]) -> None:
+    """Pin the working memory's first assistant item: it carries the thinking of the turn in progress."""
+    start = 0
+    for i in range(len(items) - 1, -1, -1):
+        if items[i].role == USER:
+            start = i + 1
+            break
+    for item in items[start:]:
+        if item.role == ASSISTANT:
+            item.pinned = True
+            return
+
+
+class MessagesWire:
+    """The Messages adapter (stateless; one shared instance)."""
+
+    name = NAME
+    field = "messages"
+    merge_call_runs = False
+    output_fields: tuple[str, ...] = ("max_tokens",)
+    path = "/messages"
+    error_shape = "messages"
+    stream_end: StreamEnd = MESSAGES_STREAM
+
+    def parse(self, body: dict[str, Any], counter: TokenCounter) -> Conversation:
+        check_body(body)
+        items: list[AnthropicItem] = []
+        previous = None
+        for i, message in enumerate(body["messages"]):
+            items.extend(split_message(message, i, after_assistant=previous == "assistant"))
+            previous = message["role"]
+        raws = [item.raw for item in items]
+        keys = [content_key(raw) ^ SALT for raw in raws]
+        for item, key, n in zip(items, keys, counter.many(keys, raws, count_raw)):
+            item.key, item.tokens = key, n
+        if thinking_enabled(body):
+            pin_turn_thinking(items)
+        neutral: list[Item] = list(items)
+        fixed = REPLY_PRIMING + system_tokens(counter, body.get("system")) + counter.tools(body.get("tools"))
+        return Conversation(neutral, fixed, is_paired(neutral))
+
+    def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
+        out = dict(body)
+        out["messages"] = render_messages(items)
+        out.update(changes)
+        return out
+
+    def count(self, item: Item, counter: TokenCounter) -> None:
+        item.key = content_key(item.raw) ^ SALT
+        item.tokens = counter.cached(item.key, item.raw, count_raw)
+
+    def summary(self, text: str, covered_turns: int, counter: TokenCounter) -> Item:
+        # a user message with one text block at the start of ``messages``: nothing before ``messages``
+        # (tools, system) changes, so their prompt cache survives a compaction (README, "Messages wire")
+        raw: Message = {"role": "user", "content": [{"type": "text", "text": text}]}
+        item = AnthropicItem(raw, USER, message=raw, blocks=raw["content"])
+        self.count(item, counter)
+        return item
+
+    def without_calls(self, item: Item) -> Item | None:
+        assert isinstance(item, AnthropicItem)
+        content = item.content()
+        if not isinstance(content, list):
+            return item
+        kept = [b for b in content if b.get("type") != "tool_use"]
+        if not any(b.get("type") not in THINKING for b in kept):
+            return None  # only thinking (or nothing) is left: the message goes
+        raw = {**item.raw, "content": kept}
+        return AnthropicItem(raw, ASSISTANT, message=raw, blocks=kept, source=item.source)
+
+    def placeholder(self, call: Item, call_id: str) -> Item | None:
+        block: Block = {"type": "tool_result", "tool_use_id": call_id, "content": PLACEHOLDER, "is_error": True}
+        return AnthropicItem(block, TOOL, message=None, blocks=[block], result_id=call_id)
+
+    def output_field(self, upstream_model: str) -> str:
+        return "max_tokens"
+
+
+WIRE = MessagesWire()

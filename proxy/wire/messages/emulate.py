@@ -1,0 +1,175 @@
+"""The request hook of the Messages wire: ``context_management`` forwarded, or emulated before the pipeline runs.
+
+An upstream that applies ``context_management`` itself (``api: anthropic``, unless configured
+``context_management: emulate``) gets the request unchanged. For any other (a litellm route, an
+OpenAI-compatible gateway, an upstream configured to emulate) the edits are applied here, in the
+order given (``proxy.wire.messages.context``), the field is removed from the forwarded body, and
+the answer gets the report (and a compaction block) Anthropic would have written
+(``proxy.wire.messages.answers``). Compaction summaries come from the proxy's summary cache, the
+one the ``summarising`` context manager uses: the same history is summarised once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from plugins.base import Services, Summarizer, SummaryScope, SummaryUnavailable
+from plugins.summarizers.llm import PROMPT, LLMParams, LLMSummarizer
+from proxy.core.bands import split_bands, split_turns
+from proxy.pipeline import chain_hashes, prepare
+from proxy.policy import ModelRoute, Policy
+from proxy.runtime import Runtime
+from proxy.settings import Config, Tenant
+from proxy.wire.messages.adapter import WIRE
+from proxy.wire.messages.answers import AnswerLike, EditedAnswer, LocalAnswer, ResponseEdits, local_answer
+from proxy.wire.messages.context import (
+    CLEAR_THINKING,
+    CLEAR_TOOL_USES,
+    COMPACT_TRIGGER,
+    Edit,
+    Message,
+    clear_thinking,
+    clear_tool_uses,
+    compaction_block,
+    parse_edits,
+    resume_compaction,
+    starts_turn,
+    summary_message,
+)
+from proxy.wire.messages.shape import check_body
+
+
+@dataclass
+class Exchange:
+    """One request after the hook: the body for the pipeline, and what the answer needs."""
+
+    body: dict[str, Any]
+    edited: bool
+    edits: ResponseEdits
+    local: LocalAnswer | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def local_answer(self) -> AnswerLike | None:
+        return self.local
+
+    def wrap(self, answer: AnswerLike) -> AnswerLike:
+        if answer is self.local or not self.edits.needed:
+            return answer  # the local answer is already complete
+        return EditedAnswer(answer, self.edits)
+
+
+def emulates(config: Config, route: ModelRoute) -> bool:
+    """Whether this route's upstream lacks ``context_management`` (so the proxy applies it)."""
+    if route.provider == "litellm":
+        return True
+    upstream = config.settings.upstreams.get(route.upstream)
+    return upstream is None or upstream.emulates_context_management
+
+
+class ContextManagementHook:
+    """``proxy.serve.managed.RequestHook`` for the Messages wire."""
+
+    async def begin(self, runtime: Runtime, tenant: Tenant | None, body: dict[str, Any], *,
+                    override: str | None, request_id: str) -> Exchange | None:
+        if body.get("context_management") is None or not isinstance(body.get("model"), str):
+            return None
+        route = runtime.route(body["model"])
+        if not emulates(runtime.config, route):
+            return None  # the upstream applies it: forwarded unchanged
+        edits = parse_edits(body["context_management"])
+        check_body(body)  # the edits read the messages: refuse a malformed body first, as the pipeline would
+        policy = runtime.policy(tenant, body["model"], override)
+        services = runtime.services(route, policy, request_id=request_id)
+        calibration = runtime.calibration.factor(route) if runtime.calibration is not None else 1.0
+        session = _Session(body, services, calibration)
+        messages = resume_compaction(body["messages"])
+        compaction: dict[str, Any] | None = None
+        pause = False
+        for edit in edits:
+            if edit.type == CLEAR_THINKING:
+                messages, report = clear_thinking(messages, edit, session.counter)
+                session.applied.append(session.scaled(report))
+            elif edit.type == CLEAR_TOOL_USES:
+                messages, maybe = clear_tool_uses(messages, edit, session.counter, session.measure(messages))
+                if maybe is not None:
+                    session.applied.append(session.scaled(maybe))
+            else:
+                compacted = await session.compact(messages, edit, policy)
+                if compacted is not None:
+                    messages, compaction = compacted
+                    pause = edit.params.get("pause_after_compaction") is True
+        out = {k: v for k, v in body.items() if k != "context_management"}
+        out["messages"] = messages
+        response = ResponseEdits(session.applied, compaction)
+        exchange = Exchange(out, True, response, warnings=session.warnings)
+        if pause and compaction is not None:
+            exchange.local = local_answer(body["model"], compaction, response.report(), body.get("stream") is True)
+        return exchange
+
+
+class _Session:
+    def __init__(self, body: dict[str, Any], services: Services, calibration: float) -> None:
+        self.body = body
+        self.services = services
+        self.calibration = calibration
+        assert services.counter is not None
+        self.counter = services.counter
+        self.applied: list[dict[str, Any]] = []
+        self.warnings: list[str] = []
+
+    def scaled(self, report: dict[str, Any]) -> dict[str, Any]:
+        """A report's token figure in the provider's units (the calibration factor times the proxy's count)."""
+        return {**report, "cleared_input_tokens": round(report["cleared_input_tokens"] * self.calibration)}
+
+    def measure(self, messages: list[Message]) -> int:
+        """Input tokens of the body with these messages, in the provider's units."""
+        conversation = WIRE.parse({**self.body, "messages": messages}, self.counter)
+        return round((conversation.fixed_tokens + sum(i.tokens for i in conversation.items)) * self.calibration)
+
+    async def compact(self, messages: list[Message], edit: Edit,
+                      policy: Policy) -> tuple[list[Message], dict[str, Any]] | None:
+        trigger = (edit.params.get("trigger") or {}).get("value", COMPACT_TRIGGER)
+        if self.measure(messages) <= trigger:
+            return None
+        client = self.body["messages"]
+        start = next((i for i in range(len(client) - 1, -1, -1) if starts_turn(client[i])), -1)
+        prepared = prepare({**self.body, "messages": messages}, WIRE, self.counter)
+        bands = split_bands(prepared.repaired)
+        turns = split_turns(bands.history)
+        if start < 0 or bands.current is None or not turns:
+            return None  # nothing before the current turn to summarise
+        summarizer = _summarizer(policy, edit.params.get("instructions"))
+        summarize = summarizer.bind(self.services)
+        store = self.services.summaries
+        if summarize is None or store is None:
+            self.warnings.append("context_management compact_20260112 not applied: no summariser is available")
+            return None
+        scope = SummaryScope(self.services.tenant, summarizer.settings_id(self.services))
+        chain = chain_hashes(turns, self.counter)
+        try:
+            found = await store.lookup(scope, chain)
+            if found is None or found.covered_turns != len(turns):
+                found, _fresh = await store.obtain(scope, chain, len(turns), turns, found, summarize,
+                                                   request_id=self.services.request_id)
+        except SummaryUnavailable as exc:
+            self.warnings.append(f"context_management compact_20260112 not applied: the summariser failed ({exc})")
+            return None
+        kept = messages[bands.current.source:]
+        return [summary_message(found.text), *kept], compaction_block(found.text, start)
+
+
+def _summarizer(policy: Policy, instructions: Any) -> Summarizer:
+    """The policy's summariser (its model and prompt), or ``llm``; ``instructions`` are added to its prompt."""
+    own = policy.manager.summarizer
+    if own is not None and own.name != "llm":
+        return own  # e.g. ``drop``: this policy never calls a model to summarise, so compaction is not applied
+    if not isinstance(instructions, str) or not instructions.strip():
+        return own if own is not None else LLMSummarizer(LLMParams())
+    params: Any = own.params if own is not None else LLMParams()
+    base = params.instructions or PROMPT
+    return LLMSummarizer(LLMParams.model_validate(
+        {"model": params.model, "instructions": f"{base}\n\nAlso: {instructions.strip()}"}))
+
+
+HOOK = ContextManagementHook()
