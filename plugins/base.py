@@ -88,7 +88,7 @@ class CachedSummary:
 
 
 class SummaryStore(Protocol):
-    """The summary cache seam (``proxy.summaries.SummaryService`` in the proxy)."""
+    """The summary cache seam (``proxy.store.summaries.SummaryService`` in the proxy)."""
 
     async def lookup(self, scope: SummaryScope, chain: Sequence[str]) -> CachedSummary | None:
         """The cached summary of the longest known prefix of this history, or None (constant cache ops)."""
@@ -102,6 +102,7 @@ class SummaryStore(Protocol):
         previous: CachedSummary | None,
         summarize: SummarizeFn,
         request_id: str = "",
+        model: str = "",
     ) -> tuple[CachedSummary, bool]:
         """A summary of ``turns[:cut]``, and whether this call made it (False: it came from the cache).
 

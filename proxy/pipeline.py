@@ -86,14 +86,6 @@ class Assembly:
         return self.body.get(self.field_name)
 
 
-# models that accept only max_completion_tokens
-_COMPLETION_ONLY = ("o1", "o3", "o4", "gpt-5")
-
-
-def completion_only(upstream_model: str) -> bool:
-    return upstream_model.rsplit("/", 1)[-1].startswith(_COMPLETION_ONLY)
-
-
 def request_max_tokens(body: dict[str, Any], fields: tuple[str, ...]) -> dict[str, int]:
     """The request's output limits, by field (several may be present)."""
     out: dict[str, int] = {}
@@ -168,7 +160,7 @@ def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter) -> P
     if conversation.paired or conversation.unmanaged is not None:
         repaired, repairs = items, Counter[str]()
     else:
-        repaired, repairs = repair(items, wire, wire.merge_call_runs)
+        repaired, repairs = repair(items, wire, wire.merge_call_runs, wire.field)
         check(repaired, wire.merge_call_runs, wire.field)  # what no repair can fix is refused here
         for item in repaired:
             if item.key == 0:  # a placeholder or an edited call: count it

@@ -31,6 +31,7 @@ TIGHTENING = ("keep_turns", "max_messages", "working_memory_messages", "summary_
 # Changing the manager type is allowed only to one that keeps no more than the base.
 TYPE_CHANGES = {("summarising", "sliding-window")}
 WARNED_MODELS = 1000  # unknown model names warned about once each, at most
+ROUTE_MEMO = 4096  # model names whose route is remembered (they come from clients)
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,18 @@ class Routes:
         self.config = config
         self.model_map = model_map
         self._warned: set[str] = set()
+        self._memo: dict[str, ModelRoute] = {}
 
     def resolve(self, name: str) -> ModelRoute:
+        """The route of a model name (remembered: routes are fixed for a config; client names, bounded)."""
+        route = self._memo.get(name)
+        if route is None:
+            route = self._resolve(name)
+            if len(self._memo) < ROUTE_MEMO:
+                self._memo[name] = route
+        return route
+
+    def _resolve(self, name: str) -> ModelRoute:
         cfg = self.config
         m = cfg.model(name)
         if m is None and not cfg.settings.allow_unknown_models:

@@ -2,7 +2,7 @@
 
 The server, ``ctxproxy assemble`` and the explain endpoint all call
 ``Runtime.assemble``, so the CLI shows exactly what the server would forward, on
-every wire. A runtime is built in one place (``proxy.serve.build``); a reload
+every wire. A runtime is built in one place (``proxy.serve.state.build_runtime``); a reload
 builds a new Runtime that shares the long-lived parts (token counters, model map,
 summary cache, calibration); requests in flight keep the Runtime they started on.
 """
@@ -20,6 +20,8 @@ from proxy.core.tokens import Tokenizers
 from proxy.pipeline import Assembly, Prepared, assemble, prepare
 from proxy.policy import ModelRoute, Policy, Routes, policy_for
 from proxy.settings import Config, Tenant
+
+POLICY_MEMO = 4096
 
 
 class Calibration(Protocol):
@@ -52,6 +54,7 @@ class Runtime:
         self.engine = engine
         self.calibration = calibration
         self.routes = Routes(config, model_map)
+        self._policies: dict[tuple[str | None, str | None], Policy] = {}
 
     def authenticate(self, key: str | None) -> Tenant | None:
         """The one tenant authentication: with tenants configured the proxy key picks one, else 401."""
@@ -68,7 +71,20 @@ class Runtime:
         return self.routes.resolve(model)
 
     def policy(self, tenant: Tenant | None, model: str | None, override: str | None) -> Policy:
-        return policy_for(self.config, tenant, model, override)
+        """The effective policy; without an override it is fixed for a config, so it is remembered.
+
+        A policy is never changed once made (the pipeline copies what it reports), and its plugin
+        instances hold only their params.
+        """
+        if override:
+            return policy_for(self.config, tenant, model, override)
+        key = (tenant.name if tenant is not None else None, model)
+        policy = self._policies.get(key)
+        if policy is None:
+            policy = policy_for(self.config, tenant, model, None)
+            if len(self._policies) < POLICY_MEMO:  # model names come from clients: a bounded number
+                self._policies[key] = policy
+        return policy
 
     def window_of(self, model: str) -> int:
         try:

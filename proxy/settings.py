@@ -324,6 +324,10 @@ class Config:
                 return m
         return None
 
+    def forwards_client_auth(self, upstream: UpstreamSettings) -> bool:
+        """Whether a client's own credentials go upstream: only with no tenants and no configured key."""
+        return not self.tenants and upstream.api_key is None
+
     def tenant_for_key(self, key: str) -> Tenant | None:
         return self.keys.get(hash_key(key))
 

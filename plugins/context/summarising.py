@@ -81,7 +81,7 @@ class Summarising(ContextManager):
             return self._would_create(view, cut, found)
         try:
             made, fresh = await services.summaries.obtain(scope, chain, cut, view.turns, found, summarize,
-                                                          request_id=services.request_id)
+                                                          request_id=services.request_id, model=services.model)
         except SummaryUnavailable as exc:
             status = "pending" if exc.reason == "pending" else "failed"
             return HistoryResult(turns=view.turns, summary_status=status, detail={"reason": exc.reason})

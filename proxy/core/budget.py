@@ -87,8 +87,7 @@ def compute_budget(
     elif request_max_tokens is not None:
         reserve = request_max_tokens
     else:
-        reserve = model_max_output if model_max_output is not None else DEFAULT_RESERVE
-        reserve = min(reserve, int(window * RESERVE_WINDOW_SHARE))
+        reserve = default_reserve(window, model_max_output)
     ratio = min(0.5, max(0.0, trimmer.safety_margin_ratio))
     margin = math.ceil(ratio * window)
     derived = window - reserve - margin
@@ -103,6 +102,13 @@ def compute_budget(
     ratio_h = max(0.0, hysteresis_ratio)
     threshold = summary_threshold if summary_threshold > 0 else int(hard / (1 + ratio_h))
     return Budget(window, reserve, margin, hard, min(threshold, hard), ratio_h, limited_by)
+
+
+def default_reserve(window: int, model_max_output: int | None) -> int:
+    """The completion reserve of a request that sets no output limit: the model's max output, at most a
+    quarter of the window."""
+    reserve = model_max_output if model_max_output is not None else DEFAULT_RESERVE
+    return min(reserve, int(window * RESERVE_WINDOW_SHARE))
 
 
 def why(budget: Budget) -> str:

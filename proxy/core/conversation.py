@@ -1,6 +1,6 @@
 """A parsed request, wire-neutral, and the contract a wire adapter fulfils (DESIGN §7).
 
-A wire adapter (``proxy.wire.chat``, ``.responses``, ``.anthropic``) turns a request
+A wire adapter (``proxy.wire.chat``, ``.responses``, ``.messages``) turns a request
 body into a ``Conversation`` (``parse``) and the managed items back into a body of
 the same wire (``render``). Everything the pipeline needs from a wire beyond that
 is here too: the two pairing edits, the summary item, and the output-limit fields.

@@ -39,7 +39,8 @@ class _Group:
     taking_calls: bool = True  # no result yet: a merged run may still grow
 
 
-def repair(items: list[Item], factory: ItemFactory, merge_call_runs: bool = False) -> tuple[list[Item], Counter[str]]:
+def repair(items: list[Item], factory: ItemFactory, merge_call_runs: bool = False,
+           where: str = "messages") -> tuple[list[Item], Counter[str]]:
     """Return the repaired list (the same list object when nothing changed) and repairs by kind."""
     repairs: Counter[str] = Counter()
     out_items: list[Item | _Group] = []
@@ -103,7 +104,7 @@ def repair(items: list[Item], factory: ItemFactory, merge_call_runs: bool = Fals
             if any(p is None for p in placeholders):
                 if len(absent) < len(call.call_ids):
                     raise PayloadError(f"tool call(s) {absent[:5]} got no result, and this kind of call cannot be "
-                                       "given a placeholder", param="messages", code="unpaired_tool_call")
+                                       "given a placeholder", param=where, code="unpaired_tool_call")
                 # none of this item's calls was answered and it cannot get placeholders: drop its calls
                 repairs[CALLS_DROPPED] += 1
                 changed = True

@@ -63,7 +63,7 @@ def content_key(raw: Any) -> int:
     except TypeError as exc:
         if "Recursion limit" in str(exc):
             # orjson reads 1024 levels of nesting but writes only 254: such a message could never be forwarded
-            raise PayloadError("A message is nested too deeply (more than 254 levels).", param="messages",
+            raise PayloadError("An item of the conversation is nested too deeply (more than 254 levels).",
                                code="invalid_message") from None
         data = repr(raw).encode()
     return xxh3_128_intdigest(data)
@@ -164,14 +164,11 @@ class TokenCounter:
             raw = orjson.dumps(tools)
         except TypeError:
             return 0
-        key = xxh3_128_intdigest(raw)
-        with self._lock:
-            cached = self._cache.get(key)
-        if cached is None:
-            cached = self.text(raw.decode())
-            with self._lock:
-                self._cache[key] = cached
-        return cached
+        return self.cached(xxh3_128_intdigest(raw), raw, _count_json_bytes)
+
+
+def _count_json_bytes(counter: TokenCounter, raw: bytes) -> int:
+    return counter.text(raw.decode())
 
 
 class Tokenizers:

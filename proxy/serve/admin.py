@@ -122,9 +122,9 @@ async def _upstream_models(request: web.Request) -> list[Any]:
     if upstream.api == "anthropic":  # the API root, and its key in x-api-key
         url = upstream.base_url + "/v1/models"
         headers = anthropic_headers(request.headers, upstream, request_id=request_id(request),
-                                    forward_client_auth=not config.tenants and upstream.api_key is None)
+                                    forward_client_auth=config.forwards_client_auth(upstream))
     else:
-        headers = upstream_headers(request.headers, upstream, forward_client_auth=not config.tenants,
+        headers = upstream_headers(request.headers, upstream, forward_client_auth=config.forwards_client_auth(upstream),
                                    request_id=request_id(request))
     try:
         response = await open_request(st.shared.pool.session(upstream), "GET", url,

@@ -191,7 +191,8 @@ async def _summary(runtime: Runtime, route: ModelRoute, policy: Policy, rid: str
     if found is not None and found.covered_turns == len(turns):
         return found
     try:
-        made, _fresh = await store.obtain(scope, chain, len(turns), turns, found, summarize, request_id=rid)
+        made, _fresh = await store.obtain(scope, chain, len(turns), turns, found, summarize, request_id=rid,
+                                          model=services.model)
     except SummaryUnavailable as exc:
         raise SummarizerFailed(f"The summariser could not compact this conversation ({exc.reason}).") from None
     return made

@@ -34,5 +34,6 @@ def settle(shared: Shared, metrics: Metrics, route: ModelRoute, assembly: Assemb
     cached = answered if answered is not None and answered.consistent else None
     effect = shared.prompt_cache.observe(tenant, assembly.received, assembly.items, cached, removed_tokens(report))
     cost = request_cost(report, route.upstream_model, shared.model_map, effect if cached is not None else None)
-    metrics.account(tenant, route.name, cost)
+    if answered is not None:  # a request that got no answer saved nothing
+        metrics.account(tenant, route.name, cost)
     return cost

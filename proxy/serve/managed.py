@@ -128,6 +128,15 @@ async def _handle(request: web.Request, wire: ManagedWire, hook: RequestHook | N
         record.model = body.get("model") if isinstance(body.get("model"), str) else None
         override = request.headers.get(OVERRIDE_HEADER)
         exchange = await hook.begin(runtime, tenant, body, override=override, request_id=rid) if hook else None
+        local = exchange.local_answer() if exchange is not None else None
+        if local is not None:  # answered by the proxy itself (a paused compaction): no pipeline, nothing forwarded
+            headers0: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
+            if exchange is not None and exchange.warnings:
+                headers0["x-ctxproxy-warning"] = header_safe("; ".join(exchange.warnings))
+            response = await relay_answer(request, local, headers0, idle_timeout=st.config.settings.server.idle_timeout,
+                                          watcher=StreamWatcher(time.perf_counter(), wire.stream_end))
+            status = response.status
+            return response
         forwardable: bytes | None = raw
         if exchange is not None and exchange.edited:
             body, forwardable = exchange.body, None
@@ -139,7 +148,7 @@ async def _handle(request: web.Request, wire: ManagedWire, hook: RequestHook | N
         record.report = assembly.report
         record.model = route.name
         st.metrics.assembled(record.tenant, route.name, assembly.report, route.upstream_model)
-        stable = st.prefix.observe(assembly.received, assembly.items)
+        stable = st.prefix.observe(assembly.received, assembly.items, record.tenant)
         if stable is not None:
             st.metrics.prefix(record.tenant, route.name, stable)
         data = forward_bytes(forwardable, assembly)
@@ -152,8 +161,7 @@ async def _handle(request: web.Request, wire: ManagedWire, hook: RequestHook | N
         sent = time.perf_counter()
         watcher = StreamWatcher(sent, wire.stream_end)
         try:
-            local = exchange.local_answer() if exchange is not None else None
-            answer = local if local is not None else await served.providers.for_route(route).send(route, call)
+            answer = await served.providers.for_route(route).send(route, call)
             if exchange is not None:
                 answer = exchange.wrap(answer)
             response = await relay_answer(request, answer, headers, idle_timeout=st.config.settings.server.idle_timeout,

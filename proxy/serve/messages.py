@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.core.budget import DEFAULT_RESERVE, RESERVE_WINDOW_SHARE
+from proxy.core.budget import default_reserve
 from proxy.core.errors import BadRequest, ContextLengthExceeded
 from proxy.serve.http import (
     ERROR_SHAPE,
@@ -63,9 +63,12 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
     # count_tokens takes no max_tokens: budget the count as a request without one would be budgeted
     probe: dict[str, Any] = dict(body)
     added = "max_tokens" not in body
-    if added:
-        probe["max_tokens"] = min(route.max_output or DEFAULT_RESERVE, max(1, int(route.window * RESERVE_WINDOW_SHARE)))
     override = request.headers.get(OVERRIDE_HEADER)
+    if added:
+        # the reserve a request without an output limit gets, within this key's output cap (never refused by it)
+        reserve = max(1, default_reserve(route.window, route.max_output))
+        cap = runtime.policy(tenant, model, override).max_output_tokens
+        probe["max_tokens"] = min(reserve, cap) if cap is not None else reserve
     exchange = await HOOK.begin(runtime, tenant, probe, override=override, request_id=rid)
     if exchange is not None:
         probe = exchange.body

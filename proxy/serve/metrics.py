@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ctxproxy")
 
 OTHER = "other"
+LABEL_MEMO = 4096  # model names whose label is remembered (they come from clients)
 SUMMARY_RESULTS = SUMMARY_STATUSES - {"none"}
 WIRES = frozenset({"chat", "responses", "messages"})
 CACHE_OPERATIONS = frozenset({"get", "set", "lock", "unlock", "renew", "ping"})
@@ -198,15 +199,19 @@ class Metrics:
         """Replace the allowed tenant, model and upstream names (on config reload)."""
         self._tenants = frozenset(tenants) or frozenset({"default"})
         self._models = frozenset(models)
+        self._model_labels: dict[str, str] = {}
         self._upstreams = frozenset(upstreams)
 
     def tenant_label(self, tenant: str) -> str:
         return tenant if tenant in self._tenants else OTHER
 
     def model_label(self, model: str) -> str:
-        if model in self._models or self._in_model_map(model):
-            return model
-        return OTHER
+        label = self._model_labels.get(model)
+        if label is None:
+            label = model if model in self._models or self._in_model_map(model) else OTHER
+            if len(self._model_labels) < LABEL_MEMO:  # names come from clients: remember a bounded number
+                self._model_labels[model] = label
+        return label
 
     def _in_model_map(self, model: str) -> bool:
         """An exact model-map name: ``ModelMap.get`` also resolves ``anything/<name>``, which is unbounded."""
@@ -216,16 +221,27 @@ class Metrics:
 
     # -- events ---------------------------------------------------------------------------------------
 
-    def summary_call(self, tenant: str, completion: Completion) -> None:
-        """One summariser call, priced on the model the provider ran (not the alias it was routed by)."""
+    def summary_call(self, tenant: str, completion: Completion, model: str = "") -> None:
+        """One summariser call, priced on the model the provider ran (not the alias it was routed by).
+
+        Its tokens and cost are labelled with the summariser's model; against net savings it counts for
+        the model of the request it was made for (``model``), whose context it managed.
+        """
         t, m = self.tenant_label(tenant), self.model_label(completion.model)
         self.summarizer_tokens.labels(t, m, "prompt").inc(max(0, completion.prompt_tokens))
         self.summarizer_tokens.labels(t, m, "completion").inc(max(0, completion.completion_tokens))
         cost = self.model_map.cost(completion.priced_model, completion.prompt_tokens, completion.completion_tokens)
         if cost is None:
             self._unpriced(completion.priced_model)
-        else:
-            self.summarizer_cost.labels(t, m).inc(max(0.0, cost))
+            return
+        # every summariser call is paid for, whatever asked for it (a request, compact, count_tokens, explain)
+        # and whether or not that request was answered: it is counted here, once, against net savings
+        cost = max(0.0, cost)
+        self.summarizer_cost.labels(t, m).inc(cost)
+        for_model = self.model_label(model or completion.model)
+        if cost:
+            self._child(self.net_loss, t, for_model).inc(cost)
+        self._ledger(t, for_model, summarizer_usd=cost, net_usd=-cost)
 
     def summary_failed(self, tenant: str, reason: str) -> None:
         self.summarizer_failures.labels(self.tenant_label(tenant), reason if reason in FAILURE_REASONS else OTHER).inc()
@@ -245,8 +261,8 @@ class Metrics:
     def assembled(self, tenant: str, model: str, report: Report, upstream_model: str | None = None) -> None:
         """What the pipeline did to one request; savings priced on the model the route sends upstream."""
         t, m = self.tenant_label(tenant), self.model_label(model)
-        self.tokens_received.labels(t, m).inc(max(0, report.tokens_before))
-        self.tokens_forwarded.labels(t, m).inc(max(0, report.tokens_after))
+        self._child(self.tokens_received, t, m).inc(max(0, report.tokens_before))
+        self._child(self.tokens_forwarded, t, m).inc(max(0, report.tokens_after))
         removed = 0
         for how, n in report.removed.items():
             if n > 0:
@@ -260,23 +276,21 @@ class Metrics:
         if report.unmanaged:
             reason = report.unmanaged if report.unmanaged in UNMANAGED_REASONS else OTHER
             self.unmanaged.labels(report.wire if report.wire in WIRES else OTHER, reason).inc()
-        gross = 0.0
-        if removed:
-            priced = upstream_model or model
-            price = self.model_map.input_price(priced)
-            if price is None:
-                self._unpriced(priced)
-            else:
-                # tokens removed as the provider counts them (the calibration factor), at its input price
-                gross = removed * _factor(report.calibration) * price
-                self.savings.labels(t, m).inc(gross)
+        if removed and self.model_map.input_price(upstream_model or model) is None:
+            self._unpriced(upstream_model or model)
         self._ledger(t, m, tokens_received=max(0, report.tokens_before), tokens_forwarded=max(0, report.tokens_after),
-                     tokens_removed=removed, gross_usd=gross,
+                     tokens_removed=removed,
                      summaries_created=int(report.summary == "created"), summaries_reused=int(report.summary == "reused"))
 
     def account(self, tenant: str, model: str, cost: RequestCost) -> None:
-        """One request's cost figures, after its answer: the summariser's share, the prompt-cache effect, net."""
+        """One answered request's figures: gross savings, the prompt-cache effect, and their net.
+
+        The summariser's cost is counted where it is paid (``summary_call``); here it is only attributed.
+        A request that got no answer saved nothing (the provider bills no failed request).
+        """
         t, m = self.tenant_label(tenant), self.model_label(model)
+        if cost.gross_usd:
+            self.savings.labels(t, m).inc(max(0.0, cost.gross_usd))
         if cost.summarizer_usd:
             self._child(self.request_summarizer_cost, t, m).inc(max(0.0, cost.summarizer_usd))
         effects = {"break": (cost.cache_break_usd, cost.cache.lost_reads + cost.cache.extra_writes),
@@ -288,13 +302,13 @@ class Metrics:
             if usd:
                 self._child(self.cache_effect, t, m, kind).inc(max(0.0, usd))
                 effect_usd += max(0.0, usd)
-        net = cost.net_usd
+        net = cost.gross_usd - effect_usd if cost.gross_usd is not None else None
         if net is not None and net > 0:
             self._child(self.net_savings, t, m).inc(net)
         elif net is not None and net < 0:
             self._child(self.net_loss, t, m).inc(-net)
         # an unknown price was already counted where it was met (assembled, summary_call)
-        self._ledger(t, m, summarizer_usd=max(0.0, cost.summarizer_usd or 0.0), cache_effect_usd=effect_usd,
+        self._ledger(t, m, gross_usd=max(0.0, cost.gross_usd or 0.0), cache_effect_usd=effect_usd,
                      net_usd=net or 0.0, unpriced=int(net is None))
 
     def calibration_factor(self, upstream: str, model: str, factor: float) -> None:
@@ -326,17 +340,18 @@ class Metrics:
     ) -> None:
         """One finished request: status, timings, and the provider's usage block if any."""
         t, m = self.tenant_label(tenant), self.model_label(model)
-        self.requests.labels(t, m, wire if wire in WIRES else OTHER, str(status) if 100 <= status <= 599 else OTHER).inc()
+        self._child(self.requests, t, m, wire if wire in WIRES else OTHER,
+                    str(status) if 100 <= status <= 599 else OTHER).inc()
         self._ledger(t, m, requests=1)
         if overhead is not None:
             self.overhead.observe(max(0.0, overhead))
         if upstream is not None:
-            self.upstream.labels(t, m).observe(max(0.0, upstream))
+            self._child(self.upstream, t, m).observe(max(0.0, upstream))
         if ttft is not None:
-            self.ttft.labels(t, m).observe(max(0.0, ttft))
+            self._child(self.ttft, t, m).observe(max(0.0, ttft))
         cached = _cached_tokens(usage, wire)
         if cached:
-            self.cached_tokens.labels(t, m).inc(cached)
+            self._child(self.cached_tokens, t, m).inc(cached)
 
     def payload_error(self, code: str) -> None:
         """One request refused as invalid; ``code`` is the error's machine-readable code."""

@@ -67,7 +67,7 @@ async def _relay(request: web.Request, path: str) -> web.StreamResponse:
     raw = await read_body(request) if request.can_read_body else None
     if tenant is not None and raw:
         _check_model(raw, request.headers.get("Content-Type", ""), tenant)
-    forward = not config.tenants and upstream.api_key is None
+    forward = config.forwards_client_auth(upstream)
     if upstream.api == "anthropic":  # base_url is the API root, and the key goes in x-api-key
         headers = anthropic_headers(request.headers, upstream, forward_client_auth=forward,
                                     request_id=request_id(request))

@@ -50,6 +50,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from proxy.core.errors import CacheBackendError
 from proxy.store.cache import Cache, SafeCache
 
 if TYPE_CHECKING:
@@ -341,7 +342,7 @@ class CalibrationStore:
     async def _load(self, key: tuple[str, str]) -> None:
         try:
             stored = await self.cache.get(cache_key(*key))
-        except Exception as exc:  # a bare backend (SafeCache already swallows): serve what is known
+        except (CacheBackendError, OSError) as exc:  # a bare backend (SafeCache already swallows): serve what is known
             log.debug("calibration read failed: %s", exc)
             stored = None
         existed = key in self._entries
@@ -375,7 +376,7 @@ class CalibrationStore:
     async def _write(self, key: tuple[str, str]) -> None:
         try:
             await self._store(key)
-        except Exception as exc:  # a bare backend (SafeCache already swallows): the samples stay local
+        except (CacheBackendError, OSError) as exc:  # a bare backend (SafeCache already swallows): the samples stay local
             log.debug("calibration write failed: %s", exc)
 
     async def _store(self, key: tuple[str, str]) -> None:

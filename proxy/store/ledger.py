@@ -94,12 +94,13 @@ class Ledger:
     async def flush(self) -> None:
         """Write every bucket changed since the last flush (its whole content: this replica owns the key)."""
         async with self._lock:
-            dirty, self._dirty = self._dirty, set()
-            for hour in sorted(dirty):
+            for hour in sorted(self._dirty):
                 rows = [row.as_dict() for row in self._hours.get(hour, {}).values()]
                 await self._index(hour)
                 await self.cache.set(f"{PREFIX}{hour}:{self.replica}", {"hour": hour, "replica": self.replica,
                                                                          "rows": rows}, RETENTION_SECONDS)
+                # clean only once written: a flush cancelled half-way (shutdown) loses no hour
+                self._dirty.discard(hour)
             current = hour_of(self.clock())
             for hour in [h for h in self._hours if h < current - 1 and h not in self._dirty]:
                 del self._hours[hour]  # written, and no request adds to it any more

@@ -19,11 +19,15 @@ class PrefixTracker:
         self._last: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._size = size
 
-    def observe(self, received: list[Item], forwarded: list[Item]) -> bool | None:
-        """True/False: the forwarded list does/does not extend the previous one; None: first request seen."""
+    def observe(self, received: list[Item], forwarded: list[Item], tenant: str = "") -> bool | None:
+        """True/False: the forwarded list does/does not extend the previous one; None: first request seen.
+
+        Conversations are told apart by tenant, system band and first item (identical agent runs of one
+        tenant share a record: the share they report is still that of the forwarded prefixes).
+        """
         if not received or not forwarded:
             return None
-        head: list[int] = []
+        head: list[object] = [tenant]
         for item in received:
             head.append(item.key)
             if item.role != SYSTEM:

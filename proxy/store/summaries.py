@@ -42,7 +42,7 @@ FAILURES_TRACKED = 10_000
 LOCK_TTL = 30.0  # seconds; the holder renews it every LOCK_TTL / 3 while it summarises
 MIN_WAIT = 0.1  # seconds a waiter polls the lock before it re-checks (lock_wait 0 must not spin)
 
-SummaryCall = Callable[[str, Completion], None]
+SummaryCall = Callable[[str, Completion, str], None]  # (tenant, the call, the request's model)
 SummaryFailure = Callable[[str, str], None]  # (tenant, reason)
 
 
@@ -108,6 +108,7 @@ class SummaryService:
         previous: CachedSummary | None,
         summarize: SummarizeFn,
         request_id: str = "",
+        model: str = "",
     ) -> tuple[CachedSummary, bool]:
         conversation = summary_key(scope, "conversation:" + chain[0])
         failing = self._failures.get(conversation)
@@ -118,7 +119,7 @@ class SummaryService:
         flight = self._flights.get(key)
         if flight is None:
             job = _Job(key, conversation, scope, chain[cut - 1], cut, list(turns[:cut]), previous, summarize,
-                       request_id)
+                       request_id, model)
             flight = _Flight(asyncio.create_task(self._make(job)))
             self._flights[key] = flight
             flight.task.add_done_callback(lambda _t: self._flights.pop(key, None))
@@ -139,6 +140,7 @@ class SummaryService:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # an engine or plugin bug: never fail the client's request for it
+            log.error("summariser bug for request %s", job.request_id or "-", exc_info=True)
             failure = SummaryUnavailable(f"summariser failed: {type(exc).__name__}: {exc}", reason="error")
             self._failed(job, failure)
             raise failure from exc
@@ -191,7 +193,7 @@ class SummaryService:
             raise SummaryUnavailable("the summariser returned an empty answer", reason="empty")
         self._failures.pop(job.conversation, None)
         if self.on_call is not None:
-            self.on_call(job.scope.tenant, completion)
+            self.on_call(job.scope.tenant, completion, job.model)
         record = {"text": text, "turns": cut, "chain": job.link, "model": completion.model,
                   "incremental": bool(start), "created": time.time(),
                   "usage": {"model": completion.model, "upstream_model": completion.upstream_model,
@@ -237,6 +239,7 @@ class _Job:
     previous: CachedSummary | None
     summarize: SummarizeFn
     request_id: str
+    model: str  # the model of the request the summary is made for (its cost is attributed there)
 
 
 def _usage(raw: Any) -> Completion | None:

@@ -1,10 +1,13 @@
 """The one seam to providers (STYLE 7): a ``Provider`` sends a managed request and completes a summary.
 
-Implementations: ``proxy.upstream.http.HTTPProvider`` (an OpenAI-compatible or
-Anthropic HTTP API over a pooled aiohttp session) and
-``proxy.upstream.litellm.LiteLLMProvider`` (any provider through litellm). A route
-picks its provider once (``Providers.for_route``); nothing else branches on the
-provider. Tests put a fake behind this seam.
+Implementations: ``proxy.upstream.http.HTTPProvider`` (an OpenAI-compatible HTTP
+API over a pooled aiohttp session), ``proxy.upstream.anthropic.AnthropicProvider``
+(Anthropic's Messages API, same pool) and ``proxy.upstream.litellm.LiteLLMProvider``
+(any provider through litellm). A route picks its provider once
+(``Providers.for_route``). Two capabilities outside ``send``/``complete`` are still
+asked of the route's settings where they are used: whether compaction and
+``context_management`` are the upstream's (``serve/compact.py``,
+``wire/messages/emulate.py``). Tests put a fake behind this seam.
 """
 
 from __future__ import annotations

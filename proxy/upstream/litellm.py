@@ -24,6 +24,7 @@ from proxy.core.deadline import deadline
 from proxy.core.errors import (
     BadRequest,
     CtxProxyError,
+    UpstreamError,
     UpstreamStatus,
     UpstreamTimeout,
     UpstreamUnreachable,
@@ -60,19 +61,30 @@ def _kwargs(route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings 
     return kwargs
 
 
-def _error(exc: Exception) -> CtxProxyError:
+def _error(exc: Exception, upstream: UpstreamSettings | None = None) -> CtxProxyError:
+    """A litellm failure in the error tree, with the same rules as the HTTP path (``upstream.http.read_error``):
+    the operator's key is blanked out of every message, and a refusal of it is the gateway's fault (502)."""
     name = type(exc).__name__
+    secret = upstream.api_key if upstream is not None else None
     if "Timeout" in name:
         return UpstreamTimeout("The upstream did not answer in time.")
     status = getattr(exc, "status_code", None)
+    if secret and status in (401, 403):
+        log.error("the upstream rejected the proxy's configured API key (HTTP %d, through litellm)", status)
+        return UpstreamError("The upstream rejected the proxy's credentials; the proxy's operator must fix "
+                             "its configuration.", code="upstream_auth_failed")
     if isinstance(status, int) and 400 <= status < 500:
-        message = _plain(str(getattr(exc, "message", None) or exc))
+        message = _redact(_plain(str(getattr(exc, "message", None) or exc)), secret)
         return UpstreamStatus(status, normalise_error_body(status, {"error": {"message": message, "code": None}}))
-    log.warning("litellm route failed: %s", _plain(f"{name}: {exc}"))
+    log.warning("litellm route failed: %s", _redact(_plain(f"{name}: {exc}"), secret))
     if isinstance(status, int) and 500 <= status < 600 and "APIConnectionError" not in name:
         return UpstreamStatus(status, normalise_error_body(status, {"error": {
             "message": f"The upstream failed ({name}).", "code": None}}))
     return UpstreamUnreachable(f"The upstream is unreachable or failed ({name}).")
+
+
+def _redact(text: str, secret: str | None) -> str:
+    return text.replace(secret, "[redacted]") if secret else text
 
 
 def _plain(message: str) -> str:
@@ -88,7 +100,7 @@ async def chat(route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettin
     except CtxProxyError:
         raise
     except Exception as exc:
-        raise _error(exc) from None
+        raise _error(exc, upstream) from None
     out: dict[str, Any] = response.model_dump(exclude_none=True)
     out["model"] = route.name
     return out
@@ -102,7 +114,7 @@ async def open_stream(
     try:
         stream = await litellm.acompletion(**_kwargs(route, body, upstream), stream=True)
     except Exception as exc:
-        raise _error(exc) from None
+        raise _error(exc, upstream) from None
 
     async def events() -> AsyncIterator[bytes]:
         try:
@@ -111,7 +123,7 @@ async def open_stream(
                 data["model"] = route.name
                 yield b"data: " + orjson.dumps(data) + b"\n\n"
         except Exception as exc:
-            raise _error(exc) from None
+            raise _error(exc, upstream) from None
         yield b"data: [DONE]\n\n"
 
     return events()
@@ -125,7 +137,7 @@ async def responses(route: ModelRoute, body: dict[str, Any], upstream: UpstreamS
     except CtxProxyError:
         raise
     except Exception as exc:
-        raise _error(exc) from None
+        raise _error(exc, upstream) from None
     out: dict[str, Any] = response.model_dump(mode="json", exclude_none=True)
     out["model"] = route.name
     return out
@@ -139,7 +151,7 @@ async def open_responses_stream(
     try:
         stream = await litellm.aresponses(**_kwargs(route, body, upstream), stream=True)
     except Exception as exc:
-        raise _error(exc) from None
+        raise _error(exc, upstream) from None
 
     async def events() -> AsyncIterator[bytes]:
         try:
@@ -148,7 +160,7 @@ async def open_responses_stream(
                 name = data.get("type") if isinstance(data.get("type"), str) else "message"
                 yield b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
         except Exception as exc:
-            raise _error(exc) from None
+            raise _error(exc, upstream) from None
 
     return events()
 
@@ -164,7 +176,7 @@ async def messages_call(
     try:
         result: Any = await anthropic_messages.acreate(**kwargs, stream=stream)
     except Exception as exc:
-        raise _error(exc) from None
+        raise _error(exc, upstream) from None
     if not stream:
         out = dict(result) if isinstance(result, dict) else result.model_dump(exclude_none=True)
         out["model"] = route.name
@@ -181,7 +193,7 @@ async def messages_call(
                     data = chunk if isinstance(chunk, dict) else chunk.model_dump(exclude_none=True)
                     yield f"event: {data.get('type', 'message')}\n".encode() + b"data: " + orjson.dumps(data) + b"\n\n"
         except Exception as exc:
-            raise _error(exc) from None
+            raise _error(exc, upstream) from None
 
     return LiteLLMAnswer(events=events())
 

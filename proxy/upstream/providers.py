@@ -31,7 +31,7 @@ class Providers:
 
             return LiteLLMProvider(upstreams.get(route.upstream))
         upstream = upstreams[route.upstream]
-        forward = not self.config.tenants and upstream.api_key is None
+        forward = self.config.forwards_client_auth(upstream)
         if upstream.api == "anthropic":
             return AnthropicProvider(upstream, self.pool, forward_client_auth=forward)
         return HTTPProvider(upstream, self.pool, forward_client_auth=forward)

@@ -287,10 +287,6 @@ class ResponsesItem(Item):
             return {"type": "message", "role": "user", "content": raw}
         return raw if isinstance(raw, dict) else {}
 
-    def elements(self) -> list[Any]:
-        """The input items this neutral item is rendered as, in order."""
-        return list(self.raw) if isinstance(self.raw, list) else [self.raw]
-
     def describe(self) -> str:
         item = self.main
         kind = kind_of(item)

@@ -318,7 +318,7 @@ class FakeStore:
         return best
 
     async def obtain(self, scope: SummaryScope, chain: Sequence[str], cut: int, turns: Any, previous: Any,
-                     summarize: Any, request_id: str = "") -> tuple[CachedSummary, bool]:
+                     summarize: Any, request_id: str = "", model: str = "") -> tuple[CachedSummary, bool]:
         completion = await summarize(None, turns[:cut])
         made = CachedSummary(cut, chain[cut - 1], completion.text)
         self.made[(scope.settings_id, chain[cut - 1])] = made

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from plugins.base import Completion
 from proxy.core.modelinfo import ModelMap
 from proxy.pipeline import Report
+from proxy.serve.costs import request_cost
 from proxy.serve.metrics import MAX_ERROR_CODES, Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,6 +116,10 @@ def test_assembled_counts_tokens_removals_repairs_and_savings(metrics: Metrics, 
     assert ("ctxproxy_tokens_removed_total", frozenset({**t, "how": "windowed"}.items())) not in samples(metrics)
     assert value(metrics, "ctxproxy_repairs_total", kind="orphan_result") == 2
     assert value(metrics, "ctxproxy_repairs_total", kind="missing_result") == 1
+    # savings are counted once the request was answered (a failed request saved nothing)
+    assert value(metrics, "ctxproxy_estimated_savings_usd_total", **t) == 0
+    r = report(tokens_before=10_000, tokens_after=3_000, removed={"summarised": 6_000, "wm_capped": 500, "trimmed": 500})
+    metrics.account("acme", MODEL, request_cost(r, MODEL, model_map))
     savings = value(metrics, "ctxproxy_estimated_savings_usd_total", **t)
     assert savings > 0
     assert savings == pytest.approx(7_000 * model_map.input_price(MODEL))
@@ -220,8 +225,11 @@ WORKER = textwrap.dedent("""
     n = int(sys.argv[1])
     for _ in range(n):
         m.finished("acme", "gpt-4o-mini", 200, overhead=0.001, upstream=1.5, ttft=0.2, usage=None)
-    m.assembled("acme", "gpt-4o-mini", Report(model="gpt-4o-mini", tenant="acme", context_manager="x",
-                                              tokens_before=100 * n, removed={"windowed": 10 * n}))
+    r = Report(model="gpt-4o-mini", tenant="acme", context_manager="x", tokens_before=100 * n,
+               removed={"windowed": 10 * n})
+    m.assembled("acme", "gpt-4o-mini", r)
+    from proxy.serve.costs import request_cost
+    m.account("acme", "gpt-4o-mini", request_cost(r, "gpt-4o-mini", m.model_map))
     m.summary_call("acme", Completion("s", "gpt-4o-mini", 1000, 100))
     m.payload_error("invalid_role")
 """)
@@ -286,8 +294,9 @@ def test_after_answer_metrics_keep_labels_bounded(metrics: Metrics) -> None:
     metrics.calibration_sample(MODEL, Sample("used", 1.3), Usage(1300), 1000, 1.3)
     body = metrics.render()[0].decode()
     assert KEY not in body and "sk-" not in body
-    assert value(metrics, "ctxproxy_net_savings_usd_total", tenant="other", model="other") == pytest.approx(0.2)
-    assert value(metrics, "ctxproxy_net_loss_usd_total", tenant="acme", model=MODEL) == pytest.approx(0.4)
+    # net here is gross - the prompt-cache effect; the summariser's cost is counted where it is paid (summary_call)
+    assert value(metrics, "ctxproxy_net_savings_usd_total", tenant="other", model="other") == pytest.approx(0.7)
+    assert value(metrics, "ctxproxy_net_savings_usd_total", tenant="acme", model=MODEL) == pytest.approx(0.1)
     assert value(metrics, "ctxproxy_prompt_cache_effect_tokens_total", tenant="other", model="other", kind="break") == 5
     assert value(metrics, "ctxproxy_token_calibration_factor", upstream="other", model="other") == 1.3
     assert value(metrics, "ctxproxy_calibration_samples_total", model="other", result="other") == 1

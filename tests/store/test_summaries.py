@@ -147,7 +147,7 @@ async def test_a_record_without_a_chain_field_is_accepted() -> None:
 async def test_obtain_summarises_once_then_serves_from_the_cache() -> None:
     calls: list[tuple[str, Completion]] = []
     cache = MemoryCache()
-    svc = service(cache, on_call=lambda tenant, c: calls.append((tenant, c)))
+    svc = service(cache, on_call=lambda tenant, c, _model: calls.append((tenant, c)))
     fn = Summarizer("  - user Ada booked ZX1Q  \n")
     summary, created = await obtain(svc, fn)
     assert created is True

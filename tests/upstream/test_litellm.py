@@ -175,3 +175,31 @@ async def test_litellm_route_compact_is_answered_by_the_summariser(start_proxy: 
             compacted = await client.responses.compact(model="claude", input=[{"role": "user", "content": "hi"}])
     assert compacted.object == "response.compaction"
     assert "the user said hi" in compacted.output[-1].content[0].text  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("status", [401, 403])
+async def test_a_refused_operator_key_is_a_gateway_error_and_never_echoed(
+        start_proxy: Any, litellm_httpx: None, status: int) -> None:
+    """Through litellm as on the HTTP path: the proxy's own key refused is a 502, and the key never reaches a client."""
+    proxy = await start_proxy(config())
+    with respx.mock(assert_all_called=True) as mock:
+        mock.post(ANTHROPIC).mock(return_value=httpx.Response(status, json={
+            "type": "error", "error": {"type": "authentication_error", "message": "invalid x-api-key sk-ant-test"}}))
+        async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/chat/completions", json={
+                "model": "claude", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}) as r:
+            raw = await r.text()
+            got = r.status
+    assert got == 502 and "upstream_auth_failed" in raw
+    assert "sk-ant-test" not in raw
+
+
+async def test_a_provider_echoing_the_key_in_a_4xx_never_shows_it(start_proxy: Any, litellm_httpx: None) -> None:
+    proxy = await start_proxy(config())
+    with respx.mock(assert_all_called=True) as mock:
+        mock.post(ANTHROPIC).mock(return_value=httpx.Response(400, json={
+            "type": "error", "error": {"type": "invalid_request_error", "message": "bad request for key sk-ant-test"}}))
+        async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/chat/completions", json={
+                "model": "claude", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}) as r:
+            raw = await r.text()
+            got = r.status
+    assert got == 400 and "sk-ant-test" not in raw and "[redacted]" in raw

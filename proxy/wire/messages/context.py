@@ -34,7 +34,7 @@ own counts scaled by the model's calibration factor.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from proxy.core.errors import BadRequest
@@ -60,14 +60,6 @@ Message = dict[str, Any]
 class Edit:
     type: str
     params: dict[str, Any]
-
-
-@dataclass
-class Edited:
-    """Messages after the edits, and what each applied edit reports (``applied_edits``)."""
-
-    messages: list[Message]
-    applied: list[dict[str, Any]] = field(default_factory=list)
 
 
 def parse_edits(value: Any) -> list[Edit]:

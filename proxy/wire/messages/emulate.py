@@ -151,7 +151,8 @@ class _Session:
             found = await store.lookup(scope, chain)
             if found is None or found.covered_turns != len(turns):
                 found, _fresh = await store.obtain(scope, chain, len(turns), turns, found, summarize,
-                                                   request_id=self.services.request_id)
+                                                   request_id=self.services.request_id,
+                                                   model=self.services.model)
         except SummaryUnavailable as exc:
             self.warnings.append(f"context_management compact_20260112 not applied: the summariser failed ({exc})")
             return None
