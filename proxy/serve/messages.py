@@ -62,7 +62,7 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
     route = runtime.route(model)
     # count_tokens takes no max_tokens: budget the count as a request without one would be budgeted
     probe: dict[str, Any] = dict(body)
-    added = "max_tokens" not in body
+    added = body.get("max_tokens") is None  # a null one is none (and is never relayed)
     override = request.headers.get(OVERRIDE_HEADER)
     if added:
         # the reserve a request without an output limit gets, within this key's output cap (never refused by it)

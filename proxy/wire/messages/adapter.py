@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.core.conversation import Conversation
+from proxy.core.errors import PayloadError
 from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
 from proxy.core.pairing import PLACEHOLDER, is_paired
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key
@@ -178,8 +179,14 @@ class MessagesWire:
         return Conversation(neutral, fixed, is_paired(neutral))
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
+        messages = render_messages(items)
+        if not messages:
+            # only boundary items were left (stray results in user messages that follow no assistant message):
+            # the pipeline's own emptiness check counts them as items, and ``messages: []`` is no request
+            raise PayloadError("nothing is left of 'messages' after the pairing repair (every block was a "
+                               "tool_result without its tool_use)", param="messages", code="empty_after_repair")
         out = dict(body)
-        out["messages"] = render_messages(items)
+        out["messages"] = messages
         out.update(changes)
         return out
 

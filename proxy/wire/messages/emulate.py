@@ -72,11 +72,15 @@ class ContextManagementHook:
 
     async def begin(self, runtime: Runtime, tenant: Tenant | None, body: dict[str, Any], *,
                     override: str | None, request_id: str) -> Exchange | None:
-        if body.get("context_management") is None or not isinstance(body.get("model"), str):
+        if "context_management" not in body or not isinstance(body.get("model"), str):
             return None
         route = runtime.route(body["model"])
         if not emulates(runtime.config, route):
             return None  # the upstream applies it: forwarded unchanged
+        if body["context_management"] is None:
+            # null asks for no edits: the field still goes, an upstream without it may refuse it; no report
+            out = {k: v for k, v in body.items() if k != "context_management"}
+            return Exchange(out, True, ResponseEdits(None, None))
         edits = parse_edits(body["context_management"])
         check_body(body)  # the edits read the messages: refuse a malformed body first, as the pipeline would
         policy = runtime.policy(tenant, body["model"], override)

@@ -19,7 +19,7 @@ ROLES = ("user", "assistant", "system")  # system: mid-conversation system messa
 
 def check_body(body: dict[str, Any]) -> None:
     """Raise BadRequest/PayloadError unless ``body`` is a well-formed Messages request."""
-    if "max_tokens" not in body:
+    if body.get("max_tokens") is None:  # null is missing too: Anthropic requires an integer
         raise BadRequest("max_tokens: Field required", param="max_tokens", code="missing_max_tokens")
     check_system(body.get("system"))
     tools = body.get("tools")
