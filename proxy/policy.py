@@ -28,6 +28,9 @@ log = logging.getLogger("ctxproxy")
 
 # Params an override may change, and only downwards.
 TIGHTENING = ("keep_turns", "max_messages", "working_memory_messages", "summary_threshold")
+# Carried over from the policy on a type change (so a switch keeps the policy's window grid); the
+# window they give together (at most keep_turns + cut_step - 1 turns) may only narrow.
+CARRIED = (*TIGHTENING, "cut_step")
 # Changing the manager type is allowed only to one that keeps no more than the base.
 TYPE_CHANGES = {("summarising", "sliding-window")}
 WARNED_MODELS = 1000  # unknown model names warned about once each, at most
@@ -202,6 +205,17 @@ def _override(config: Config, base: Binding, header: str, strict: bool) -> tuple
     return chosen, cap
 
 
+def _widest_window(params: dict[str, Any]) -> int | None:
+    """The most turns a turn window keeps verbatim (``plugins.base.window``: keep .. keep + step - 1)."""
+    keep = params.get("keep_turns")
+    if not isinstance(keep, int):
+        return None
+    step = params.get("cut_step")
+    if not isinstance(step, int) or step < 1:
+        step = max(1, -(-max(keep, 1) // 2))  # the default: ceil(keep_turns / 2)
+    return keep + step - 1
+
+
 def _names_a_ref(value: Any, depth: int = 0) -> bool:
     """Whether a ``ref`` key appears anywhere in an override (a nested summariser binding included):
     resolving it would import a module a client named."""
@@ -227,7 +241,7 @@ def _inherit(base: Binding, chosen: Binding, value: Any) -> Binding:
     fields = chosen.plugin.Params.model_fields
     inherited = {
         k: v for k, v in base.params.model_dump().items()
-        if k in fields and k not in ("trimmer", "summarizer") and (chosen.type == base.type or k in TIGHTENING)
+        if k in fields and k not in ("trimmer", "summarizer") and (chosen.type == base.type or k in CARRIED)
     }
     try:
         params = chosen.plugin.Params.model_validate({**inherited, **chosen.params.model_dump(exclude_unset=True)})
@@ -260,6 +274,13 @@ def _loosens(base: Binding, chosen: Binding) -> str | None:
             return f"{key} cannot be changed per request"
     if chosen.type != base.type and old.get("keep_turns") is not None and new["keep_turns"] > old["keep_turns"]:
         return f"keep_turns {new['keep_turns']} > {old['keep_turns']}"
+    if chosen.type != base.type:
+        # the window moves cut_step turns at a time, so it keeps up to keep_turns + cut_step - 1 turns: a
+        # larger cut_step keeps more (a huge one never cuts at all)
+        widest, allowed = _widest_window(new), _widest_window(old)
+        if widest is not None and allowed is not None and widest > allowed:
+            return (f"keep_turns {new['keep_turns']} with cut_step {new.get('cut_step')} keeps up to {widest} turns, "
+                    f"more than the policy's {allowed}")
     if old.get("summary_threshold") and not new.get("summary_threshold"):
         # compared on effective values: without an explicit threshold the derived one applies, which is looser
         return f"summary_threshold would become the derived one, looser than {old['summary_threshold']}"

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import json
 import re
 import time
+from email.message import Message
 from email.parser import BytesParser
+from typing import Any
 from urllib.parse import parse_qs, unquote
 
 import aiohttp
@@ -46,6 +49,9 @@ def make_relay(managed: dict[str, Handler]) -> Handler:
 
     async def relay(request: web.Request) -> web.StreamResponse:
         path = canonical_path(request.raw_path)
+        if path == "/v1/ctxproxy" or path.startswith("/v1/ctxproxy/"):
+            # the proxy's own namespace, however spelled (/v1/ctxproxy%2Fpolicy), is never relayed
+            raise NotFound(f"No route for {request.method} {path}.")
         if path == "/v1/messages" or path.startswith("/v1/messages/"):
             request[ERROR_SHAPE] = "messages"  # Anthropic's clients parse Anthropic's error shape
         handler = managed.get(path) if request.method == "POST" else None
@@ -132,7 +138,10 @@ def relay_url(base_url: str, raw_path: str) -> str:
 def _check_model(raw: bytes, content_type: str, tenant: Tenant) -> None:
     """A tenant's model allow-list holds on every endpoint and body kind, not only chat completions.
 
-    Every ``model`` field counts (upstreams differ in which of two they read).
+    Every ``model`` field counts (upstreams differ in which of two they read), and a body whose model
+    field parsers could read differently is refused rather than relayed: JSON that only a lenient parser
+    reads (a BOM, UTF-16, NaN, 1e400, a lone surrogate), a multipart body with two boundaries, or a part
+    with two ``Content-Disposition`` headers or two ``name`` parameters.
     """
     allowed = tenant.settings.models
     if allowed is None:
@@ -143,27 +152,91 @@ def _check_model(raw: bytes, content_type: str, tenant: Tenant) -> None:
                                 param="model")
 
 
+def _ambiguous(what: str) -> BadRequest:
+    return BadRequest(f"{what}; send one plain name=\"...\" field per part and one boundary.",
+                      code="ambiguous_form_field")
+
+
 def _models_of(raw: bytes, content_type: str) -> list[str]:
     kind = content_type.split(";", 1)[0].strip().lower()
     if kind == "multipart/form-data":
-        message = BytesParser().parsebytes(b"Content-Type: " + content_type.encode("latin-1", "replace")
-                                           + b"\r\n\r\n" + raw)
-        models: list[str] = []
-        for part in message.walk():
-            disposition = part.get("content-disposition", "")
-            if "name*" in disposition.lower() or "\\" in disposition:
-                # RFC 2231 and quoted-pair spellings decode differently in different form parsers
-                raise BadRequest("A multipart field name is encoded ambiguously (name* or a backslash); send "
-                                 "plain name=\"...\" fields.", code="ambiguous_form_field")
-            if part.get_param("name", header="content-disposition") == "model":
-                value = part.get_payload(decode=True)
-                models.append(value.decode("utf-8", "replace").strip() if isinstance(value, bytes) else "")
-        return models
+        return _multipart_models(raw, content_type)
     if kind == "application/x-www-form-urlencoded":
         return parse_qs(raw.decode("utf-8", "replace")).get("model", [])
+    return _json_models(raw)
+
+
+def _multipart_models(raw: bytes, content_type: str) -> list[str]:
+    message = BytesParser().parsebytes(b"Content-Type: " + content_type.encode("latin-1", "replace")
+                                       + b"\r\n\r\n" + raw)
+    if sum(1 for key, _ in message.get_params() or [] if key.strip().lower() == "boundary") > 1:
+        # parsers disagree on which of two boundaries counts (the first here, the last in python-multipart)
+        raise _ambiguous("The multipart Content-Type names more than one boundary")
+    models: list[str] = []
+    for part in message.walk():
+        if part is message:
+            continue
+        dispositions = part.get_all("content-disposition") or []
+        if len(dispositions) > 1:
+            raise _ambiguous("A multipart part has more than one Content-Disposition header")
+        disposition = str(dispositions[0]) if dispositions else ""
+        if "name*" in disposition.lower() or "\\" in disposition:
+            # RFC 2231 and quoted-pair spellings decode differently in different form parsers
+            raise BadRequest("A multipart field name is encoded ambiguously (name* or a backslash); send "
+                             "plain name=\"...\" fields.", code="ambiguous_form_field")
+        names = [v for k, v in _disposition_params(part) if k.strip().lower() == "name"]
+        if len(names) > 1:
+            raise _ambiguous("A multipart part names its field more than once")
+        if names and names[0] == "model":
+            models.extend(_part_values(part))
+    return models
+
+
+def _disposition_params(part: Message) -> list[tuple[str, str]]:
+    params = part.get_params(header="content-disposition") or []
+    return [(str(k), str(v)) for k, v in params]
+
+
+def _part_values(part: Message) -> list[str]:
+    """A model part's value as parsers may read it: transfer-decoded, and (with a transfer encoding) as sent."""
+    decoded = part.get_payload(decode=True)
+    out = [decoded.decode("utf-8", "replace").strip() if isinstance(decoded, bytes) else ""]
+    if part.get("content-transfer-encoding") is not None:  # most form parsers ignore it
+        sent = part.get_payload(decode=False)
+        out.append(sent.strip() if isinstance(sent, str) else "")
+    return list(dict.fromkeys(out))
+
+
+class _Pairs(dict[str, Any]):
+    """A JSON object that also remembers every (key, value) pair, duplicates included."""
+
+    pairs: list[tuple[str, Any]]
+
+
+def _pairs_hook(pairs: list[tuple[str, Any]]) -> _Pairs:
+    obj = _Pairs(pairs)
+    obj.pairs = pairs
+    return obj
+
+
+def _json_models(raw: bytes) -> list[str]:
+    """The ``model`` fields of a JSON body, as any common parser reads them; refused if none can parse it."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
+        body = None
+    else:
+        if not isinstance(body, dict):
+            return []
+        if raw.count(b'"model"') <= 1 and b"\\u" not in raw:
+            model = body.get("model")
+            return [model] if isinstance(model, str) else []
+    # a duplicate (or escaped) key, or JSON that only a lenient parser reads (Python's reads a BOM, UTF-16,
+    # NaN, 1e400 and lone surrogates, and an upstream written in Python would): every model field counts
+    try:
+        lenient: Any = json.loads(raw, object_pairs_hook=_pairs_hook)
+    except (ValueError, RecursionError):
+        raise BadRequest("The request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(lenient, _Pairs):
         return []
-    model = body.get("model") if isinstance(body, dict) else None
-    return [model] if isinstance(model, str) else []
+    return [v for k, v in lenient.pairs if k == "model" and isinstance(v, str)]

@@ -33,8 +33,10 @@ _ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSI
           "function": TOOL}
 _SALT = 0x1  # content keys of chat messages, distinct from other wires' formulas in the shared LRU
 # legacy function_call ids are the function's name in a namespace no tool_call id can reach in practice (a NUL
-# prefix), so a tool call never answers a legacy call or the other way round
-LEGACY = "\x00fn:"
+# prefix), so a tool call never answers a legacy call or the other way round; a client id that starts with NUL is
+# refused, so it cannot reach into that namespace
+RESERVED = "\x00"
+LEGACY = RESERVED + "fn:"
 COMPLETION_ONLY = ("o1", "o3", "o4", "gpt-5")  # models that accept only max_completion_tokens
 
 Message = dict[str, Any]
@@ -356,7 +358,7 @@ def _scan(messages: Any) -> bool | None:
         content = m.get("content")
         if role == "tool":
             tid = m.get("tool_call_id")
-            if type(tid) is not str or type(content) is not str:
+            if type(tid) is not str or type(content) is not str or tid[:1] == "\x00":
                 _check_one(m, i)
             if pending is not None and tid in pending:
                 pending.discard(tid)
@@ -378,8 +380,8 @@ def _scan(messages: Any) -> bool | None:
                 for call in calls:
                     fn = call.get("function") if type(call) is dict else None
                     cid = call.get("id") if type(call) is dict else None
-                    if type(cid) is not str or not cid or type(fn) is not dict or type(fn.get("name")) is not str \
-                            or not fn["name"]:
+                    if type(cid) is not str or not cid or cid[0] == "\x00" or type(fn) is not dict \
+                            or type(fn.get("name")) is not str or not fn["name"]:
                         _check_one(m, i)  # another tool-call type, or an invalid call
                     if cid in ids:
                         valid = False  # the same id twice: the pairing check names it
@@ -415,6 +417,9 @@ def _check_one(message: Any, i: int) -> None:
     elif role == "tool" and not isinstance(message.get("tool_call_id"), str):
         raise PayloadError(f"{param} (tool) has no tool_call_id", param=f"{param}.tool_call_id",
                            code="missing_tool_call_id")
+    elif role == "tool" and message["tool_call_id"].startswith(RESERVED):
+        raise PayloadError(f"{param}.tool_call_id may not start with a NUL character", param=f"{param}.tool_call_id",
+                           code="invalid_tool_call")
     elif role == "function" and not isinstance(message.get("name"), str):
         raise PayloadError(f"{param} (function) has no name", param=f"{param}.name", code="missing_tool_call_id")
 
@@ -452,6 +457,9 @@ def _check_calls(message: Message, param: str) -> None:
             where = f"{param}.tool_calls[{j}]"
             if not isinstance(call, dict) or not isinstance(call.get("id"), str) or not call["id"]:
                 raise PayloadError(f"{where} has no id", param=f"{where}.id", code="invalid_tool_call")
+            if call["id"].startswith(RESERVED):
+                raise PayloadError(f"{where}.id may not start with a NUL character", param=f"{where}.id",
+                                   code="invalid_tool_call")
             kind = call.get("type", "function")
             body = call.get("function") if kind == "function" else call.get(kind) if isinstance(kind, str) else None
             if kind in ("function", "custom") and (

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from proxy.core.errors import ModelNotFound, NotFound
+from proxy.core.errors import BadRequest, ModelNotFound, NotFound
 from proxy.serve.relay import _allowed, _check_model, _models_of, canonical_path, relay_url
 from proxy.settings import DEFAULT_RELAY_ALLOW, load_config
 
@@ -133,7 +133,6 @@ def multipart(fields: list[tuple[str, str]], boundary: str = "----WebKitFormBoun
     (b'{"model": 42}', "application/json", None),
     (b'{"input": "no model"}', "application/json", None),
     (b'["model"]', "application/json", None),
-    (b"not json", "application/json", None),
     (b"model=whisper-1&language=en", "application/x-www-form-urlencoded", "whisper-1"),
     (b"model=gpt%2D4o&x=1", "application/x-www-form-urlencoded; charset=utf-8", "gpt-4o"),
     (b"language=en", "application/x-www-form-urlencoded", None),
@@ -146,6 +145,19 @@ def multipart(fields: list[tuple[str, str]], boundary: str = "----WebKitFormBoun
 ])
 def test_model_of_every_body_kind(raw: bytes, content_type: str, model: str | None) -> None:
     assert _models_of(raw, content_type) == ([model] if model is not None else [])
+
+
+def test_model_of_a_body_no_json_parser_reads_is_refused() -> None:
+    with pytest.raises(BadRequest):
+        _models_of(b"not json", "application/json")
+
+
+@pytest.mark.parametrize("raw", [b'\xef\xbb\xbf{"model": "whisper-1"}', b'{"model": "whisper-1", "t": NaN}',
+                                 '{"model": "whisper-1"}'.encode("utf-16"), b'{"model": "a", "model": "whisper-1"}',
+                                 b'{"model": "whisper-1", "mod\\u0065l": "a"}'])
+def test_model_of_json_only_a_lenient_parser_reads(raw: bytes) -> None:
+    """What orjson cannot read a lenient upstream parser may (a BOM, UTF-16, NaN …); every model field counts."""
+    assert "whisper-1" in _models_of(raw, "application/json")
 
 
 def test_model_of_a_quoted_boundary() -> None:
