@@ -1,0 +1,76 @@
+"""The Responses wire under hostile and unusual inputs, driven from the outside (HTTP through the proxy).
+
+Each test is the regression test of a defect found by probing ``/v1/responses`` and
+``/v1/responses/compact`` with inputs real clients (Codex CLI, the Agents SDK, the Vercel
+AI SDK) or malicious ones send: the answer is always in OpenAI's error shape, never a 500.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import RunningProxy, StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.outside import share_model_map
+
+MODEL = "gpt-4o-mini"
+ALIAS = "small-model"  # a route whose upstream model name differs: the proxy re-serialises the body
+
+
+@pytest.fixture(autouse=True)
+def _shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    share_model_map(monkeypatch)  # speed only
+
+
+def config(upstream: FakeUpstream, **extra: Any) -> dict[str, Any]:
+    return base_config(upstream.base_url, models=[
+        {"name": MODEL, "context_window": 128000, "max_output_tokens": 16384},
+        {"name": ALIAS, "model": "upstream-small", "context_window": 8000, "max_output_tokens": 1000},
+    ], **extra)
+
+
+async def start(upstream: FakeUpstream, start_proxy: StartProxy, **extra: Any) -> RunningProxy:
+    return await start_proxy(config(upstream, **extra))
+
+
+def nested(depth: int) -> Any:
+    value: Any = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+async def post_raw(proxy: RunningProxy, path: str, raw: bytes, key: str = "sk-client") -> tuple[int, Any]:
+    """POST the exact bytes (json= would refuse a body nested this deep); status and the parsed answer."""
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + path, data=raw, headers={
+            "Authorization": f"Bearer {key}", "Content-Type": "application/json"}) as r:
+        return r.status, json.loads(await r.read())
+
+
+def assert_openai_error(status: int, payload: Any, expected: int) -> dict[str, Any]:
+    assert status == expected, payload
+    assert isinstance(payload, dict) and set(payload["error"]) == {"message", "type", "param", "code"}, payload
+    error: dict[str, Any] = payload["error"]
+    return error
+
+
+# --------------------------------------------------------------------------- /v1/responses/compact
+
+
+@pytest.mark.parametrize("body", [
+    {"model": ALIAS, "input": [{"role": "user", "content": "a"}, {"type": "blob", "v": nested(300)}]},
+    {"model": ALIAS, "input": "hi", "metadata": {"v": nested(300)}},
+])
+async def test_compact_relayed_under_an_alias_with_a_deeply_nested_body_is_a_400_not_a_500(
+    upstream: FakeUpstream, start_proxy: StartProxy, body: dict[str, Any]
+) -> None:
+    """orjson reads 1024 levels but writes 254: re-serialising the body for the upstream model name raised."""
+    proxy = await start(upstream, start_proxy)
+    status, payload = await post_raw(proxy, "/v1/responses/compact", json.dumps(body).encode())
+    error = assert_openai_error(status, payload, 400)
+    assert error["code"] == "invalid_json" and "nested too deeply" in error["message"]
+    assert upstream.compactions == []
