@@ -138,3 +138,41 @@ async def test_a_null_context_management_is_not_sent_to_an_upstream_that_lacks_i
     sent = (upstream.counts if path.endswith("count_tokens") else upstream.messages)[-1].body
     assert "context_management" not in sent
     assert "context_management" not in body
+
+
+# --------------------------------------------------------------------------- a clamped max_tokens and thinking
+
+
+async def test_a_clamped_max_tokens_keeps_the_thinking_budget_below_it(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """Anthropic requires 1024 <= thinking.budget_tokens < max_tokens. A tenant's output cap that clamps
+    max_tokens used to leave the budget above it: a request the provider refuses, forwarded and paid for."""
+    proxy = await start_proxy(config(upstream, tenants=[{"name": "t", "keys": ["k1"], "max_output_tokens": 2_000}]))
+    thinking = {"type": "enabled", "budget_tokens": 10_000}
+    status, body = await post(proxy, {"model": CLAUDE, "max_tokens": 16_000, "thinking": thinking,
+                                      "messages": [{"role": "user", "content": "hi"}]}, headers={"x-api-key": "k1"})
+    assert status == 200, body
+    sent = upstream.messages[-1].body
+    assert sent["max_tokens"] == 2_000
+    assert 1_024 <= sent["thinking"]["budget_tokens"] < sent["max_tokens"]
+
+
+async def test_a_cap_with_no_room_for_thinking_is_refused_before_the_upstream(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(config(upstream, tenants=[{"name": "t", "keys": ["k1"], "max_output_tokens": 1_000}]))
+    status, body = await post(proxy, {"model": CLAUDE, "max_tokens": 4_000,
+                                      "thinking": {"type": "enabled", "budget_tokens": 2_048},
+                                      "messages": [{"role": "user", "content": "hi"}]}, headers={"x-api-key": "k1"})
+    assert_invalid_request(status, body)
+    assert "budget_tokens" in body["error"]["message"]
+    assert upstream.messages == []
+
+
+async def test_a_budget_already_below_the_clamped_max_tokens_is_left_alone(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(config(upstream, tenants=[{"name": "t", "keys": ["k1"], "max_output_tokens": 2_000}]))
+    thinking = {"type": "enabled", "budget_tokens": 1_500}
+    status, _ = await post(proxy, {"model": CLAUDE, "max_tokens": 16_000, "thinking": thinking,
+                                   "messages": [{"role": "user", "content": "hi"}]}, headers={"x-api-key": "k1"})
+    assert status == 200
+    assert upstream.messages[-1].body["thinking"] == thinking

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.core.conversation import Conversation
-from proxy.core.errors import PayloadError
+from proxy.core.errors import OutputLimitExceeded, PayloadError
 from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
 from proxy.core.pairing import PLACEHOLDER, is_paired
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key
@@ -35,6 +35,7 @@ from proxy.wire.sse import StreamEnd
 
 NAME = "messages"
 Message = dict[str, Any]
+MIN_THINKING_BUDGET = 1_024  # Anthropic: 1024 <= thinking.budget_tokens < max_tokens
 
 
 def split_message(message: Message, source: int, *, after_assistant: bool = True) -> list[AnthropicItem]:
@@ -150,6 +151,28 @@ def pin_turn_thinking(items: list[AnthropicItem]) -> None:
             return
 
 
+def fit_thinking(out: dict[str, Any], changes: dict[str, Any]) -> None:
+    """Keep ``thinking.budget_tokens`` below a ``max_tokens`` the proxy lowered (a tenant's output cap).
+
+    Anthropic refuses a budget that is not below max_tokens: the budget shrinks with the cap (thinking
+    is output, so the cap limits it too), and a cap that leaves no room for the smallest budget is refused
+    here rather than forwarded to fail. A client's own max_tokens is never second-guessed.
+    """
+    cap = changes.get("max_tokens")
+    thinking = out.get("thinking")
+    if not isinstance(cap, int) or not isinstance(thinking, dict) or thinking.get("type") != "enabled":
+        return
+    budget = thinking.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < cap:
+        return
+    if cap <= MIN_THINKING_BUDGET:
+        raise OutputLimitExceeded(
+            f"max_tokens is capped at {cap} for this key, which leaves no room for thinking: "
+            f"thinking.budget_tokens must be at least {MIN_THINKING_BUDGET} and less than max_tokens",
+            param="thinking.budget_tokens")
+    out["thinking"] = {**thinking, "budget_tokens": cap - 1}
+
+
 class MessagesWire:
     """The Messages adapter (stateless; one shared instance)."""
 
@@ -188,6 +211,7 @@ class MessagesWire:
         out = dict(body)
         out["messages"] = messages
         out.update(changes)
+        fit_thinking(out, changes)
         return out
 
     def count(self, item: Item, counter: TokenCounter) -> None:
