@@ -74,3 +74,36 @@ async def test_compact_relayed_under_an_alias_with_a_deeply_nested_body_is_a_400
     error = assert_openai_error(status, payload, 400)
     assert error["code"] == "invalid_json" and "nested too deeply" in error["message"]
     assert upstream.compactions == []
+
+
+# --------------------------------------------------------------------------- defects outside the wire's files
+# (reported, not fixed here: the fix belongs to another module; xfail until it lands)
+
+
+@pytest.mark.xfail(reason="proxy/core/tokens.py: TokenCounter.tools() counts 0 tokens for tools it cannot "
+                          "serialise (nested deeper than 254 levels), and the unchanged body is forwarded as sent")
+async def test_tools_nested_too_deeply_are_not_forwarded_uncounted_past_a_tenant_cap(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start(upstream, start_proxy, tenants=[{"name": "t", "keys": ["k-t"], "max_context_tokens": 500}])
+    tools = [{"type": "function", "name": "f", "description": "word " * 20000,
+              "parameters": {"type": "object", "x": nested(300)}}]
+    status, payload = await post_raw(proxy, "/v1/responses",
+                                     json.dumps({"model": MODEL, "input": "hi", "tools": tools}).encode(), key="k-t")
+    assert status == 400, payload  # counted and refused (or refused as unserialisable), never forwarded
+    assert upstream.responses == []
+
+
+@pytest.mark.xfail(reason="proxy/serve/managed.py forwards the client's bytes, whose duplicate keys an upstream "
+                          "that reads the first occurrence sees differently from the proxy (orjson keeps the last)")
+async def test_a_body_with_duplicate_keys_is_not_forwarded_as_bytes_the_upstream_may_read_otherwise(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start(upstream, start_proxy, tenants=[{"name": "t", "keys": ["k-t"], "models": [MODEL],
+                                                         "max_context_tokens": 300}])
+    big = json.dumps([{"role": "user", "content": "word " * 5000}])
+    raw = ('{"model": "gpt-4o", "input": ' + big + ', "model": "gpt-4o-mini", "input": "hi"}').encode()
+    status, _payload = await post_raw(proxy, "/v1/responses", raw, key="k-t")
+    forwarded = [r.raw for r in upstream.responses]
+    # refused, or forwarded as the proxy read it: one model field, one input field
+    assert status == 400 or (forwarded and forwarded[-1].count(b'"model"') == 1 and b"word word" not in forwarded[-1])
