@@ -76,6 +76,40 @@ async def test_compact_relayed_under_an_alias_with_a_deeply_nested_body_is_a_400
     assert upstream.compactions == []
 
 
+
+# --------------------------------------------------------------------------- /v1/responses over budget
+
+
+def deep_arguments_conversation(depth: int = 1000, turns: int = 12) -> list[dict[str, Any]]:
+    """A history whose function calls carry arguments JSON nested ``depth`` levels deep (within orjson's 1024)."""
+    arguments = "[" * depth + "]" * depth
+    items: list[dict[str, Any]] = [{"role": "developer", "content": "Be terse."}]
+    for t in range(turns):
+        items += [{"role": "user", "content": f"question {t}: " + "word " * 200},
+                  {"type": "function_call", "call_id": f"c{t}", "name": "f", "arguments": arguments},
+                  {"type": "function_call_output", "call_id": f"c{t}", "output": "result " * 100}]
+    items.append({"role": "user", "content": "now"})
+    return items
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/ctxproxy/explain/responses", "/v1/responses/compact"])
+async def test_call_arguments_nested_almost_1024_levels_deep_are_summarised_not_a_500(
+    upstream: FakeUpstream, start_proxy: StartProxy, path: str
+) -> None:
+    """The summary cache key canonicalises call arguments: orjson parses them, cannot write them back, and the
+    fallback (``repr``) overflowed Python's recursion limit: a 500 on every summarising path."""
+    upstream.compact_mode = "404"  # /responses/compact answered by the summariser
+    proxy = await start(upstream, start_proxy)
+    items = deep_arguments_conversation()
+    status, payload = await post_raw(proxy, path, json.dumps({"model": ALIAS, "input": items}).encode())
+    assert status == 200, payload
+    if path == "/v1/responses":
+        assert upstream.responses[-1].body["input"][-1] == items[-1]
+    elif path == "/v1/responses/compact":
+        assert payload["object"] == "response.compaction" and len(upstream.summaries) >= 1
+    else:
+        assert payload["report"]["summary"] in ("would_create", "reused")
+
 # --------------------------------------------------------------------------- defects outside the wire's files
 # (reported, not fixed here: the fix belongs to another module; xfail until it lands)
 
@@ -107,3 +141,22 @@ async def test_a_body_with_duplicate_keys_is_not_forwarded_as_bytes_the_upstream
     forwarded = [r.raw for r in upstream.responses]
     # refused, or forwarded as the proxy read it: one model field, one input field
     assert status == 400 or (forwarded and forwarded[-1].count(b'"model"') == 1 and b"word word" not in forwarded[-1])
+
+
+@pytest.mark.xfail(reason="proxy/wire/chat.py canonical_arguments: its repr() fallback overflows the recursion "
+                          "limit for arguments nested 990-1023 levels deep (the Responses wire guards its own call)")
+async def test_the_same_deep_arguments_on_chat_completions_are_not_a_500(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    proxy = await start(upstream, start_proxy)
+    arguments = "[" * 1000 + "]" * 1000
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "Be terse."}]
+    for t in range(12):
+        messages += [{"role": "user", "content": f"question {t}: " + "word " * 200},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"id": f"c{t}", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+                     {"role": "tool", "tool_call_id": f"c{t}", "content": "result " * 100}]
+    messages.append({"role": "user", "content": "now"})
+    status, payload = await post_raw(proxy, "/v1/chat/completions",
+                                     json.dumps({"model": ALIAS, "messages": messages}).encode())
+    assert status == 200, payload
