@@ -38,7 +38,28 @@ from proxy.upstream.http import completion_from
 if TYPE_CHECKING:
     from proxy.policy import ModelRoute
 
-PASS_THROUGH_DROP = ("model", "stream")
+# What a client may pass to litellm, per wire: the provider API's own request fields. Everything else is
+# dropped, because litellm reads many more keyword arguments as its own (api_base, base_url, api_key,
+# extra_headers, mock_response, fallbacks, callbacks, timeout …): from a client's body they would send the
+# operator's key to a host of the client's choosing, lift the tenant's caps or bypass the model routes.
+CHAT_FIELDS = frozenset({
+    "messages", "functions", "function_call", "temperature", "top_p", "n", "stream_options", "stop",
+    "max_tokens", "max_completion_tokens", "modalities", "prediction", "audio", "presence_penalty",
+    "frequency_penalty", "logit_bias", "user", "response_format", "seed", "tools", "tool_choice",
+    "parallel_tool_calls", "logprobs", "top_logprobs", "reasoning_effort", "verbosity", "safety_identifier",
+    "service_tier", "store", "prompt_cache_key", "prompt_cache_retention", "thinking", "web_search_options",
+})
+RESPONSES_FIELDS = frozenset({
+    "input", "include", "instructions", "max_output_tokens", "prompt", "parallel_tool_calls",
+    "previous_response_id", "reasoning", "store", "background", "temperature", "text", "tool_choice", "tools",
+    "top_p", "truncation", "user", "service_tier", "safety_identifier", "conversation", "max_tool_calls",
+    "prompt_cache_key", "stream_options", "top_logprobs",
+})
+MESSAGES_FIELDS = frozenset({
+    "max_tokens", "messages", "metadata", "stop_sequences", "system", "temperature", "thinking", "tool_choice",
+    "tools", "top_k", "top_p", "container", "service_tier",
+})
+FIELDS = {"chat": CHAT_FIELDS, "responses": RESPONSES_FIELDS, "messages": MESSAGES_FIELDS}
 log = logging.getLogger("ctxproxy")
 
 
@@ -51,8 +72,15 @@ def _litellm() -> Any:
     return litellm
 
 
-def _kwargs(route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None) -> dict[str, Any]:
-    kwargs = {k: v for k, v in body.items() if k not in PASS_THROUGH_DROP}
+def _kwargs(route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None,
+            wire: str = "chat") -> dict[str, Any]:
+    """litellm's arguments: the wire's own request fields from ``body``; model, base and key from the route."""
+    allowed = FIELDS[wire]
+    kwargs = {k: v for k, v in body.items() if k in allowed}
+    dropped = [k for k in body if k not in allowed and k not in ("model", "stream")]
+    if dropped:
+        log.info("litellm route %s: request fields not passed on: %s", route.name,
+                 ", ".join(sorted(repr(k)[:40] for k in dropped)[:10]))
     kwargs["model"] = route.upstream_model
     if upstream is not None:
         kwargs["api_base"] = upstream.base_url
@@ -133,7 +161,7 @@ async def responses(route: ModelRoute, body: dict[str, Any], upstream: UpstreamS
     """A non-streaming Responses call, as an OpenAI response object."""
     litellm = _litellm()
     try:
-        response = await litellm.aresponses(**_kwargs(route, body, upstream))
+        response = await litellm.aresponses(**_kwargs(route, body, upstream, "responses"))
     except CtxProxyError:
         raise
     except Exception as exc:
@@ -149,7 +177,7 @@ async def open_responses_stream(
     """Start a streaming Responses call (errors before the first event raise); yields named SSE events."""
     litellm = _litellm()
     try:
-        stream = await litellm.aresponses(**_kwargs(route, body, upstream), stream=True)
+        stream = await litellm.aresponses(**_kwargs(route, body, upstream, "responses"), stream=True)
     except Exception as exc:
         raise _error(exc, upstream) from None
 
@@ -172,7 +200,7 @@ async def messages_call(
     _litellm()
     from litellm.anthropic_interface import messages as anthropic_messages
 
-    kwargs = _kwargs(route, body, upstream)
+    kwargs = _kwargs(route, body, upstream, "messages")
     try:
         result: Any = await anthropic_messages.acreate(**kwargs, stream=stream)
     except Exception as exc:
