@@ -62,6 +62,8 @@ async def relay_answer(
         else:
             if not watcher.complete:
                 error = UpstreamUnreachable("The upstream closed the stream before it was complete.")
+        if error is None and watcher.failed:
+            request[STREAM_ERROR] = "upstream_error"  # relayed as the upstream sent it; counted as a failure
         if error is not None:
             request[STREAM_ERROR] = error.code or "stream_error"
             # a half-sent line is never relayed, and the error starts an event of its own

@@ -23,7 +23,9 @@ from proxy.core.errors import CtxProxyError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-RESPONSES_TERMINAL = frozenset({b"response.completed", b"response.failed", b"response.incomplete"})
+# An upstream's own ``error`` event ends its stream too (it closes after it): nothing is added after it
+RESPONSES_TERMINAL = frozenset({b"response.completed", b"response.failed", b"response.incomplete", b"error"})
+MESSAGES_TERMINAL = frozenset({b"message_stop", b"error"})
 
 
 class StreamEnd:
@@ -48,7 +50,8 @@ class ChatStreamEnd(StreamEnd):
     needs_terminal = True
 
     def terminal(self, event: bytes, data: bytes) -> bool:
-        return data == b"[DONE]"
+        # an OpenAI-compatible server that fails mid-stream sends ``data: {"error": …}`` and closes
+        return data == b"[DONE]" or data.startswith(b'{"error"')
 
 
 class ResponsesStreamEnd(StreamEnd):
@@ -85,7 +88,7 @@ class MessagesStreamEnd(StreamEnd):
     needs_terminal = True
 
     def terminal(self, event: bytes, data: bytes) -> bool:
-        return event == b"message_stop" or (not event and b'"message_stop"' in data)
+        return event in MESSAGES_TERMINAL or (not event and b'"message_stop"' in data)
 
     def usage(self, payload: dict[str, Any], seen: dict[str, Any] | None) -> dict[str, Any] | None:
         kind = payload.get("type")
@@ -124,6 +127,17 @@ def stream_end_for_path(path: str) -> StreamEnd:
     return SSE
 
 
+def _is_error(event: bytes, payload: bytes) -> bool:
+    """Whether a terminal event is an error event (read once per stream, at its end)."""
+    if event:
+        return event == b"error"
+    try:
+        data = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(data, dict) and (data.get("type") == "error" or ("error" in data and "type" not in data))
+
+
 class StreamWatcher:
     """Watches relayed SSE bytes for the wire's end, the usage object and the first byte, without altering them."""
 
@@ -131,6 +145,7 @@ class StreamWatcher:
         self.started = started
         self.end = end
         self.done = False
+        self.failed = False  # the stream ended with the upstream's own error event
         self.usage: dict[str, Any] | None = None
         self.ttft: float | None = None
         self._clock = clock
@@ -158,12 +173,14 @@ class StreamWatcher:
                 self._event = line[6:].strip()
                 if end.terminal(self._event, b""):
                     self.done = True
+                    self.failed = self._event == b"error"
                 continue
             if not line.startswith(b"data:"):
                 continue
             payload = line[5:].strip()
             if end.terminal(self._event, payload):
                 self.done = True
+                self.failed = _is_error(self._event, payload)
             if b'"usage"' in payload:
                 try:
                     event = orjson.loads(payload)

@@ -174,7 +174,6 @@ def test_responses_terminal_events(kind: str) -> None:
     data({"type": "response.output_text.delta", "delta": "\"type\": \"response.completed\""}),
     data(b"{not json \"type\""),
     data(["response.completed"]),
-    event("error", {"type": "error", "code": "server_error"}),
 ])
 def test_responses_non_terminal(stream: bytes) -> None:
     assert not watch(RESPONSES, [stream]).done
@@ -187,10 +186,26 @@ def test_responses_non_terminal(stream: bytes) -> None:
     (event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}), False),
     (event("content_block_delta", {"type": "content_block_delta", "delta": {"text": "\"message_stop\""}}), False),
     (b"data: [DONE]\n\n", False),
-    (event("error", {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}), False),
 ])
 def test_messages_terminal(stream: bytes, done: bool) -> None:
     assert watch(MESSAGES, [stream]).done is done
+
+
+@pytest.mark.parametrize(("end", "stream"), [
+    (CHAT, data({"error": {"message": "The server had an error", "type": "server_error"}})),
+    (RESPONSES, event("error", {"type": "error", "code": "server_error", "message": "failed"})),
+    (RESPONSES, data({"type": "error", "code": "server_error", "message": "failed"})),
+    (MESSAGES, event("error", {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})),
+])
+def test_an_upstreams_error_event_ends_its_stream_as_failed(end: StreamEnd, stream: bytes) -> None:
+    """The upstream closes after its own error event: the stream is over (nothing is appended), and failed."""
+    w = watch(end, [stream])
+    assert w.done and w.failed
+
+
+def test_a_terminal_event_is_not_a_failure() -> None:
+    assert not watch(CHAT, [b"data: [DONE]\n\n"]).failed
+    assert not watch(MESSAGES, [event("message_stop", {"type": "message_stop"})]).failed
 
 
 def test_the_event_name_lasts_until_the_blank_line() -> None:
@@ -295,8 +310,7 @@ def test_error_events_are_single_sse_events() -> None:
         assert raw.endswith(b"\n\n") and raw.count(b"\n\n") == 1
         lines = raw[:-2].split(b"\n")
         assert all(line.startswith((b"event: ", b"data: ")) for line in lines)
-        w = watch(CHAT, [raw])
-        assert not w.done
+        assert b"data: [DONE]" not in lines  # the message's own text never forms a line of its own
 
 
 # --------------------------------------------------------------------------- relayed paths
