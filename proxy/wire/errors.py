@@ -29,9 +29,17 @@ def openai_error_body(error: CtxProxyError) -> dict[str, Any]:
 
 def anthropic_error_body(error: CtxProxyError) -> dict[str, Any]:
     """``{"type": "error", "error": {"type", "message"}}``; an Anthropic upstream's own error body as it came."""
-    if isinstance(error, UpstreamStatus) and isinstance(error.raw, dict) and error.raw.get("type") == "error":
-        return error.raw
+    if isinstance(error, UpstreamStatus) and _anthropic_shaped(error.raw):
+        return error.raw  # type: ignore[no-any-return]
     kind = ANTHROPIC_TYPES.get(error.status)
     if kind is None:
         kind = "invalid_request_error" if 400 <= error.status < 500 else "api_error"
     return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def _anthropic_shaped(raw: Any) -> bool:
+    """A body the Anthropic SDK parses as an error: ``{"type": "error", "error": {"type": str, "message": str}}``."""
+    if not isinstance(raw, dict) or raw.get("type") != "error":
+        return False
+    err = raw.get("error")
+    return isinstance(err, dict) and isinstance(err.get("type"), str) and isinstance(err.get("message"), str)

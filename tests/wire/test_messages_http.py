@@ -184,6 +184,27 @@ async def test_upstream_errors_are_relayed_with_their_status_and_body(
     assert caught.value.body == upstream.status_body  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("odd", [
+    {"type": "error", "error": "overloaded"},
+    {"type": "error"},
+    {"type": "error", "error": {"type": 5, "message": None}},
+])
+async def test_an_upstream_error_that_only_claims_anthropics_shape_is_normalised(
+        upstream: FakeUpstream, start_proxy: StartProxy, odd: dict[str, Any]) -> None:
+    """Relayed as sent only when the SDK can read it as an error; otherwise in Anthropic's shape, status kept."""
+    upstream.mode = "status"
+    upstream.status = 529
+    upstream.status_body = odd
+    proxy = await start_proxy(config(upstream))
+    async with client(proxy) as c:
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            await c.messages.create(model=CLAUDE, max_tokens=16, messages=[{"role": "user", "content": "hi"}])
+    body = caught.value.body
+    assert caught.value.status_code == 529
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert isinstance(body["error"]["type"], str) and isinstance(body["error"]["message"], str)
+
+
 async def post(proxy: RunningProxy, payload: Any, headers: dict[str, str] | None = None,
                path: str = "/v1/messages") -> tuple[int, Any]:
     data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
