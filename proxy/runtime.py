@@ -56,16 +56,18 @@ class Runtime:
         self.routes = Routes(config, model_map)
         self._policies: dict[tuple[str | None, str | None], Policy] = {}
 
-    def authenticate(self, key: str | None) -> Tenant | None:
-        """The one tenant authentication: with tenants configured the proxy key picks one, else 401."""
+    def authenticate(self, keys: str | tuple[str, ...] | None) -> Tenant | None:
+        """The one tenant authentication: with tenants configured the first proxy key that names one, else 401."""
         if not self.config.tenants:
             return None
-        tenant = self.config.tenant_for_key(key) if key else None
-        if tenant is None:
-            raise AuthenticationError(
-                "Incorrect API key provided." if key else "Missing API key: send Authorization: Bearer <key>."
-            )
-        return tenant
+        candidates = (keys,) if isinstance(keys, str) else keys or ()
+        for key in candidates:
+            tenant = self.config.tenant_for_key(key) if key else None
+            if tenant is not None:
+                return tenant
+        raise AuthenticationError(
+            "Incorrect API key provided." if any(candidates) else "Missing API key: send Authorization: Bearer <key>."
+        )
 
     def route(self, model: str) -> ModelRoute:
         return self.routes.resolve(model)

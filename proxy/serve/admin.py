@@ -17,6 +17,7 @@ from proxy.serve.http import (
     ERROR_SHAPE,
     OVERRIDE_HEADER,
     client_key,
+    client_keys,
     json_response,
     read_body,
     request_id,
@@ -45,7 +46,7 @@ async def explain_handler(request: web.Request) -> web.Response:
     record = RequestRecord(request_id=rid, started=time.perf_counter(), wire=wire.name, event="explain")
     status = 500
     try:
-        tenant = st.runtime.authenticate(client_key(request))
+        tenant = st.runtime.authenticate(client_keys(request))
         record.tenant = tenant.name if tenant else "default"
         raw = await read_body(request)
         summarize = request.query.get("summarize", "").lower() in ("1", "true", "yes")
@@ -69,7 +70,7 @@ async def policy_handler(request: web.Request) -> web.Response:
     """GET /v1/ctxproxy/policy[?model=]: the caller's effective policy, and the calibration of its models."""
     st = state(request)
     runtime = st.runtime
-    tenant = runtime.authenticate(client_key(request))
+    tenant = runtime.authenticate(client_keys(request))
     model = request.query.get("model") or None
     policy = runtime.policy(tenant, model, request.headers.get(OVERRIDE_HEADER))  # 404: a model it may not use
     out = policy.describe()
@@ -100,7 +101,7 @@ async def _calibration(runtime: Runtime, models: list[str]) -> dict[str, Any]:
 
 async def models_handler(request: web.Request) -> web.Response:
     st = state(request)
-    tenant = st.runtime.authenticate(client_key(request))
+    tenant = st.runtime.authenticate(client_keys(request))
     config = st.config
     allowed = tenant.settings.models if tenant else None
     seen: dict[str, dict[str, Any]] = {}

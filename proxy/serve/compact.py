@@ -41,7 +41,7 @@ from proxy.serve.http import (
     ERROR_SHAPE,
     OVERRIDE_HEADER,
     RESPONSE_HEADERS,
-    client_key,
+    client_keys,
     header_safe,
     json_response,
     parse_body,
@@ -71,7 +71,7 @@ async def compact_handler(request: web.Request) -> web.StreamResponse:
     record = RequestRecord(request_id=rid, started=time.perf_counter(), wire=WIRE.name, event="compact")
     status = 500
     try:
-        tenant = runtime.authenticate(client_key(request))
+        tenant = runtime.authenticate(client_keys(request))
         record.tenant = tenant.name if tenant else "default"
         raw = await read_body(request)
         body = parse_body(raw)

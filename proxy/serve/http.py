@@ -83,12 +83,27 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
                               request.get(RESPONSE_HEADERS), request.get(ERROR_SHAPE, shape))
 
 
-def client_key(request: web.Request) -> str | None:
-    """The proxy key a client sent: ``Authorization: Bearer``, ``x-api-key`` (Anthropic clients) or ``api-key``."""
+def client_keys(request: web.Request) -> tuple[str, ...]:
+    """Every key a client sent, in order: ``Authorization: Bearer``, ``x-api-key`` (Anthropic clients), ``api-key``.
+
+    A client may send more than one (Claude Code with both ``ANTHROPIC_AUTH_TOKEN`` and ``ANTHROPIC_API_KEY``
+    set): authentication takes the first that names a tenant.
+    """
+    keys: list[str] = []
     value = request.headers.get("Authorization", "")
-    if value[:7].lower() == "bearer ":
-        return value[7:].strip() or None
-    return request.headers.get("x-api-key") or request.headers.get("api-key") or None
+    if value[:7].lower() == "bearer " and value[7:].strip():
+        keys.append(value[7:].strip())
+    for name in ("x-api-key", "api-key"):
+        key = request.headers.get(name, "").strip()
+        if key:
+            keys.append(key)
+    return tuple(keys)
+
+
+def client_key(request: web.Request) -> str | None:
+    """The first key a client sent (``client_keys``), or None."""
+    keys = client_keys(request)
+    return keys[0] if keys else None
 
 
 async def read_body(request: web.Request) -> bytes:

@@ -27,7 +27,7 @@ from proxy.serve.http import (
     OVERRIDE_HEADER,
     RESPONSE_HEADERS,
     Handler,
-    client_key,
+    client_keys,
     header_safe,
     parse_body,
     read_body,
@@ -119,7 +119,7 @@ async def _handle(request: web.Request, wire: ManagedWire, hook: RequestHook | N
     assembly: Assembly | None = None
     route: ModelRoute | None = None
     try:
-        tenant = runtime.authenticate(client_key(request))
+        tenant = runtime.authenticate(client_keys(request))
         record.tenant = tenant.name if tenant else "default"
         raw = await read_body(request)
         offload = len(raw) > runtime.config.settings.server.offload_bytes

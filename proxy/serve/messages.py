@@ -25,7 +25,7 @@ from proxy.serve.http import (
     ERROR_SHAPE,
     OVERRIDE_HEADER,
     RESPONSE_HEADERS,
-    client_key,
+    client_keys,
     json_response,
     parse_body,
     read_body,
@@ -50,7 +50,7 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
     rid = request_id(request)
     request[ERROR_SHAPE] = WIRE.error_shape
     request[RESPONSE_HEADERS] = CIMultiDict({"x-request-id": rid})
-    tenant = runtime.authenticate(client_key(request))
+    tenant = runtime.authenticate(client_keys(request))
     raw = await read_body(request)
     if len(raw) > runtime.config.settings.server.offload_bytes:
         body = await asyncio.get_running_loop().run_in_executor(None, parse_body, raw)

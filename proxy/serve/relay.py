@@ -27,7 +27,7 @@ from yarl import URL
 
 from proxy.core.deadline import deadline
 from proxy.core.errors import BadRequest, ModelNotFound, NotFound, PermissionDenied
-from proxy.serve.http import ERROR_SHAPE, Handler, client_key, read_body, request_id, state
+from proxy.serve.http import ERROR_SHAPE, Handler, client_keys, read_body, request_id, state
 from proxy.serve.streaming import relay_answer
 from proxy.settings import Tenant
 from proxy.upstream.anthropic import anthropic_headers
@@ -65,7 +65,7 @@ def make_relay(managed: dict[str, Handler]) -> Handler:
 async def _relay(request: web.Request, path: str) -> web.StreamResponse:
     st = state(request)
     config = st.config
-    tenant = st.runtime.authenticate(client_key(request))
+    tenant = st.runtime.authenticate(client_keys(request))
     if tenant is not None and not _allowed(request.method, path, config.settings.relay.allowed()):
         raise PermissionDenied(f"{request.method} {path} is not relayed for tenants on this proxy "
                                "(relay.allow in its configuration).")

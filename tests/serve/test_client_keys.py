@@ -1,0 +1,40 @@
+"""A client may send its key in more than one header: the first that names a tenant authenticates it.
+
+Claude Code sends ``Authorization: Bearer`` (``ANTHROPIC_AUTH_TOKEN``) and ``x-api-key``
+(``ANTHROPIC_API_KEY``); with both set, one may be a key for something else. Over HTTP, on a keyed proxy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
+
+CHAT = ("/v1/chat/completions", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]})
+MESSAGES = ("/v1/messages", {"model": "gpt-4o-mini", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]})
+
+
+@pytest.mark.parametrize(("headers", "status"), [
+    ({"Authorization": "Bearer sk-something-else", "x-api-key": "sk-team"}, 200),
+    ({"Authorization": "Bearer ", "x-api-key": "sk-team"}, 200),
+    ({"Authorization": "Bearer sk-team", "x-api-key": "sk-something-else"}, 200),
+    ({"api-key": "sk-team"}, 200),
+    ({"Authorization": "Bearer sk-wrong", "x-api-key": "sk-wrong-too"}, 401),
+    ({"Authorization": "Bearer "}, 401),
+    ({}, 401),
+])
+@pytest.mark.parametrize(("path", "body"), [CHAT, MESSAGES], ids=["chat", "messages"])
+async def test_the_first_key_that_names_a_tenant_authenticates(
+        start_proxy: StartProxy, upstream: FakeUpstream, headers: dict[str, str], status: int, path: str,
+        body: dict[str, Any]) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url, tenants=[{"name": "team", "keys": ["sk-team"]}]))
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + path, json=body, headers=headers) as r:
+        got = r.status
+        text = await r.text()
+    assert got == status, text
+    for rec in upstream.chat + upstream.other:  # the proxy key is never forwarded, whichever header held it
+        assert "sk-team" not in str(dict(rec.headers))
