@@ -28,18 +28,19 @@ from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
 from proxy.core.pairing import PLACEHOLDER, REASONING_DROPPED
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key
 from proxy.wire.responses_items import (
-    CALL_NS,
     CALLS,
     COMPACT_PREFIX,
     ITEM_TOKENS,
     MESSAGE_ROLES,
     OPTIONAL_IDS,
     PINNED_TYPES,
+    RESERVED,
     RESULTS,
     ResponsesItem,
     count_raw,
     kind_of,
     neutral,
+    pairing_id,
     unkey,
 )
 from proxy.wire.sse import RESPONSES as RESPONSES_STREAM
@@ -185,18 +186,19 @@ def build_items(value: Any, *, keep_trailing: bool = False) -> tuple[list[Item],
     result: str | None
     for i, element in enumerate(elements):
         # the common items take a few dict lookups; anything unusual gets the precise checks
+        # (``id[:1] > RESERVED``: a non-empty id that does not start with NUL, which check_element refuses)
         kind = element.get("type") if type(element) is dict else None
         if kind is None and type(element) is dict and "role" in element and "type" not in element:
             kind = "message"
         if kind == "message" and type(element.get("role")) is str and element["role"] in MESSAGE_ROLES \
                 and type(element.get("content")) is str:
             role, calls, result = MESSAGE_ROLES[element["role"]], (), None
-        elif kind == "function_call" and type(element.get("call_id")) is str and element["call_id"] \
+        elif kind == "function_call" and type(element.get("call_id")) is str and element["call_id"][:1] > RESERVED \
                 and type(element.get("name")) is str and element["name"] and type(element.get("arguments")) is str:
-            role, calls, result = ASSISTANT, (CALL_NS + element["call_id"],), None
-        elif kind == "function_call_output" and type(element.get("call_id")) is str and element["call_id"] \
-                and type(element.get("output")) is str:
-            role, calls, result = TOOL, (), CALL_NS + element["call_id"]
+            role, calls, result = ASSISTANT, (element["call_id"],), None
+        elif kind == "function_call_output" and type(element.get("call_id")) is str \
+                and element["call_id"][:1] > RESERVED and type(element.get("output")) is str:
+            role, calls, result = TOOL, (), element["call_id"]
         else:
             kind = check_element(element, i)
             if kind == "reasoning":
@@ -284,9 +286,15 @@ def check_element(element: Any, i: int) -> str:
 def _check_id(element: dict[str, Any], param: str, kind: str, fields: tuple[str, ...]) -> None:
     if kind in OPTIONAL_IDS and all(element.get(f) is None for f in fields):
         return
-    if not any(isinstance(element.get(f), str) and element[f] for f in fields):
+    ident = pairing_id(element, fields)
+    if ident is None:
         raise PayloadError(f"{param} ({kind}) has no {fields[0]}", param=f"{param}.{fields[0]}",
                            code="missing_tool_call_id")
+    if ident.startswith(RESERVED):
+        # that namespace is the MCP approvals' (responses_items.APPROVAL_NS): a client id may not reach into it
+        field = next(f for f in fields if element.get(f) == ident)
+        raise PayloadError(f"{param}.{field} may not start with a NUL character", param=f"{param}.{field}",
+                           code="invalid_tool_call")
 
 
 def _check_message(element: dict[str, Any], param: str) -> None:

@@ -80,18 +80,46 @@ CALL_ARGUMENTS = ("arguments", "input", "action", "operation", "code")
 COMPACT_PREFIX = "[ctxproxy compaction summary]"
 
 
-CALL_NS = "call:"
-APPROVAL_NS = "approval:"
+# A call id is its own pairing id, so the pairing check's errors name it as the client sent it. MCP approval
+# ids live in a namespace no client id can reach in practice (a NUL prefix, as Chat Completions' legacy calls):
+# a pairing id starting with NUL is refused while parsing.
+RESERVED = "\x00"
+APPROVAL_NS = RESERVED + "approval:"
+
+
+class ApprovalId(str):
+    """An approval's pairing id (``APPROVAL_NS`` + the client's id), shown as the client's id.
+
+    The pairing check (``proxy.core.pairing``) names ids by ``repr``: this keeps the internal
+    prefix out of the errors a client reads, while equality and hashing stay those of the prefixed
+    string, so an approval never pairs with a call of the same id.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return repr(str(self)[len(APPROVAL_NS):])
 
 
 def key(kind: str, ident: str) -> str:
     """The neutral pairing id of a call of ``kind`` (a result uses its call's kind)."""
-    return (APPROVAL_NS if kind == "mcp_approval_request" else CALL_NS) + ident
+    return ApprovalId(APPROVAL_NS + ident) if kind == "mcp_approval_request" else ident
 
 
 def unkey(neutral: str) -> tuple[str, str]:
-    kind, _, ident = neutral.partition(":")
-    return kind, ident
+    """(``approval`` or ``call``, the client's id) of a neutral pairing id."""
+    if neutral.startswith(APPROVAL_NS):
+        return "approval", neutral[len(APPROVAL_NS):]
+    return "call", neutral
+
+
+def pairing_id(element: dict[str, Any], fields: tuple[str, ...]) -> str | None:
+    """The id an item pairs by: the first of ``fields`` holding a non-empty string."""
+    for field in fields:
+        ident = element.get(field)
+        if isinstance(ident, str) and ident:
+            return ident
+    return None
 
 
 def kind_of(element: Any) -> str:
@@ -387,17 +415,16 @@ def neutral(element: dict[str, Any], kind: str) -> tuple[str, tuple[str, ...], s
         return MESSAGE_ROLES.get(element.get("role"), OTHER), (), None  # type: ignore[arg-type]
     call_field = CALLS.get(kind)
     if call_field is not None:
-        ident = element.get(call_field)
-        if isinstance(ident, str) and ident:
+        ident = pairing_id(element, (call_field,))
+        if ident is not None:
             return ASSISTANT, (key(kind, ident),), None
         return ASSISTANT, (), None  # (tool search run by the provider)
     result = RESULTS.get(kind)
     if result is not None:
         call_kind, fields = result
-        for field in fields:
-            ident = element.get(field)
-            if isinstance(ident, str) and ident:
-                return TOOL, (), key(call_kind, ident)
+        ident = pairing_id(element, fields)
+        if ident is not None:
+            return TOOL, (), key(call_kind, ident)
         return ASSISTANT, (), None
     if kind in PROVIDER_SIDE:
         return ASSISTANT, (), None

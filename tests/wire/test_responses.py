@@ -151,7 +151,7 @@ def test_reasoning_travels_with_its_follower_and_compaction_is_pinned() -> None:
     assert len(reasoning) == 1 and [kind(e) for e in reasoning[0].raw] == ["reasoning", "message"]
     assert [i.pinned for i in items if not isinstance(i.raw, list) and kind(i.raw) == "compaction"] == [True]
     calls = [i for i in items if i.call_ids]
-    assert [c.call_ids for c in calls] == [("call:c1",), ("call:c2",)]
+    assert [c.call_ids for c in calls] == [("c1",), ("c2",)]
 
 
 def test_only_the_last_compaction_is_pinned() -> None:
