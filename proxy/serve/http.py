@@ -60,10 +60,16 @@ def error_response(error: CtxProxyError, headers: Any = None, shape: str = "open
     return json_response(error_payload(error, shape), error.status, out)
 
 
+def shape_for_path(path: str) -> str:
+    """The error shape a path's clients parse before a handler says: Anthropic's on ``/messages*``, else OpenAI's."""
+    tail = path[3:] if path.startswith("/v1/") else path
+    return "messages" if tail == "/messages" or tail.startswith("/messages/") else "openai"
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure becomes the wire's error shape; no traceback ever reaches a client."""
-    shape = request.get(ERROR_SHAPE, "openai")
+    shape = request.get(ERROR_SHAPE, shape_for_path(request.path))
     try:
         return await handler(request)
     except CtxProxyError as exc:

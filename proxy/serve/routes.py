@@ -35,8 +35,9 @@ def add_routes(app: web.Application) -> None:
     for spelling in ("/v1" + COMPACT_PATH, COMPACT_PATH):  # relayed or answered by ctxproxy's summariser
         r.add_post(spelling, compact_handler)
         managed[canonical_path(spelling)] = compact_handler
-    r.add_post("/v1/messages/count_tokens", messages.count_tokens_handler)
-    managed[canonical_path("/v1/messages/count_tokens")] = messages.count_tokens_handler
+    for spelling in ("/v1/messages/count_tokens", "/messages/count_tokens"):  # Claude Code breaks on a 404 here
+        r.add_post(spelling, messages.count_tokens_handler)
+        managed[canonical_path(spelling)] = messages.count_tokens_handler
     r.add_post("/v1/ctxproxy/explain", admin.explain_handler)
     r.add_post("/v1/ctxproxy/explain/{wire}", admin.explain_handler)
     r.add_get("/v1/ctxproxy/policy", admin.policy_handler)
