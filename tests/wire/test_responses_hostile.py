@@ -8,6 +8,7 @@ AI SDK) or malicious ones send: the answer is always in OpenAI's error shape, ne
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -163,6 +164,39 @@ async def test_a_call_and_an_approval_of_the_same_id_still_do_not_pair(
                               path="/v1/responses")
     assert status == 200
     assert upstream.responses[-1].body["input"] == [user, nxt]  # the call got no output: removed, the orphan too
+
+
+# --------------------------------------------------------------------------- the README says how ids pair
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def pairing_bullet() -> str:
+    """The Pairing bullet of the README's Responses API section, on one line."""
+    section = README.read_text(encoding="utf-8").split("## Responses API", 1)[1].split("\n## ", 1)[0]
+    bullet = section.split("* **Pairing**", 1)[1].split("\n* ", 1)[0]
+    return " ".join(bullet.split())
+
+
+@pytest.mark.parametrize("call", [
+    {"type": "local_shell_call", "id": "ls_1", "call_id": "a", "status": "completed",
+     "action": {"type": "exec", "command": ["ls"], "env": {}}},
+    {"type": "custom_tool_call", "call_id": "a", "name": "patch", "input": "*** Begin Patch"},
+], ids=["local_shell_call", "custom_tool_call"])
+async def test_an_output_of_another_call_kind_answers_a_call_by_its_call_id_as_the_readme_says(
+    upstream: FakeUpstream, start_proxy: StartProxy, call: dict[str, Any]
+) -> None:
+    """The README said "an output of one kind never answers a call of another"; the code (on purpose: Codex
+    answers a local_shell_call with a function_call_output) pairs every call kind's output by call_id."""
+    proxy = await start(upstream, start_proxy)
+    items = [{"role": "user", "content": "go"}, call, {"type": "function_call_output", "call_id": "a", "output": "r"}]
+    status, headers, _ = await post(proxy, {"model": MODEL, "input": items}, path="/v1/responses")
+    assert status == 200 and headers["x-ctxproxy-repairs"] == "0"
+    assert upstream.responses[-1].body["input"] == items
+    bullet = pairing_bullet()
+    assert "never answers a call of another" not in bullet
+    assert "an output of any call kind answers the call with its `call_id`" in bullet
+    assert "approvals pair in a namespace of their own" in bullet
 
 
 # --------------------------------------------------------------------------- defects outside the wire's files
