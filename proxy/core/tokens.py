@@ -8,6 +8,7 @@ LRU, so a growing conversation only encodes its new items. A request adds
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -163,8 +164,22 @@ class TokenCounter:
         try:
             raw = orjson.dumps(tools)
         except TypeError:
-            return 0
+            raw = _deep_json(tools)
+            if raw is None:
+                return 0  # not JSON at all (only a caller's own value can be that)
         return self.cached(xxh3_128_intdigest(raw), raw, _count_json_bytes)
+
+
+def _deep_json(value: Any) -> bytes | None:
+    """Compact JSON of a value nested deeper than orjson writes (254 levels; a body may hold 1024): such
+    tools are still forwarded as the client's bytes when nothing changed, so they must be counted."""
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    except RecursionError:
+        raise PayloadError("The request's tool schemas are nested too deeply to be counted.", param="tools",
+                           code="invalid_tools") from None
+    except (TypeError, ValueError):
+        return None
 
 
 def _count_json_bytes(counter: TokenCounter, raw: bytes) -> int:

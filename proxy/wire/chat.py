@@ -148,9 +148,13 @@ def canonical_arguments(arguments: Any) -> str:
     """Call arguments as compact sorted JSON when they parse, else as sent (so wires agree)."""
     if isinstance(arguments, str):
         try:
-            arguments = orjson.loads(arguments)
+            parsed = orjson.loads(arguments)
         except orjson.JSONDecodeError:
-            return str(arguments)
+            return arguments
+        try:
+            return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS).decode()
+        except TypeError:  # it parses (1024 levels) but is nested deeper than orjson writes (254): as sent
+            return arguments
     try:
         return orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS).decode()
     except TypeError:

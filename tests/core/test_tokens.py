@@ -6,6 +6,7 @@ reference are in tests/test_tokens.py.
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -228,3 +229,12 @@ def test_tokenizers_make_one_counter_per_encoding() -> None:
 def test_every_encoding_a_known_model_maps_to_loads_offline(model: str) -> None:
     """litellm ships cl100k, o200k and p50k; o200k_harmony is built on o200k."""
     TokenCounter(encoding_for(model)).text("hello")
+
+
+def test_tools_nested_deeper_than_orjson_writes_are_still_counted(counter: TokenCounter) -> None:
+    """Forwarded as the client's bytes when nothing changed, so never uncounted (a tenant's cap holds)."""
+    deep: object = "leaf " * 50
+    for _ in range(600):
+        deep = {"x": deep}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
+    assert counter.tools(tools) == counter.text(json.dumps(tools, separators=(",", ":")))

@@ -203,8 +203,6 @@ async def test_an_output_of_another_call_kind_answers_a_call_by_its_call_id_as_t
 # (reported, not fixed here: the fix belongs to another module; xfail until it lands)
 
 
-@pytest.mark.xfail(reason="proxy/core/tokens.py: TokenCounter.tools() counts 0 tokens for tools it cannot "
-                          "serialise (nested deeper than 254 levels), and the unchanged body is forwarded as sent")
 async def test_tools_nested_too_deeply_are_not_forwarded_uncounted_past_a_tenant_cap(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
@@ -232,8 +230,6 @@ async def test_a_body_with_duplicate_keys_is_not_forwarded_as_bytes_the_upstream
     assert status == 400 or (forwarded and forwarded[-1].count(b'"model"') == 1 and b"word word" not in forwarded[-1])
 
 
-@pytest.mark.xfail(reason="proxy/wire/chat.py canonical_arguments: its repr() fallback overflows the recursion "
-                          "limit for arguments nested 990-1023 levels deep (the Responses wire guards its own call)")
 async def test_the_same_deep_arguments_on_chat_completions_are_not_a_500(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
