@@ -162,11 +162,11 @@ class TokenCounter:
         if not tools:
             return 0
         try:
-            raw = orjson.dumps(tools)
+            raw: bytes | None = orjson.dumps(tools)
         except TypeError:
             raw = _deep_json(tools)
-            if raw is None:
-                return 0  # not JSON at all (only a caller's own value can be that)
+        if raw is None:
+            return 0  # not JSON at all (only a caller's own value can be that)
         return self.cached(xxh3_128_intdigest(raw), raw, _count_json_bytes)
 
 
