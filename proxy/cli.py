@@ -32,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     p_assemble = sub.add_parser("assemble", help="run the pipeline on a request body; never forwards it")
     p_assemble.add_argument("--config", default="config/ctxproxy.yaml")
     p_assemble.add_argument("request", help="request body (JSON file, or - for stdin)")
-    p_assemble.add_argument("--wire", default="chat", choices=("chat", "responses", "messages"),
-                            help="the body's wire protocol (default chat)")
+    p_assemble.add_argument("--wire", choices=("chat", "responses", "messages"),
+                            help="the body's wire protocol (default: from the body, as explain picks it: "
+                                 "responses for 'input' without 'messages', else chat)")
     p_assemble.add_argument("--key", help="proxy key, to apply that tenant's policy")
     p_assemble.add_argument("--context-manager", dest="override", help="per-request override, as the header")
     p_assemble.add_argument("--summarize", action="store_true",
@@ -97,13 +98,14 @@ async def _run_assemble(config: Config, raw: bytes, args: argparse.Namespace) ->
     runtime = build_runtime(config, shared, engine=not args.offline).runtime
     try:
         tenant = runtime.authenticate(args.key) if args.key else None
-        if args.wire not in WIRES:
+        if args.wire is not None and args.wire not in WIRES:
             return {"error": {"message": f"the {args.wire} wire is not available", "type": "invalid_request_error",
                               "param": "wire", "code": "unknown_wire"}}, EXIT_INVALID
-        return await explain(runtime, WIRES[args.wire], raw, tenant, args.override, summarize=args.summarize), EXIT_OK
+        wire = WIRES[args.wire] if args.wire is not None else None  # None: explain picks it from the body
+        return await explain(runtime, wire, raw, tenant, args.override, summarize=args.summarize), EXIT_OK
     except CtxProxyError as exc:
-        wire = WIRES.get(args.wire)
-        return (anthropic_error_body(exc) if wire is not None and wire.error_shape == "messages"
+        named = WIRES.get(args.wire) if args.wire is not None else None
+        return (anthropic_error_body(exc) if named is not None and named.error_shape == "messages"
                 else exc.to_openai()), EXIT_REFUSED
     finally:
         await shared.close()

@@ -271,3 +271,36 @@ def test_assemble_as_a_real_process_from_stdin(tmp_path: Path) -> None:
                              capture_output=True, text=True, env=env, timeout=60)
     assert refused.returncode == 1
     assert json.loads(refused.stdout)["error"]["code"] == "context_length_exceeded"
+
+
+# --------------------------------------------------------------------------- assemble: which wire
+
+
+RESPONSES_INPUT: list[dict[str, Any]] = [
+    {"role": "user", "content": "read it"},
+    {"type": "function_call", "call_id": "c1", "name": "read", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "c1", "output": "text"},
+    {"role": "user", "content": "and now?"}]
+
+
+@pytest.mark.parametrize("named", [[], ["--wire", "responses"]])
+def test_assemble_reads_a_responses_body_as_responses_without_wire(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], named: list[str]) -> None:
+    """Without --wire it answered "'messages' must be an array" (exit 1): the default was chat."""
+    cfg = write_config(tmp_path)
+    req = write_json(tmp_path, {"model": "gpt-4o", "input": RESPONSES_INPUT})
+    code, out, err = run(["assemble", "--offline", "--config", str(cfg), *named, str(req)], capsys)
+    assert code == 0, out + err
+    result = json.loads(out)
+    assert set(result) == {"input", "report"} and result["input"] == RESPONSES_INPUT
+    assert result["report"]["wire"] == "responses"
+
+
+def test_assemble_without_wire_reads_any_other_body_as_chat(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_config(tmp_path)
+    req = write_json(tmp_path, {"model": "gpt-4o", "messages": [user("hi")], "input": "also here"})
+    code, out, _ = run(["assemble", "--offline", "--config", str(cfg), str(req)], capsys)
+    assert code == 0 and json.loads(out)["report"]["wire"] == "chat"
+    code, out, _ = run(["assemble", "--offline", "--config", str(cfg), "--wire", "chat",
+                        str(write_json(tmp_path, {"model": "gpt-4o", "input": RESPONSES_INPUT}))], capsys)
+    assert code == 1 and json.loads(out)["error"]["param"] == "messages"  # a named wire wins over the body

@@ -34,16 +34,19 @@ from proxy.wire import WIRES
 async def explain_handler(request: web.Request) -> web.Response:
     """POST /v1/ctxproxy/explain[/<wire>] (or ``?wire=``): what the pipeline would forward, nobody billed.
 
+    With no wire named, the body says (``proxy.serve.explain.wire_of``: Responses or Chat).
     ``?summarize=true`` makes a summary that would be created (and bills the summariser).
     """
     st = state(request)
-    name = request.match_info.get("wire") or request.query.get("wire") or "chat"
-    wire = WIRES.get(name)
-    if wire is None:
+    name = request.match_info.get("wire") or request.query.get("wire")
+    wire = WIRES.get(name) if name else None
+    if name and wire is None:
         raise NotFound(f"No wire {name[:40]!r}; known: {', '.join(sorted(WIRES))}.")
-    request[ERROR_SHAPE] = wire.error_shape
+    # a wire picked from the body is Chat or Responses: both answer errors in OpenAI's shape
+    request[ERROR_SHAPE] = (wire or WIRES["chat"]).error_shape
     rid = request_id(request)
-    record = RequestRecord(request_id=rid, started=time.perf_counter(), wire=wire.name, event="explain")
+    record = RequestRecord(request_id=rid, started=time.perf_counter(), wire=(wire or WIRES["chat"]).name,
+                           event="explain")
     status = 500
     try:
         tenant = st.runtime.authenticate(client_keys(request))
@@ -54,6 +57,7 @@ async def explain_handler(request: web.Request) -> web.Response:
                             summarize=summarize, request_id=rid)
         report = out["report"]
         record.model = report.get("model")
+        record.wire = report.get("wire") or record.wire  # the wire picked from the body, when none was named
         status = 200
         return json_response(out, headers={"x-request-id": rid})
     except CtxProxyError as exc:

@@ -4,6 +4,10 @@ Explain never bills anyone: summaries are looked up in the cache, and what a new
 summary would replace is reported (``summary: would_create``) instead of made,
 unless the caller asks for it (``summarize``).
 
+A caller that names no wire gets Responses for a body with ``input`` and no ``messages``,
+else Chat Completions (a Messages body looks like a Chat one: it is named by ``/messages``,
+``?wire=messages`` or ``--wire messages``).
+
 The report also says which calibration factor the budget used and why
 (``calibration_detail``), and what context management saved and cost on this one
 request (``cost``, ``proxy.serve.costs``): the gross saving and the summariser's cost
@@ -24,15 +28,24 @@ from proxy.serve.costs import request_cost
 from proxy.serve.http import parse_body
 from proxy.settings import Tenant
 from proxy.store.calibration import ConfiguredCalibration
+from proxy.wire.chat import WIRE as CHAT
+from proxy.wire.responses import WIRE as RESPONSES
+
+
+def wire_of(body: dict[str, Any]) -> WireAdapter:
+    """The wire of a body whose caller names none: ``input`` without ``messages`` is Responses, anything else Chat."""
+    return RESPONSES if "input" in body and "messages" not in body else CHAT
 
 
 async def explain(
-    runtime: Runtime, wire: WireAdapter, raw: bytes, tenant: Tenant | None, override: str | None,
+    runtime: Runtime, wire: WireAdapter | None, raw: bytes, tenant: Tenant | None, override: str | None,
     *, summarize: bool = False, request_id: str = "",
 ) -> dict[str, Any]:
+    """What ``wire`` (None: the body's, ``wire_of``) would forward for ``raw``, and the report; nothing is sent."""
     # large bodies are parsed and assembled off the event loop, as on the managed path
     offload = len(raw) > runtime.config.settings.server.offload_bytes
     body = (await asyncio.get_running_loop().run_in_executor(None, parse_body, raw)) if offload else parse_body(raw)
+    wire = wire if wire is not None else wire_of(body)
     assembly, route, _policy = await runtime.assemble(wire, body, tenant=tenant, override=override, offload=offload,
                                                       request_id=request_id, dry_run=not summarize)
     report = assembly.report.as_dict()
