@@ -107,14 +107,23 @@ def limit_output(
     cap = policy.max_output_tokens
     changes: dict[str, Any] = {}
     if cap is not None:
+        # the cap is on the request's whole output: with n choices (Chat Completions) each gets its share
+        n = body.get("n")
+        choices = n if type(n) is int and n > 1 else 1
+        share = cap // choices
+        if share < 1:
+            raise OutputLimitExceeded(f"'n' is {n}; this key allows at most {cap} output tokens per request",
+                                      param="n")
+        per = f" for each of {choices} choices" if choices > 1 else ""
         for key, value in limits.items():
-            if value > cap:
+            if value > share:
                 if policy.max_output_policy == "refuse":
-                    raise OutputLimitExceeded(f"'{key}' is {value}; this key allows at most {cap}", param=key)
-                changes[key] = limits[key] = cap
+                    raise OutputLimitExceeded(f"'{key}' is {value}{per}; this key allows at most {cap} output "
+                                              "tokens per request", param=key)
+                changes[key] = limits[key] = share
         if not limits:
             key = wire.output_field(route.upstream_model)
-            changes[key] = limits[key] = cap
+            changes[key] = limits[key] = share
         report.max_tokens_clamped = bool(changes)
     return (min(limits.values()) if limits else None), changes
 
