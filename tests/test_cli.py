@@ -304,3 +304,32 @@ def test_assemble_without_wire_reads_any_other_body_as_chat(tmp_path: Path, caps
     code, out, _ = run(["assemble", "--offline", "--config", str(cfg), "--wire", "chat",
                         str(write_json(tmp_path, {"model": "gpt-4o", "input": RESPONSES_INPUT}))], capsys)
     assert code == 1 and json.loads(out)["error"]["param"] == "messages"  # a named wire wins over the body
+
+
+# --------------------------------------------------------------------------- assemble --wire messages: context_management
+
+
+def test_assemble_messages_applies_the_emulated_context_management(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It showed the tool results uncleared, while the server forwards them cleared (an upstream without the beta)."""
+    cfg = write_config(tmp_path, upstreams={"u": {"base_url": "http://127.0.0.1:9", "api": "anthropic",
+                                                  "context_management": "emulate"}},
+                       models=[{"name": "claude-sonnet-4-5", "context_window": 200_000, "max_output_tokens": 8192}],
+                       context_manager={"type": "stack"})
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "Fix it."}]
+    for i in range(4):
+        msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": "Read", "input": {}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}",
+                                               "content": words(300, i)}]}]
+    edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 500},
+            "keep": {"type": "tool_uses", "value": 1}}
+    req = write_json(tmp_path, {"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": msgs,
+                                "context_management": {"edits": [edit]}})
+    code, out, err = run(["assemble", "--offline", "--config", str(cfg), "--wire", "messages", str(req)], capsys)
+    assert code == 0, out + err
+    result = json.loads(out)
+    results = [m["content"][0]["content"] for m in result["messages"] if m["role"] == "user"
+               and isinstance(m["content"], list)]
+    assert results[3] == words(300, 3) and all(r != words(300, i) for i, r in enumerate(results[:3]))
+    emulation = result["report"]["context_management"]
+    assert emulation["emulated"] is True and emulation["applied_edits"][0]["cleared_tool_uses"] == 3

@@ -8,6 +8,11 @@ A caller that names no wire gets Responses for a body with ``input`` and no ``me
 else Chat Completions (a Messages body looks like a Chat one: it is named by ``/messages``,
 ``?wire=messages`` or ``--wire messages``).
 
+The body first goes through what the managed handler runs before the pipeline: the wire's
+request hook (Messages: ``context_management`` emulated for an upstream that lacks it), in
+dry-run as well, so an emulated compaction only looks its summary up in the cache; the
+report's ``context_management`` says what the emulation did.
+
 The report also says which calibration factor the budget used and why
 (``calibration_detail``), and what context management saved and cost on this one
 request (``cost``, ``proxy.serve.costs``): the gross saving and the summariser's cost
@@ -18,7 +23,7 @@ explain gives the net before it.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Protocol
 
 from proxy.core.conversation import WireAdapter
 from proxy.pipeline import Report
@@ -29,7 +34,35 @@ from proxy.serve.http import parse_body
 from proxy.settings import Tenant
 from proxy.store.calibration import ConfiguredCalibration
 from proxy.wire.chat import WIRE as CHAT
+from proxy.wire.messages import WIRE as MESSAGES
+from proxy.wire.messages.emulate import HOOK as MESSAGES_HOOK
 from proxy.wire.responses import WIRE as RESPONSES
+
+
+class ExplainedExchange(Protocol):
+    """What a wire's request hook made of one request, as explain reads it."""
+
+    body: dict[str, Any]
+    edited: bool  # the pipeline runs on ``body``, not on the client's
+    warnings: list[str]
+
+    def local_answer(self) -> object | None:
+        """The answer the proxy would make itself (the request is then not forwarded), or None."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the hook did, for the report."""
+
+
+class DryRunHook(Protocol):
+    """``proxy.serve.managed.RequestHook`` that can also run without calling (billing) anyone."""
+
+    async def begin(self, runtime: Runtime, tenant: Tenant | None, body: dict[str, Any], *,
+                    override: str | None, request_id: str, dry_run: bool = False) -> ExplainedExchange | None: ...
+
+
+# The hooks the managed handler runs, by wire (``proxy.serve.routes.HOOKS``: the same ones, a test keeps them equal;
+# routes imports the explain handler, so this module cannot import routes without a circle).
+HOOKS: dict[str, DryRunHook] = {MESSAGES.name: MESSAGES_HOOK}
 
 
 def wire_of(body: dict[str, Any]) -> WireAdapter:
@@ -46,12 +79,30 @@ async def explain(
     offload = len(raw) > runtime.config.settings.server.offload_bytes
     body = (await asyncio.get_running_loop().run_in_executor(None, parse_body, raw)) if offload else parse_body(raw)
     wire = wire if wire is not None else wire_of(body)
+    hook = HOOKS.get(wire.name)
+    exchange = None
+    if hook is not None:  # as the managed handler does, and as cheaply as the pipeline below (dry-run)
+        exchange = await hook.begin(runtime, tenant, body, override=override, request_id=request_id,
+                                    dry_run=not summarize)
+    if exchange is not None and exchange.edited:
+        body = exchange.body  # what the handler would run the pipeline on (and forward)
     assembly, route, _policy = await runtime.assemble(wire, body, tenant=tenant, override=override, offload=offload,
                                                       request_id=request_id, dry_run=not summarize)
+    if exchange is not None:
+        assembly.report.warnings.extend(hook_warnings(exchange))
     report = assembly.report.as_dict()
+    if exchange is not None:
+        report["context_management"] = exchange.describe()
     report["calibration_detail"] = calibration_detail(runtime, route)
     report["cost"] = cost_figures(runtime, route, assembly.report)
     return {wire.field: assembly.messages, "report": report}
+
+
+def hook_warnings(exchange: ExplainedExchange) -> list[str]:
+    """The hook's warnings, as the handler adds them to the report, and whether the proxy would answer itself."""
+    if exchange.local_answer() is None:
+        return exchange.warnings
+    return [*exchange.warnings, "the proxy would answer this request itself: nothing would be forwarded"]
 
 
 def calibration_detail(runtime: Runtime, route: ModelRoute) -> dict[str, Any]:

@@ -7,6 +7,11 @@ order given (``proxy.wire.messages.context``), the field is removed from the for
 the answer gets the report (and a compaction block) Anthropic would have written
 (``proxy.wire.messages.answers``). Compaction summaries come from the proxy's summary cache, the
 one the ``summarising`` context manager uses: the same history is summarised once.
+
+Explain and ``ctxproxy assemble`` run the hook in dry-run (``dry_run=True``): the clearing edits
+apply as on a real request, and compaction only looks a summary up in the cache; when none covers
+the history it reports ``would_create`` and forwards a placeholder, never calling (billing) the
+summariser. ``Exchange.describe`` says what the emulation did.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from plugins.base import Services, Summarizer, SummaryScope, SummaryUnavailable
+from plugins.base import Services, SummarizeFn, Summarizer, SummaryScope, SummaryStore, SummaryUnavailable
 from plugins.summarizers.llm import PROMPT, LLMParams, LLMSummarizer
 from proxy.core.bands import split_bands, split_turns
+from proxy.core.items import Item
 from proxy.pipeline import chain_hashes, prepare
 from proxy.policy import ModelRoute, Policy
 from proxy.runtime import Runtime
@@ -39,6 +45,9 @@ from proxy.wire.messages.context import (
 )
 from proxy.wire.messages.shape import check_body
 
+# what a dry-run compaction forwards in place of a summary it would make (explain, ``ctxproxy assemble``)
+WOULD_COMPACT = "[ctxproxy explain: a compaction summary of these turns would be created here]"
+
 
 @dataclass
 class Exchange:
@@ -49,9 +58,15 @@ class Exchange:
     edits: ResponseEdits
     local: LocalAnswer | None = None
     warnings: list[str] = field(default_factory=list)
+    compaction: str | None = None  # created | reused | would_create (dry-run), None: not compacted
 
     def local_answer(self) -> AnswerLike | None:
         return self.local
+
+    def describe(self) -> dict[str, Any]:
+        """What the emulation did to the request (for explain's report): the edits' report, the compaction."""
+        return {"emulated": True, "applied_edits": self.edits.applied, "compaction": self.compaction,
+                "paused_after_compaction": self.local is not None}
 
     def wrap(self, answer: AnswerLike) -> AnswerLike:
         if answer is self.local or not self.edits.needed:
@@ -71,7 +86,7 @@ class ContextManagementHook:
     """``proxy.serve.managed.RequestHook`` for the Messages wire."""
 
     async def begin(self, runtime: Runtime, tenant: Tenant | None, body: dict[str, Any], *,
-                    override: str | None, request_id: str) -> Exchange | None:
+                    override: str | None, request_id: str, dry_run: bool = False) -> Exchange | None:
         if "context_management" not in body or not isinstance(body.get("model"), str):
             return None
         route = runtime.route(body["model"])
@@ -84,7 +99,7 @@ class ContextManagementHook:
         edits = parse_edits(body["context_management"])
         check_body(body)  # the edits read the messages: refuse a malformed body first, as the pipeline would
         policy = runtime.policy(tenant, body["model"], override)
-        services = runtime.services(route, policy, request_id=request_id)
+        services = runtime.services(route, policy, request_id=request_id, dry_run=dry_run)
         calibration = runtime.calibration.factor(route) if runtime.calibration is not None else 1.0
         session = _Session(body, services, calibration)
         messages = resume_compaction(body["messages"])
@@ -106,7 +121,7 @@ class ContextManagementHook:
         out = {k: v for k, v in body.items() if k != "context_management"}
         out["messages"] = messages
         response = ResponseEdits(session.applied, compaction)
-        exchange = Exchange(out, True, response, warnings=session.warnings)
+        exchange = Exchange(out, True, response, warnings=session.warnings, compaction=session.compaction)
         if pause and compaction is not None:
             exchange.local = local_answer(body["model"], compaction, response.report(), body.get("stream") is True)
         return exchange
@@ -121,6 +136,7 @@ class _Session:
         self.counter = services.counter
         self.applied: list[dict[str, Any]] = []
         self.warnings: list[str] = []
+        self.compaction: str | None = None
 
     def scaled(self, report: dict[str, Any]) -> dict[str, Any]:
         """A report's token figure in the provider's units (the calibration factor times the proxy's count)."""
@@ -150,18 +166,29 @@ class _Session:
             self.warnings.append("context_management compact_20260112 not applied: no summariser is available")
             return None
         scope = SummaryScope(self.services.tenant, summarizer.settings_id(self.services))
-        chain = chain_hashes(turns, self.counter)
         try:
-            found = await store.lookup(scope, chain)
-            if found is None or found.covered_turns != len(turns):
-                found, _fresh = await store.obtain(scope, chain, len(turns), turns, found, summarize,
-                                                   request_id=self.services.request_id,
-                                                   model=self.services.model)
+            text = await self._summary(store, scope, turns, summarize)
         except SummaryUnavailable as exc:
             self.warnings.append(f"context_management compact_20260112 not applied: the summariser failed ({exc})")
             return None
         kept = messages[bands.current.source:]
-        return [summary_message(found.text), *kept], compaction_block(found.text, start)
+        return [summary_message(text), *kept], compaction_block(text, start)
+
+    async def _summary(self, store: SummaryStore, scope: SummaryScope, turns: list[list[Item]],
+                       summarize: SummarizeFn) -> str:
+        """The summary of every turn: cached, else made (single flight); in dry-run never made, a placeholder."""
+        chain = chain_hashes(turns, self.counter)
+        found = await store.lookup(scope, chain)
+        if found is not None and found.covered_turns == len(turns):
+            self.compaction = "reused"
+            return found.text
+        if self.services.dry_run:
+            self.compaction = "would_create"
+            return WOULD_COMPACT
+        made, fresh = await store.obtain(scope, chain, len(turns), turns, found, summarize,
+                                         request_id=self.services.request_id, model=self.services.model)
+        self.compaction = "created" if fresh else "reused"
+        return made.text
 
 
 def _summarizer(policy: Policy, instructions: Any) -> Summarizer:
