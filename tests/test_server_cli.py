@@ -235,3 +235,23 @@ async def test_workers_share_one_port_and_aggregate_metrics(upstream: FakeUpstre
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_malformed_request_is_logged_in_one_line_without_its_bytes(
+        upstream: FakeUpstream, tmp_path: Path) -> None:
+    """aiohttp quotes the offending header in its traceback; the log keeps one line naming the error."""
+    port = free_port()
+    async with serve(write_config(tmp_path, upstream), port) as served:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-LEAKED-"
+                     + b"k" * 9000 + b"\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(200), 10)
+        writer.close()
+        assert head.startswith(b"HTTP/1.") and b" 400 " in head
+        await asyncio.sleep(0.5)
+        served.proc.send_signal(signal.SIGTERM)
+        assert await served.wait_exit(DRAIN + 5) == 0
+    log = "\n".join(served.lines)
+    assert "sk-LEAKED" not in log and "Traceback" not in log
+    assert "LineTooLong" in log

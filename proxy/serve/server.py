@@ -14,6 +14,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.settings import Config
 
@@ -23,10 +24,26 @@ if TYPE_CHECKING:
 log = logging.getLogger("ctxproxy")
 
 
+class MalformedRequestLine(logging.Filter):
+    """aiohttp logs a malformed request (an over-long header, a bad request line) with a traceback that
+    quotes the offending bytes, which may be a client's key: keep one line that names the error, never them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg = f"{record.getMessage()}: {type(exc).__name__} (answered {exc.code})"
+            record.args = None
+            record.exc_info = record.exc_text = None
+        return True
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr,
                         format="%(message)s" if level != "DEBUG" else "%(levelname)s %(name)s %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequestLine) for f in server_log.filters):
+        server_log.addFilter(MalformedRequestLine())
 
 
 def serve(config: Config, *, host: str | None = None, port: int | None = None, workers: int | None = None) -> int:
