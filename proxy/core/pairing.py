@@ -171,5 +171,8 @@ def check(items: list[Item], merge_call_runs: bool = False, where: str = "messag
 
 
 def _short(value: Any) -> str:
+    """An id as the client sent it: wires keep internal namespaces behind a NUL (``"\x00fn:name"``)."""
+    if isinstance(value, str) and value.startswith("\x00") and ":" in value:
+        value = value.split(":", 1)[1]
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

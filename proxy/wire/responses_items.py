@@ -87,23 +87,9 @@ RESERVED = "\x00"
 APPROVAL_NS = RESERVED + "approval:"
 
 
-class ApprovalId(str):
-    """An approval's pairing id (``APPROVAL_NS`` + the client's id), shown as the client's id.
-
-    The pairing check (``proxy.core.pairing``) names ids by ``repr``: this keeps the internal
-    prefix out of the errors a client reads, while equality and hashing stay those of the prefixed
-    string, so an approval never pairs with a call of the same id.
-    """
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return repr(str(self)[len(APPROVAL_NS):])
-
-
 def key(kind: str, ident: str) -> str:
     """The neutral pairing id of a call of ``kind`` (a result uses its call's kind)."""
-    return ApprovalId(APPROVAL_NS + ident) if kind == "mcp_approval_request" else ident
+    return APPROVAL_NS + ident if kind == "mcp_approval_request" else ident
 
 
 def unkey(neutral: str) -> tuple[str, str]:

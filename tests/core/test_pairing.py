@@ -313,3 +313,11 @@ def test_repair_without_placeholders_refuses_or_pairs(xs: list[Item], merge: boo
         assert exc.code == "unpaired_tool_call"
         return
     check(out, merge_call_runs=merge)
+
+
+@pytest.mark.parametrize(("neutral", "shown"), [("\x00fn:book_flight", "'book_flight'"), ("\x00approval:a1", "'a1'")])
+def test_errors_name_ids_as_the_client_sent_them(neutral: str, shown: str) -> None:
+    """Wires keep internal namespaces behind a NUL (legacy function calls, MCP approvals): never shown."""
+    with pytest.raises(PayloadError) as caught:
+        check([Item({}, USER, source=0), Item({}, TOOL, result_id=neutral, source=1)])
+    assert shown in caught.value.message and "\x00" not in caught.value.message and "fn:" not in caught.value.message
