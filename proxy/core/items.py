@@ -43,7 +43,6 @@ class Item:
         self,
         raw: Any,
         role: str,
-        *,
         call_ids: tuple[str, ...] = (),
         result_id: str | None = None,
         source: int = -1,

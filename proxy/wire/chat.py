@@ -232,25 +232,38 @@ class ChatItem(Item):
             yield ("call", LEGACY + name, name, canonical_arguments(legacy.get("arguments")))
 
 
-def _item(message: Message, source: int) -> ChatItem:
-    """A message as an item (a malformed one, which the shape check refuses anyway, as a plain item)."""
-    role = message.get("role")
-    neutral = _ROLES.get(role, OTHER) if isinstance(role, str) else OTHER
-    if neutral == ASSISTANT:
-        calls = message.get("tool_calls")
-        if calls and isinstance(calls, list):
-            ids = tuple(c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str))
-            return ChatItem(message, ASSISTANT, call_ids=ids, source=source)
-        legacy = message.get("function_call")
-        if isinstance(legacy, dict) and isinstance(legacy.get("name"), str):
-            return ChatItem(message, ASSISTANT, call_ids=(LEGACY + legacy["name"],), source=source)
-        return ChatItem(message, ASSISTANT, source=source)
-    if neutral == TOOL:
-        rid = message.get("tool_call_id") if role == "tool" else message.get("name")
-        if not isinstance(rid, str):
-            return ChatItem(message, OTHER, source=source)
-        return ChatItem(message, TOOL, result_id=rid if role == "tool" else LEGACY + rid, source=source)
-    return ChatItem(message, neutral, source=source)
+def _items(messages: list[Message], keys: list[int], counts: list[int]) -> list[Item]:
+    """Every message as an item (a malformed one, which the shape check refuses anyway, as a plain item).
+
+    One loop with positional arguments: this runs for every message of every request.
+    """
+    out: list[Item] = []
+    append = out.append
+    roles = _ROLES
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        neutral = roles.get(role, OTHER) if type(role) is str else OTHER
+        if neutral is ASSISTANT:
+            calls = message.get("tool_calls")
+            if calls and type(calls) is list:
+                ids = tuple([c["id"] for c in calls if type(c) is dict and type(c.get("id")) is str])
+                item = ChatItem(message, ASSISTANT, ids, None, i)
+            else:
+                legacy = message.get("function_call")
+                name = legacy.get("name") if type(legacy) is dict else None
+                item = ChatItem(message, ASSISTANT, (LEGACY + name,) if type(name) is str else (), None, i)
+        elif neutral is TOOL:
+            rid = message.get("tool_call_id") if role == "tool" else message.get("name")
+            if type(rid) is not str:
+                item = ChatItem(message, OTHER, (), None, i)
+            else:
+                item = ChatItem(message, TOOL, (), rid if role == "tool" else LEGACY + rid, i)
+        else:
+            item = ChatItem(message, neutral, (), None, i)
+        item.key = keys[i]
+        item.tokens = counts[i]
+        append(item)
+    return out
 
 
 class ChatWire:
@@ -268,11 +281,8 @@ class ChatWire:
         messages = body.get("messages")
         paired = _scan(messages)
         assert isinstance(messages, list)
-        items: list[Item] = [_item(m, i) for i, m in enumerate(messages)]
         keys = [content_key(m) ^ _SALT for m in messages]
-        counts = counter.many(keys, messages, count_message)
-        for item, key, n in zip(items, keys, counts):
-            item.key, item.tokens = key, n
+        items = _items(messages, keys, counter.many(keys, messages, count_message))
         if paired is None:
             paired = is_paired(items)
         fixed = REPLY_PRIMING + counter.tools(body.get("tools")) + counter.tools(body.get("functions"))
@@ -481,7 +491,8 @@ def _check_calls(message: Message, param: str) -> None:
 
 def items_of(messages: list[Message], counter: TokenCounter | None = None) -> list[Item]:
     """Chat messages as items (counted when a counter is given)."""
-    items: list[Item] = [_item(m, i) for i, m in enumerate(messages)]
+    zeros = [0] * len(messages)
+    items = _items(messages, zeros, zeros)
     if counter is not None:
         for item in items:
             WIRE.count(item, counter)
