@@ -170,6 +170,14 @@ class TokenCounter:
         return self.cached(xxh3_128_intdigest(raw), raw, _count_json_bytes)
 
 
+def output_schema(response_format: Any) -> Any:
+    """The JSON schema a structured-output request carries (Chat ``response_format``, Responses ``text.format``):
+    providers put it in the prompt, so it counts like tool schemas; plain text or JSON mode count nothing."""
+    if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        return response_format.get("json_schema", response_format)  # Chat nests it; Responses does not
+    return None
+
+
 def _deep_json(value: Any) -> bytes | None:
     """Compact JSON of a value nested deeper than orjson writes (254 levels; a body may hold 1024): such
     tools are still forwarded as the client's bytes when nothing changed, so they must be counted."""

@@ -20,7 +20,7 @@ from proxy.core.conversation import Conversation
 from proxy.core.errors import PayloadError
 from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item, media_digest
 from proxy.core.pairing import PLACEHOLDER, check, is_paired, repair
-from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key
+from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, output_schema
 from proxy.wire.sse import CHAT as CHAT_STREAM
 from proxy.wire.sse import StreamEnd
 
@@ -285,7 +285,8 @@ class ChatWire:
         items = _items(messages, keys, counter.many(keys, messages, count_message))
         if paired is None:
             paired = is_paired(items)
-        fixed = REPLY_PRIMING + counter.tools(body.get("tools")) + counter.tools(body.get("functions"))
+        fixed = (REPLY_PRIMING + counter.tools(body.get("tools")) + counter.tools(body.get("functions"))
+                 + counter.tools(output_schema(body.get("response_format"))))
         return Conversation(items, fixed, paired)
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:

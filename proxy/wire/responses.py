@@ -26,7 +26,7 @@ from proxy.core.conversation import Conversation
 from proxy.core.errors import PayloadError
 from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
 from proxy.core.pairing import PLACEHOLDER, REASONING_DROPPED
-from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key
+from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, output_schema
 from proxy.wire.responses_items import (
     CALLS,
     COMPACT_PREFIX,
@@ -90,7 +90,9 @@ class ResponsesWire:
         counts = counter.many(keys, [item.raw for item in items], count_raw)
         for item, key, n in zip(items, keys, counts):
             item.key, item.tokens = key, n
-        fixed = REPLY_PRIMING + counter.tools(body.get("tools"))
+        options = body.get("text")
+        fixed = REPLY_PRIMING + counter.tools(body.get("tools")) + counter.tools(
+            output_schema(options.get("format") if isinstance(options, dict) else None))
         if instructions:
             fixed += ITEM_TOKENS + counter.text(instructions)
         if unmanaged is not None:

@@ -280,3 +280,25 @@ def test_token_counter_does_not_break_tiktokens_shared_encoding() -> None:
     )
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-500:]
+
+
+def test_a_structured_output_schema_counts_like_tool_schemas() -> None:
+    """Providers put the JSON schema of response_format / text.format in the prompt: it counts toward B."""
+    from proxy.core.tokens import Tokenizers
+    from proxy.wire.chat import WIRE as CHAT_WIRE
+    from proxy.wire.responses import WIRE as RESPONSES_WIRE
+
+    counter = Tokenizers().get("o200k_base")
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string", "description": "word " * 20}
+                                               for i in range(20)}}
+    chat = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+    plain = CHAT_WIRE.parse(dict(chat), counter).fixed_tokens
+    structured = CHAT_WIRE.parse({**chat, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": schema}}}, counter).fixed_tokens
+    json_mode = CHAT_WIRE.parse({**chat, "response_format": {"type": "json_object"}}, counter).fixed_tokens
+    assert structured - plain >= counter.text(str(schema)) // 2 and json_mode == plain
+    responses = {"model": "gpt-4o-mini", "input": "hi"}
+    r_plain = RESPONSES_WIRE.parse(dict(responses), counter).fixed_tokens
+    r_structured = RESPONSES_WIRE.parse({**responses, "text": {"format": {"type": "json_schema", "name": "answer",
+                                                                          "schema": schema}}}, counter).fixed_tokens
+    assert r_structured - r_plain >= counter.text(str(schema)) // 2
