@@ -307,6 +307,9 @@ async def test_audio_part_counted_as_billed_not_as_base64(upstream: FakeUpstream
     # providers bill audio by duration (OpenAI: on the order of 10 tokens per second), never by its base64:
     # whatever documented estimate the fix picks, it is far below the ~290k tokens of the base64 text
     assert int(headers["x-ctxproxy-tokens-in"]) < 20_000
+    # and it is counted, at the documented estimate (proxy/core/media.py): 240 kB of WAV at 32 kB/s is
+    # 7.5 s, at 10 tokens a second 75 tokens, plus the text
+    assert 75 <= int(headers["x-ctxproxy-tokens-in"]) < 200
 
 
 async def test_file_part_counted_as_billed_not_as_base64(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
@@ -321,6 +324,8 @@ async def test_file_part_counted_as_billed_not_as_base64(upstream: FakeUpstream,
     # a PDF is billed as its extracted text plus an image per page; any documented estimate from its size or
     # pages stays far below the ~273k tokens its base64 text would count (intent: < a quarter of that)
     assert int(headers["x-ctxproxy-tokens-in"]) < 60_000
+    # and it is counted, at the documented estimate: 225 kB decoded is 8 pages of 30 kB at 1,500 tokens each
+    assert 12_000 <= int(headers["x-ctxproxy-tokens-in"]) < 12_200
 
 
 # =========================================================================== item 8: what the summariser sees
