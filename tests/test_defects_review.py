@@ -459,6 +459,21 @@ async def test_assemble_cli_never_calls_the_summariser(upstream: FakeUpstream, t
     assert upstream.summaries == [] and upstream.chat == []
 
 
+async def test_assemble_cli_summarizes_only_when_asked(upstream: FakeUpstream, tmp_path: Path) -> None:
+    """Item 10, the explicit flag: `ctxproxy assemble --summarize` makes (and bills) the summary, nothing else."""
+    cfg = summarising_config(upstream.base_url)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (tmp_path / "request.json").write_text(json.dumps(chat_body(conversation(40))))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy.cli", "assemble", "--config", str(tmp_path / "config.yaml"), "--summarize",
+        str(tmp_path / "request.json"), cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True"))
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert json.loads(out)["report"]["summary"] == "created"
+    assert len(upstream.summaries) >= 1 and upstream.chat == []  # the summariser called; the request never sent
+
+
 # =========================================================================== item 11: minor ones
 
 
