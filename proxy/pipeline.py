@@ -108,8 +108,11 @@ def limit_output(
     changes: dict[str, Any] = {}
     if cap is not None:
         # the cap is on the request's whole output: with n choices (Chat Completions) each gets its share
-        n = body.get("n")
-        choices = n if type(n) is int and n > 1 else 1
+        n = body.get(wire.choices_field) if wire.choices_field else None
+        if n is not None and (type(n) is not int or n < 1):  # an upstream may read 4.0 or "4" as 4
+            raise BadRequest(f"'{wire.choices_field}' must be a positive integer", param=wire.choices_field,
+                             code="invalid_n")
+        choices = n or 1
         share = cap // choices
         if share < 1:
             raise OutputLimitExceeded(f"'n' is {n}; this key allows at most {cap} output tokens per request",

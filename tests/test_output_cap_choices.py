@@ -41,11 +41,24 @@ async def test_clamped_to_each_choices_share(start_proxy: StartProxy, upstream: 
 @pytest.mark.parametrize(("policy", "extra"), [
     ("clamp", {"n": 101}),  # not even one token per choice
     ("refuse", {"n": 2, "max_tokens": 80}),
+    # pydantic-based upstreams (vLLM, llama-cpp-python, LiteLLM's proxy) read these as 4: never one choice here
+    ("clamp", {"n": 4.0, "max_tokens": 100}),
+    ("clamp", {"n": "4", "max_tokens": 100}),
+    ("clamp", {"n": True, "max_tokens": 100}),
+    ("clamp", {"n": 0}),
 ])
 async def test_refused_when_the_share_cannot_hold(start_proxy: StartProxy, upstream: FakeUpstream, policy: str,
                                                   extra: dict[str, Any]) -> None:
     proxy = await start_proxy(base_config(upstream.base_url, tenants=[tenant(policy)]))
     status, _, body = await post(proxy, {"model": "gpt-4o-mini", "messages": HI, **extra}, key="sk-t")
     assert status == 400, body
-    assert body["error"]["code"] == "max_tokens_exceeded" and "allows at most" in body["error"]["message"]
+    assert body["error"]["code"] in ("max_tokens_exceeded", "invalid_n"), body
     assert upstream.chat == []
+
+
+async def test_a_stray_n_on_another_wire_does_not_shrink_its_cap(start_proxy: StartProxy, upstream: FakeUpstream) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url, tenants=[tenant()]))
+    status, _, body = await post(proxy, {"model": "gpt-4o-mini", "input": "hi", "n": 4}, key="sk-t",
+                                 path="/v1/responses")
+    assert status == 200, body
+    assert upstream.responses[-1].body["max_output_tokens"] == 100

@@ -49,6 +49,7 @@ class WireAdapter(Protocol):
     field: str  # the body field that holds the conversation (for error params and explain)
     merge_call_runs: bool  # consecutive call items form one tool group (their results follow the run)
     output_fields: tuple[str, ...]  # the body's output-limit fields, in order of precedence
+    choices_field: str | None  # the field asking for several answers at once (Chat ``n``), if the wire has one
 
     def parse(self, body: dict[str, Any], counter: TokenCounter) -> Conversation:
         """Validate ``body`` (raise PayloadError/BadRequest) and return its items, counted."""

@@ -273,6 +273,7 @@ class ChatWire:
     field = "messages"
     merge_call_runs = False
     output_fields: tuple[str, ...] = ("max_completion_tokens", "max_tokens")
+    choices_field: str | None = "n"
     path = "/chat/completions"
     error_shape = "openai"
     stream_end: StreamEnd = CHAT_STREAM

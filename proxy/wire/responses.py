@@ -68,6 +68,7 @@ class ResponsesWire:
     field = "input"
     merge_call_runs = True  # parallel calls are consecutive call items; their outputs follow the run
     output_fields: tuple[str, ...] = ("max_output_tokens",)
+    choices_field: str | None = None
     path = "/responses"
     error_shape = "openai"
     stream_end: StreamEnd = RESPONSES_STREAM

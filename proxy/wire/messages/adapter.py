@@ -180,6 +180,7 @@ class MessagesWire:
     field = "messages"
     merge_call_runs = False
     output_fields: tuple[str, ...] = ("max_tokens",)
+    choices_field: str | None = None
     path = "/messages"
     error_shape = "messages"
     stream_end: StreamEnd = MESSAGES_STREAM
