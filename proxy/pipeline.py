@@ -86,6 +86,25 @@ class Assembly:
         return self.body.get(self.field_name)
 
 
+# The top-level fields the proxy reads or decides on, on any wire
+INTERPRETED_FIELDS = frozenset({
+    "model", "messages", "input", "instructions", "system", "tools", "functions", "tool_choice", "stream", "n",
+    "max_tokens", "max_completion_tokens", "max_output_tokens", "response_format", "text", "thinking",
+    "previous_response_id", "conversation", "prompt", "context_management",
+})
+
+
+def check_field_names(body: dict[str, Any]) -> None:
+    """Refuse a top-level key that differs from a field the proxy reads only by case (``"Model"``): Go's
+    encoding/json, behind Ollama, LocalAI and many gateways, matches keys case-insensitively, so such an
+    upstream would run another model, or another output limit, than the one the proxy checked."""
+    for key in body:
+        lower = key.lower()
+        if lower != key and lower in INTERPRETED_FIELDS:
+            raise BadRequest(f"'{key[:40]}' differs from the field '{lower}' only by case; send '{lower}' alone",
+                             param=key[:40], code="ambiguous_field")
+
+
 def request_max_tokens(body: dict[str, Any], fields: tuple[str, ...]) -> dict[str, int]:
     """The request's output limits, by field (several may be present)."""
     out: dict[str, int] = {}

@@ -23,6 +23,7 @@ from proxy.core.errors import (
     RouteError,
     UpstreamStatus,
 )
+from proxy.pipeline import check_field_names
 from proxy.serve.state import STATE, State
 from proxy.wire.errors import anthropic_error_body
 
@@ -133,6 +134,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise InvalidJSON(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object", code="invalid_body")
+    check_field_names(body)
     return body
 
 

@@ -228,7 +228,7 @@ def _json_models(raw: bytes) -> list[str]:
     else:
         if not isinstance(body, dict):
             return []
-        if raw.count(b'"model"') <= 1 and b"\\u" not in raw:
+        if raw.lower().count(b'"model"') <= 1 and b"\\u" not in raw:
             model = body.get("model")
             return [model] if isinstance(model, str) else []
     # a duplicate (or escaped) key, or JSON that only a lenient parser reads (Python's reads a BOM, UTF-16,
@@ -239,4 +239,5 @@ def _json_models(raw: bytes) -> list[str]:
         raise BadRequest("The request body is not valid JSON.", code="invalid_json") from None
     if not isinstance(lenient, _Pairs):
         return []
-    return [v for k, v in lenient.pairs if k == "model" and isinstance(v, str)]
+    # Go's encoding/json (Ollama, LocalAI, one-api …) matches keys case-insensitively: "Model" is a model too
+    return [v for k, v in lenient.pairs if k.lower() == "model" and isinstance(v, str)]

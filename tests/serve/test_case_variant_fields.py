@@ -1,0 +1,41 @@
+"""A key that differs from a field the proxy reads only by case is refused, on managed and relayed paths.
+
+Go's encoding/json (behind Ollama, LocalAI, one-api and other gateways) matches object keys
+case-insensitively, the last one winning: ``{"model": "allowed", "Model": "gpt-4o"}`` would run gpt-4o,
+and ``"Max_Tokens"`` would lift a tenant's output cap, past checks made on the exact keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.outside import post
+
+HI = [{"role": "user", "content": "hi"}]
+TENANT = {"name": "t", "keys": ["sk-t"], "models": ["gpt-4o-mini"], "max_output_tokens": 50}
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"model": "gpt-4o-mini", "Model": "gpt-4o", "messages": HI}),
+    ("/v1/chat/completions", {"model": "gpt-4o-mini", "messages": HI, "max_tokens": 50, "MAX_TOKENS": 100000}),
+    ("/v1/responses", {"model": "gpt-4o-mini", "input": "hi", "Max_Output_Tokens": 100000}),
+    ("/v1/messages", {"model": "gpt-4o-mini", "max_tokens": 50, "messages": HI, "mODEL": "gpt-4o"}),
+    ("/v1/embeddings", {"model": "gpt-4o-mini", "Model": "text-embedding-3-large", "input": "hi"}),  # relayed
+])
+async def test_case_variants_of_interpreted_fields_are_refused(
+        start_proxy: StartProxy, upstream: FakeUpstream, path: str, body: dict[str, Any]) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url, tenants=[TENANT]))
+    status, _, answer = await post(proxy, body, path=path, key="sk-t")
+    assert status in (400, 404), answer  # refused, or a model outside the list (the relay reads every spelling)
+    assert upstream.chat == [] and upstream.other == []
+
+
+async def test_other_keys_keep_their_case(start_proxy: StartProxy, upstream: FakeUpstream) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url, tenants=[TENANT]))
+    status, _, answer = await post(proxy, {"model": "gpt-4o-mini", "messages": HI, "X-Custom": 1, "User": "u"},
+                                   key="sk-t")
+    assert status == 200, answer
