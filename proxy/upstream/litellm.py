@@ -53,11 +53,13 @@ RESPONSES_FIELDS = frozenset({
     "input", "include", "instructions", "max_output_tokens", "prompt", "parallel_tool_calls",
     "previous_response_id", "reasoning", "store", "background", "temperature", "text", "tool_choice", "tools",
     "top_p", "truncation", "user", "service_tier", "safety_identifier", "conversation", "max_tool_calls",
-    "prompt_cache_key", "stream_options", "top_logprobs",
+    "prompt_cache_key", "prompt_cache_retention", "stream_options", "top_logprobs", "metadata",
+    "context_management", "partial_images",
 })
 MESSAGES_FIELDS = frozenset({
     "max_tokens", "messages", "metadata", "stop_sequences", "system", "temperature", "thinking", "tool_choice",
-    "tools", "top_k", "top_p", "container", "service_tier",
+    "tools", "top_k", "top_p", "container", "service_tier", "output_config", "output_format", "mcp_servers",
+    "cache_control", "inference_geo", "speed",
 })
 FIELDS = {"chat": CHAT_FIELDS, "responses": RESPONSES_FIELDS, "messages": MESSAGES_FIELDS}
 log = logging.getLogger("ctxproxy")
@@ -77,10 +79,6 @@ def _kwargs(route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings 
     """litellm's arguments: the wire's own request fields from ``body``; model, base and key from the route."""
     allowed = FIELDS[wire]
     kwargs = {k: v for k, v in body.items() if k in allowed}
-    dropped = [k for k in body if k not in allowed and k not in ("model", "stream")]
-    if dropped:
-        log.info("litellm route %s: request fields not passed on: %s", route.name,
-                 ", ".join(sorted(repr(k)[:40] for k in dropped)[:10]))
     kwargs["model"] = route.upstream_model
     if upstream is not None:
         kwargs["api_base"] = upstream.base_url
@@ -265,8 +263,19 @@ class LiteLLMProvider:
 
     def __init__(self, upstream: UpstreamSettings | None) -> None:
         self.upstream = upstream
+        self._dropped: set[str] = set()  # field names already logged as not passed on (bounded)
+
+    def _note_dropped(self, route: ModelRoute, call: Outgoing) -> None:
+        """Say once per field name, at WARNING, which request fields litellm is not given (``FIELDS``)."""
+        allowed = FIELDS.get(call.wire, CHAT_FIELDS)
+        new = [k for k in call.body if k not in allowed and k not in ("model", "stream") and k not in self._dropped]
+        if new and len(self._dropped) < 200:
+            self._dropped.update(new)
+            log.warning("litellm route %s (%s): request fields not passed on to litellm: %s", route.name, call.wire,
+                        ", ".join(sorted(repr(k)[:40] for k in new)[:10]))
 
     async def send(self, route: ModelRoute, call: Outgoing) -> LiteLLMAnswer:
+        self._note_dropped(route, call)
         if call.wire == "messages":
             return await messages_call(route, call.body, self.upstream, call.stream)
         if call.wire == "responses" and call.path == "/responses":

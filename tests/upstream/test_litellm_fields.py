@@ -83,3 +83,18 @@ async def test_responses_through_litellm_drop_litellm_arguments_too(
     sent = upstream.responses[-1]
     assert sent.headers["Authorization"] == "Bearer sk-upstream-secret"
     assert "base_url" not in sent.body and "extra_body" not in sent.body
+
+
+async def test_responses_fields_litellm_supports_reach_the_provider(
+        start_proxy: StartProxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = base_config(upstream.base_url,
+                      models=[{"name": "ll", "provider": "litellm", "upstream": "fake", "model": "openai/gpt-4o-mini",
+                               "context_window": 128000, "max_output_tokens": 1000}])
+    proxy = await start_proxy(cfg)
+    for _ in range(2):
+        status, _, body = await post(proxy, {"model": "ll", "input": "hi", "metadata": {"team": "a"},
+                                             "base_url": "http://127.0.0.1:9"}, path="/v1/responses")
+        assert status == 200, body
+    assert upstream.responses[-1].body["metadata"] == {"team": "a"}
+    dropped = [r for r in caplog.records if "not passed on to litellm" in r.getMessage()]
+    assert len(dropped) == 1 and "'base_url'" in dropped[0].getMessage()  # said once, naming the field
