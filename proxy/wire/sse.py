@@ -50,8 +50,8 @@ class ChatStreamEnd(StreamEnd):
     needs_terminal = True
 
     def terminal(self, event: bytes, data: bytes) -> bool:
-        # an OpenAI-compatible server that fails mid-stream sends ``data: {"error": …}`` and closes
-        return data == b"[DONE]" or data.startswith(b'{"error"')
+        # an OpenAI-compatible server that fails mid-stream sends ``data: {"error": {…}}`` and closes
+        return data == b"[DONE]" or (data[:1] == b"{" and b'"error"' in data and _error_payload(data))
 
 
 class ResponsesStreamEnd(StreamEnd):
@@ -127,15 +127,21 @@ def stream_end_for_path(path: str) -> StreamEnd:
     return SSE
 
 
-def _is_error(event: bytes, payload: bytes) -> bool:
-    """Whether a terminal event is an error event (read once per stream, at its end)."""
-    if event:
-        return event == b"error"
+def _error_payload(payload: bytes) -> bool:
+    """Whether an event's data is an error (``{"type": "error", …}`` or ``{"error": {…}}`` without choices), not a
+    chunk that merely has an ``error`` key."""
     try:
         data = orjson.loads(payload)
     except orjson.JSONDecodeError:
         return False
-    return isinstance(data, dict) and (data.get("type") == "error" or ("error" in data and "type" not in data))
+    if not isinstance(data, dict):
+        return False
+    return data.get("type") == "error" or (isinstance(data.get("error"), dict) and "choices" not in data)
+
+
+def _is_error(event: bytes, payload: bytes) -> bool:
+    """Whether a terminal event is an error event (read once per stream, at its end)."""
+    return event == b"error" if event else _error_payload(payload)
 
 
 class StreamWatcher:

@@ -203,6 +203,21 @@ def test_an_upstreams_error_event_ends_its_stream_as_failed(end: StreamEnd, stre
     assert w.done and w.failed
 
 
+@pytest.mark.parametrize("chunk", [
+    data({"error": None, "id": "c1", "object": "chat.completion.chunk", "choices": [{"delta": {"content": "x"}}]}),
+    data({"id": "c1", "choices": [{"delta": {"content": "\"error\""}}]}),
+    data({"error": "not an object"}),
+])
+def test_a_chat_chunk_that_only_mentions_error_does_not_end_the_stream(chunk: bytes) -> None:
+    w = watch(CHAT, [chunk])
+    assert not w.done and not w.failed
+
+
+def test_an_error_object_with_spaces_ends_a_chat_stream() -> None:
+    w = watch(CHAT, [b'data: { "error" : {"message": "boom", "type": "server_error"} }\n\n'])
+    assert w.done and w.failed
+
+
 def test_a_terminal_event_is_not_a_failure() -> None:
     assert not watch(CHAT, [b"data: [DONE]\n\n"]).failed
     assert not watch(MESSAGES, [event("message_stop", {"type": "message_stop"})]).failed
