@@ -157,14 +157,14 @@ class TokenCounter:
                 self._digests.popitem(last=False)
         return d
 
-    def tools(self, tools: Any) -> int:
+    def tools(self, tools: Any, field: str = "tools") -> int:
         """A request's tool schemas, counted as their JSON (cached: agents resend the same tools)."""
         if not tools:
             return 0
         try:
             raw: bytes | None = orjson.dumps(tools)
         except TypeError:
-            raw = _deep_json(tools)
+            raw = _deep_json(tools, field)
         if raw is None:
             return 0  # not JSON at all (only a caller's own value can be that)
         return self.cached(xxh3_128_intdigest(raw), raw, _count_json_bytes)
@@ -178,13 +178,13 @@ def output_schema(response_format: Any) -> Any:
     return None
 
 
-def _deep_json(value: Any) -> bytes | None:
+def _deep_json(value: Any, field: str) -> bytes | None:
     """Compact JSON of a value nested deeper than orjson writes (254 levels; a body may hold 1024): such
     tools are still forwarded as the client's bytes when nothing changed, so they must be counted."""
     try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
     except RecursionError:
-        raise PayloadError("The request's tool schemas are nested too deeply to be counted.", param="tools",
+        raise PayloadError(f"The request's '{field}' is nested too deeply to be counted.", param=field,
                            code="invalid_tools") from None
     except (TypeError, ValueError):
         return None

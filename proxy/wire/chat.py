@@ -286,8 +286,9 @@ class ChatWire:
         items = _items(messages, keys, counter.many(keys, messages, count_message))
         if paired is None:
             paired = is_paired(items)
-        fixed = (REPLY_PRIMING + counter.tools(body.get("tools")) + counter.tools(body.get("functions"))
-                 + counter.tools(output_schema(body.get("response_format"))))
+        fixed = (REPLY_PRIMING + counter.tools(body.get("tools"))
+                 + counter.tools(body.get("functions"), "functions")
+                 + counter.tools(output_schema(body.get("response_format")), "response_format"))
         return Conversation(items, fixed, paired)
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:

@@ -93,7 +93,7 @@ class ResponsesWire:
             item.key, item.tokens = key, n
         options = body.get("text")
         fixed = REPLY_PRIMING + counter.tools(body.get("tools")) + counter.tools(
-            output_schema(options.get("format") if isinstance(options, dict) else None))
+            output_schema(options.get("format") if isinstance(options, dict) else None), "text.format")
         if instructions:
             fixed += ITEM_TOKENS + counter.text(instructions)
         if unmanaged is not None:

@@ -352,26 +352,12 @@ class ResponsesItem(Item):
         if self.call_ids:
             _, ident = unkey(self.call_ids[0])
             name, arguments = _call_parts(item, kind)
-            yield ("call", ident, str(name), _canonical(arguments))
+            yield ("call", ident, str(name), canonical_arguments(arguments))
             return
         if kind == "reasoning" or not kind:
             return
         # provider-side items (web search, mcp calls, compaction …): identified by their content
         yield ("item", kind, media_digest(describe.as_text(item)))
-
-
-def _canonical(arguments: Any) -> str:
-    """The arguments' canonical form, as on Chat Completions (so a summary is shared across wires).
-
-    An arguments string holding JSON nested 990 to 1024 levels deep parses, cannot be written
-    back by orjson (254 levels) and is too deep for ``repr``: it is identified as sent instead.
-    """
-    try:
-        return canonical_arguments(arguments)
-    except RecursionError:
-        if not isinstance(arguments, str):
-            raise  # (a JSON value in the body itself is at most 254 levels deep: checked while parsing)
-        return arguments
 
 
 def _call_parts(item: dict[str, Any], kind: str) -> tuple[Any, Any]:
