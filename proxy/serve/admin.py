@@ -16,7 +16,6 @@ from proxy.serve.explain import calibration_detail, explain
 from proxy.serve.http import (
     ERROR_SHAPE,
     OVERRIDE_HEADER,
-    client_key,
     client_keys,
     json_response,
     read_body,
@@ -163,8 +162,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 async def admin_reload(request: web.Request) -> web.Response:
     st = state(request)
-    key = client_key(request)
-    if not key or not st.config.is_admin_key(key):
+    if not any(st.config.is_admin_key(key) for key in client_keys(request)):
         raise AuthenticationError("An admin key is required for /admin/reload.")
     problems = st.reload()
     if problems:
@@ -175,8 +173,7 @@ async def admin_reload(request: web.Request) -> web.Response:
 async def admin_report(request: web.Request) -> web.Response:
     """GET /admin/report?since=24h (admin key): the cost report, per tenant and model, from the cost ledger."""
     st = state(request)
-    key = client_key(request)
-    if not key or not st.config.is_admin_key(key):
+    if not any(st.config.is_admin_key(key) for key in client_keys(request)):
         raise AuthenticationError("An admin key is required for /admin/report.")
     try:
         since = parse_since(request.query.get("since", "24h"))

@@ -23,7 +23,6 @@ import time
 import uuid
 from typing import Any
 
-import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -42,6 +41,7 @@ from proxy.serve.http import (
     OVERRIDE_HEADER,
     RESPONSE_HEADERS,
     client_keys,
+    dumps_body,
     header_safe,
     json_response,
     parse_body,
@@ -122,19 +122,11 @@ async def _relay(request: web.Request, body: dict[str, Any], raw: bytes, route: 
     st = state(request)
     if route.upstream_model != body.get("model"):
         body = {**body, "model": route.upstream_model}
-        raw = _dumps(body)
+        raw = dumps_body(body)
     call = Outgoing(WIRE.name, COMPACT_PATH, body, raw, False, request.headers, headers["x-request-id"])
     answer = await st.served.providers.for_route(route).send(route, call)
     return await relay_answer(request, answer, headers, idle_timeout=st.config.settings.server.idle_timeout,
                               watcher=StreamWatcher(time.perf_counter(), RESPONSES))
-
-
-def _dumps(body: dict[str, Any]) -> bytes:
-    try:
-        return orjson.dumps(body)
-    except TypeError:  # orjson reads 1024 levels of nesting but writes only 254: a 400, never a 500
-        raise BadRequest("The request body is nested too deeply (more than 254 levels) to be forwarded.",
-                         code="invalid_json") from None
 
 
 def summarizer_for(policy: Policy) -> Summarizer:

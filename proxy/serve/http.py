@@ -138,6 +138,15 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def dumps_body(body: dict[str, Any]) -> bytes:
+    """A body as JSON to forward (a 400 when it cannot be: orjson reads 1024 levels of nesting, writes 254)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        raise BadRequest("The request body is nested too deeply (more than 254 levels) to be forwarded.",
+                         code="invalid_json") from None
+
+
 def header_safe(text: str, limit: int = 1000) -> str:
     """A header value from anything: printable ASCII only (no CR/LF, no control characters), cut short."""
     return "".join(c if " " <= c <= "~" else "?" for c in text)[:limit]

@@ -12,12 +12,11 @@ import logging
 import time
 from typing import Any, Protocol
 
-import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.core.conversation import WireAdapter
-from proxy.core.errors import BadRequest, CtxProxyError, PayloadError
+from proxy.core.errors import CtxProxyError, PayloadError
 from proxy.pipeline import Assembly
 from proxy.policy import ModelRoute
 from proxy.runtime import Runtime
@@ -28,6 +27,7 @@ from proxy.serve.http import (
     RESPONSE_HEADERS,
     Handler,
     client_keys,
+    dumps_body,
     header_safe,
     parse_body,
     read_body,
@@ -77,11 +77,7 @@ def forward_bytes(raw: bytes | None, assembly: Assembly) -> bytes:
     """The client's bytes when nothing changed (and they are the body's); else the managed body."""
     if not assembly.changed and raw is not None:
         return raw
-    try:
-        return orjson.dumps(assembly.body)
-    except TypeError:  # orjson reads 1024 levels of nesting but writes only 254
-        raise BadRequest("The request body is nested too deeply (more than 254 levels) to be forwarded.",
-                         code="invalid_json") from None
+    return dumps_body(assembly.body)
 
 
 def report_headers(assembly: Assembly, overhead: float) -> dict[str, str]:

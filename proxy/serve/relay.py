@@ -27,7 +27,7 @@ from yarl import URL
 
 from proxy.core.deadline import deadline
 from proxy.core.errors import BadRequest, ModelNotFound, NotFound, PermissionDenied
-from proxy.serve.http import ERROR_SHAPE, Handler, client_keys, read_body, request_id, state
+from proxy.serve.http import ERROR_SHAPE, Handler, client_keys, read_body, request_id, shape_for_path, state
 from proxy.serve.streaming import relay_answer
 from proxy.settings import Tenant
 from proxy.upstream.anthropic import anthropic_headers
@@ -52,8 +52,7 @@ def make_relay(managed: dict[str, Handler]) -> Handler:
         if path == "/v1/ctxproxy" or path.startswith("/v1/ctxproxy/"):
             # the proxy's own namespace, however spelled (/v1/ctxproxy%2Fpolicy), is never relayed
             raise NotFound(f"No route for {request.method} {path}.")
-        if path == "/v1/messages" or path.startswith("/v1/messages/"):
-            request[ERROR_SHAPE] = "messages"  # Anthropic's clients parse Anthropic's error shape
+        request[ERROR_SHAPE] = shape_for_path(path)  # Anthropic's clients parse Anthropic's error shape
         handler = managed.get(path) if request.method == "POST" else None
         if handler is not None:
             return await handler(request)

@@ -38,3 +38,14 @@ async def test_the_first_key_that_names_a_tenant_authenticates(
     assert got == status, text
     for rec in upstream.chat + upstream.other:  # the proxy key is never forwarded, whichever header held it
         assert "sk-team" not in str(dict(rec.headers))
+
+
+async def test_an_admin_key_in_any_header_is_accepted(start_proxy: StartProxy, upstream: FakeUpstream) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url, tenants=[{"name": "team", "keys": ["sk-team"]}],
+                                          admin={"keys": ["sk-admin"]}))
+    async with aiohttp.ClientSession() as s:
+        async with s.get(proxy.url + "/admin/report", headers={"Authorization": "Bearer sk-junk",
+                                                                "x-api-key": "sk-admin"}) as r:
+            assert r.status == 200, await r.text()
+        async with s.get(proxy.url + "/admin/report", headers={"x-api-key": "sk-team"}) as r:
+            assert r.status == 401  # a tenant key is not an admin key
