@@ -651,9 +651,12 @@ def _notes(f: dict[str, Any]) -> list[str]:
                      "ends the client's stream with an error event")
     ratio = f["tokens"].get("server_over_ctxproxy_ratio")
     if ratio:
+        t = f["tokens"]
+        held = (f"; the calibrated budget B={t['budget_ctxproxy']} is {t['server_tokens_at_budget']} tokens by the "
+                f"server's count, within its {t['budget_server_tokens']}") if t.get("server_tokens_at_budget") else ""
         notes.append(f"the server's usage.prompt_tokens is {ratio['min']:.2f}x-{ratio['max']:.2f}x (mean "
                      f"{ratio['mean']:.2f}x) ctxproxy's count of the same forwarded messages: SmolLM2's tokenizer "
-                     "and chat template against o200k; ctxproxy's 10 % margin does not cover it near B")
+                     f"and chat template against o200k, more than the 10 % margin alone covers{held}")
     fr = f["framing"]
     notes.append(f"streams: usage chunk {'sent' if fr['usage_chunk'] else 'never sent, stream_options.include_usage ignored'}; "
                  f"finish reasons {fr['finish_reasons']}; framing through ctxproxy the same as direct: "
