@@ -16,7 +16,6 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from typing import Any
 
 from plugins.base import HistoryView, Services
@@ -156,16 +155,19 @@ def chain_hashes(turns: list[list[Item]], counter: TokenCounter | None = None) -
     Each item's atom digests are remembered by the counter under its content key, so a growing
     conversation only digests its new items.
     """
+    flat = [item for turn in turns for item in turn]
+    if counter is None:
+        digests = [atom_digests(item) for item in flat]
+    else:
+        digests = counter.many_digests([item.key for item in flat], lambda i: atom_digests(flat[i]))
     out: list[str] = []
     link = b""
+    start = 0
     for turn in turns:
-        if counter is None:
-            digests = [atom_digests(item) for item in turn]
-        else:
-            digests = [counter.digests(item.key, partial(atom_digests, item)) if item.key else atom_digests(item)
-                       for item in turn]
-        link = turn_digest(link, digests)
+        end = start + len(turn)
+        link = turn_digest(link, digests[start:end])
         out.append(link.hex())
+        start = end
     return out
 
 

@@ -143,19 +143,28 @@ class TokenCounter:
             out[i] = self.cached(keys[i], raws[i], formula)
         return out
 
-    def digests(self, key: int, compute: Callable[[], bytes]) -> bytes:
-        """A wire-neutral digest remembered per content key (chained summary-cache hashes reuse them)."""
+    def many_digests(self, keys: list[int], compute: Callable[[int], bytes]) -> list[bytes]:
+        """Wire-neutral digests remembered per content key (chained summary-cache hashes reuse them), for many keys
+        under one lock; ``compute(i)`` makes the i-th (key 0: never kept)."""
+        out: list[bytes | None] = []
         with self._lock:
-            d = self._digests.get(key)
-            if d is not None:
-                self._digests.move_to_end(key)
-                return d
-        d = compute()
-        with self._lock:
-            self._digests[key] = d
-            if len(self._digests) > self._cache_size:
-                self._digests.popitem(last=False)
-        return d
+            cache = self._digests
+            for key in keys:
+                d = cache.get(key) if key else None
+                if d is not None:
+                    cache.move_to_end(key)
+                out.append(d)
+        missing = [i for i, d in enumerate(out) if d is None]
+        if missing:
+            made = [(i, compute(i)) for i in missing]
+            with self._lock:
+                for i, d in made:
+                    out[i] = d
+                    if keys[i]:
+                        self._digests[keys[i]] = d
+                while len(self._digests) > self._cache_size:
+                    self._digests.popitem(last=False)
+        return out  # type: ignore[return-value]  # every None was filled
 
     def tools(self, tools: Any, field: str = "tools") -> int:
         """A request's tool schemas, counted as their JSON (cached: agents resend the same tools)."""

@@ -60,8 +60,9 @@ class Cache(Protocol):
         """Return the stored object, or None when missing or expired."""
         ...
 
-    async def get_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
-        """``get`` for many keys in one round trip (one MGET, one disk transaction)."""
+    async def get_many(self, keys: list[str], first_hit: bool = False) -> list[dict[str, Any] | None]:
+        """``get`` for many keys in one round trip (one MGET, one disk call). ``first_hit``: the caller needs
+        only the first record present, in key order; a backend may leave the keys after it unread (None)."""
         ...
 
     async def set(self, key: str, value: dict[str, Any], ttl: float | None = None) -> None:
@@ -154,8 +155,13 @@ class BaseCache:
     async def get(self, key: str) -> dict[str, Any] | None:
         raise NotImplementedError
 
-    async def get_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
-        return [await self.get(key) for key in keys]
+    async def get_many(self, keys: list[str], first_hit: bool = False) -> list[dict[str, Any] | None]:
+        out: list[dict[str, Any] | None] = [None] * len(keys)
+        for i, key in enumerate(keys):
+            out[i] = await self.get(key)
+            if first_hit and out[i] is not None:
+                break
+        return out
 
     async def _try_acquire(self, lock_key: str, token: str, ttl: float) -> bool:
         raise NotImplementedError
@@ -253,9 +259,9 @@ class SafeCache:
         self._ok("get")
         return value
 
-    async def get_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
+    async def get_many(self, keys: list[str], first_hit: bool = False) -> list[dict[str, Any] | None]:
         try:
-            values = await self.inner.get_many(keys)
+            values = await self.inner.get_many(keys, first_hit)
         except Exception as exc:
             self._failed("get", exc)
             return [None] * len(keys)

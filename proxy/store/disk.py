@@ -145,12 +145,15 @@ class DiskCache(BaseCache):
 
         return await self._run(op)
 
-    async def get_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
+    async def get_many(self, keys: list[str], first_hit: bool = False) -> list[dict[str, Any] | None]:
         def op(dc: Any) -> list[dict[str, Any] | None]:
-            out: list[dict[str, Any] | None] = []
-            for key in keys:
+            out: list[dict[str, Any] | None] = [None] * len(keys)
+            for i, key in enumerate(keys):  # one SQLite read per key: stop at the first hit when that is all
                 raw = dc.get(key)
-                out.append(None if raw is None else loads(raw))
+                if raw is not None:
+                    out[i] = loads(raw)
+                    if first_hit:
+                        break
             return out
 
         return await self._run(op)

@@ -81,7 +81,7 @@ class RedisCache(BaseCache):
     async def _try_acquire(self, lock_key: str, token: str, ttl: float) -> bool:
         return bool(await self._cmd("SET", self._prefix + lock_key, token, "NX", "PX", self._ms(ttl)))
 
-    async def get_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
+    async def get_many(self, keys: list[str], first_hit: bool = False) -> list[dict[str, Any] | None]:
         if not keys:
             return []
         raws = await self._cmd("MGET", *[self._prefix + key for key in keys])

@@ -92,11 +92,22 @@ class SummaryService:
     async def lookup(self, scope: SummaryScope, chain: Sequence[str]) -> CachedSummary | None:
         if not chain:
             return None
-        records = await self.cache.get_many([summary_key(scope, link) for link in chain])
-        for k in range(len(chain), 0, -1):
-            summary = _summary(records[k - 1], k, chain[k - 1])
-            if summary is not None:
-                return summary
+        # longest prefix first; a backend that reads key by key (disk) may stop at the first record found
+        keys = [summary_key(scope, link) for link in reversed(chain)]
+        start = 0
+        while start < len(keys):
+            records = await self.cache.get_many(keys[start:], first_hit=True)
+            for offset, record in enumerate(records):
+                if record is None:
+                    continue
+                k = len(chain) - start - offset
+                summary = _summary(record, k, chain[k - 1])
+                if summary is not None:
+                    return summary
+                start += offset + 1  # a record that is not a summary of this prefix: read on past it
+                break
+            else:
+                return None
         return None
 
     async def obtain(

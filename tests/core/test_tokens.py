@@ -160,25 +160,27 @@ def test_digests_are_remembered_per_key_in_a_bounded_lru() -> None:
     c = TokenCounter(O200K, cache_size=2)
     made: list[int] = []
 
-    def compute(n: int) -> Any:
-        def run() -> bytes:
-            made.append(n)
-            return bytes([n]) * 16
-        return run
+    def digests(keys: list[int], values: list[int]) -> list[bytes]:
+        def compute(i: int) -> bytes:
+            made.append(values[i])
+            return bytes([values[i]]) * 16
+        return c.many_digests(keys, compute)
 
-    assert c.digests(1, compute(1)) == b"\x01" * 16
-    assert c.digests(1, compute(99)) == b"\x01" * 16  # remembered, not recomputed
-    c.digests(2, compute(2))
-    c.digests(1, compute(1))  # 1 is now the most recent
-    c.digests(3, compute(3))  # evicts 2
-    c.digests(2, compute(2))
+    assert digests([1], [1]) == [b"\x01" * 16]
+    assert digests([1], [99]) == [b"\x01" * 16]  # remembered, not recomputed
+    digests([2], [2])
+    digests([1], [1])  # 1 is now the most recent
+    digests([3], [3])  # evicts 2
+    digests([2], [2])
     assert made == [1, 2, 3, 2]
+    assert digests([3, 0, 2, 0], [3, 7, 2, 8]) == [b"\x03" * 16, b"\x07" * 16, b"\x02" * 16, b"\x08" * 16]
+    assert made[-2:] == [7, 8]  # key 0 (an item without a content key) is computed every time, never kept
 
 
 def test_digests_and_counts_are_separate_caches() -> None:
     c = TokenCounter(O200K)
     c.cached(5, "abc", Formula())
-    assert c.digests(5, lambda: b"d" * 16) == b"d" * 16
+    assert c.many_digests([5], lambda i: b"d" * 16) == [b"d" * 16]
 
 
 @pytest.mark.parametrize("tools", [None, [], {}])
@@ -204,7 +206,8 @@ def test_counter_is_thread_safe_enough_for_the_offload_pool() -> None:
             for i in range(300):
                 key = (seed * 1000 + i) % 120
                 assert c.cached(key, "x" * (key % 7), lambda _c, raw: len(raw)) == key % 7
-                c.digests(key, lambda k=key: bytes([k % 256]) * 16)
+                assert c.many_digests([key, key + 1], lambda j, k=key: bytes([(k + j) % 256]) * 16) == [
+                    bytes([key % 256]) * 16, bytes([(key + 1) % 256]) * 16]
         except BaseException as exc:  # collected for the main thread
             errors.append(exc)
 

@@ -105,6 +105,16 @@ async def test_missing_key_is_none(make: Factory) -> None:
     assert await c.get("") is None
 
 
+async def test_get_many_in_key_order_and_first_hit(make: Factory) -> None:
+    cache = make()
+    await cache.set("b", {"v": 2})
+    await cache.set("c", {"v": 3})
+    assert await cache.get_many(["a", "b", "c"]) == [None, {"v": 2}, {"v": 3}]
+    got = await cache.get_many(["a", "b", "c"], first_hit=True)  # the keys after the first hit may stay unread
+    assert got[:2] == [None, {"v": 2}] and got[2] in (None, {"v": 3})
+    assert await cache.get_many(["x", "y"], first_hit=True) == [None, None]
+
+
 async def test_ttl_expiry(make: Factory) -> None:
     c, with_default = make(), make(ttl=0.3)
     await c.set("short", {"a": 1}, ttl=0.3)
@@ -522,9 +532,9 @@ class _Flaky:
         self._check()
         await self.inner.set(key, value, ttl)
 
-    async def get_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
+    async def get_many(self, keys: list[str], first_hit: bool = False) -> list[dict[str, Any] | None]:
         self._check()
-        return await self.inner.get_many(keys)
+        return await self.inner.get_many(keys, first_hit)
 
     def lock(self, key: str, ttl: float, wait: float, ready: Any = None) -> contextlib.AbstractAsyncContextManager[Any]:
         self._check()

@@ -44,7 +44,7 @@ class CountingCache(MemoryCache):
         self.ops.append("get")
         return await super().get(key)
 
-    async def get_many(self, keys: list[str]) -> list[dict[str, Any] | None]:
+    async def get_many(self, keys: list[str], first_hit: bool = False) -> list[dict[str, Any] | None]:
         self.ops.append(f"get_many:{len(keys)}")
         return [await MemoryCache.get(self, k) for k in keys]
 
