@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from proxy.serve.state import State
 
 log = logging.getLogger("ctxproxy")
+GC_THRESHOLDS = (20_000, 50, 50)
 
 
 class MalformedRequestLine(logging.Filter):
@@ -110,6 +111,11 @@ def _warm_up(state: State) -> None:
     # parsed JSON triggers do not walk it again and again.
     gc.collect()
     gc.freeze()
+    # Each in-flight request holds its parsed body and one item per message (~1,000 tracked objects for a
+    # 300-message agent request), so at the default thresholds (700, 10, 10) the collector walks those live
+    # objects again and again: 0.43 ms of GC per request at 32 concurrent agent_long requests, 0.04 ms at
+    # these (measured with gc.callbacks). Request objects die by reference counting; cycles are rare.
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def _bound_port(site: web.TCPSite) -> int | None:
