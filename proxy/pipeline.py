@@ -23,6 +23,7 @@ from proxy.core.bands import Bands, assign_groups, split_bands, split_turns, too
 from proxy.core.budget import Budget, compute_budget, why
 from proxy.core.conversation import Conversation, WireAdapter
 from proxy.core.errors import BadRequest, ContextLengthExceeded, OutputLimitExceeded, PayloadError
+from proxy.core.fields import case_variant
 from proxy.core.items import Item, atom_digests, turn_digest
 from proxy.core.pairing import check, repair
 from proxy.core.tokens import TokenCounter
@@ -94,13 +95,13 @@ INTERPRETED_FIELDS = frozenset({
 
 
 def check_field_names(body: dict[str, Any]) -> None:
-    """Refuse a top-level key that differs from a field the proxy reads only by case (``"Model"``): Go's
-    encoding/json, behind Ollama, LocalAI and many gateways, matches keys case-insensitively, so such an
-    upstream would run another model, or another output limit, than the one the proxy checked."""
+    """Refuse a top-level key that differs from a field the proxy reads only by case (``"Model"``,
+    ``proxy.core.fields``): such an upstream would run another model, or another output limit, than the
+    one the proxy checked."""
     for key in body:
-        lower = key.lower()
-        if lower != key and lower in INTERPRETED_FIELDS:
-            raise BadRequest(f"'{key[:40]}' differs from the field '{lower}' only by case; send '{lower}' alone",
+        field = case_variant(key, INTERPRETED_FIELDS)
+        if field is not None:
+            raise BadRequest(f"'{key[:40]}' differs from the field '{field}' only by case; send '{field}' alone",
                              param=key[:40], code="ambiguous_field")
 
 

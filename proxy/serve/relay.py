@@ -27,6 +27,7 @@ from yarl import URL
 
 from proxy.core.deadline import deadline
 from proxy.core.errors import BadRequest, ModelNotFound, NotFound, PermissionDenied
+from proxy.core.fields import go_fold
 from proxy.serve.http import ERROR_SHAPE, Handler, client_keys, read_body, request_id, shape_for_path, state
 from proxy.serve.streaming import relay_answer
 from proxy.settings import Tenant
@@ -228,8 +229,8 @@ def _json_models(raw: bytes) -> list[str]:
         if not isinstance(body, dict):
             return []
         if raw.lower().count(b'"model"') <= 1 and b"\\u" not in raw:
-            model = body.get("model")
-            return [model] if isinstance(model, str) else []
+            # Go's encoding/json (Ollama, LocalAI, one-api …) matches keys case-insensitively: "Model" counts
+            return [v for k, v in body.items() if go_fold(k) == "model" and isinstance(v, str)]
     # a duplicate (or escaped) key, or JSON that only a lenient parser reads (Python's reads a BOM, UTF-16,
     # NaN, 1e400 and lone surrogates, and an upstream written in Python would): every model field counts
     try:
@@ -238,5 +239,4 @@ def _json_models(raw: bytes) -> list[str]:
         raise BadRequest("The request body is not valid JSON.", code="invalid_json") from None
     if not isinstance(lenient, _Pairs):
         return []
-    # Go's encoding/json (Ollama, LocalAI, one-api …) matches keys case-insensitively: "Model" is a model too
-    return [v for k, v in lenient.pairs if k.lower() == "model" and isinstance(v, str)]
+    return [v for k, v in lenient.pairs if go_fold(k) == "model" and isinstance(v, str)]

@@ -18,6 +18,7 @@ import orjson
 from proxy.core import describe, media
 from proxy.core.conversation import Conversation
 from proxy.core.errors import PayloadError
+from proxy.core.fields import check_keys
 from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item, media_digest
 from proxy.core.pairing import PLACEHOLDER, check, is_paired, repair
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, output_schema
@@ -44,6 +45,7 @@ Message = dict[str, Any]
 
 def count_message(counter: TokenCounter, message: Message) -> int:
     """OpenAI's per-message formula: 3 + every string field (+1 for ``name``) + parts + calls."""
+    check_keys(message)
     n = TOKENS_PER_MESSAGE
     for key, value in message.items():
         if isinstance(value, str):
@@ -67,6 +69,7 @@ def count_message(counter: TokenCounter, message: Message) -> int:
 
 
 def _count_call(counter: TokenCounter, call: dict[str, Any]) -> int:
+    check_keys(call)
     body = call.get("function")
     if not isinstance(body, dict):
         kind = call.get("type")
@@ -84,6 +87,7 @@ def _count_parts(counter: TokenCounter, parts: list[Any]) -> int:
     for part in parts:
         if not isinstance(part, dict):
             continue
+        check_keys(part)
         kind = part.get("type")
         if kind == "text" and isinstance(part.get("text"), str):
             n += counter.text(part["text"])

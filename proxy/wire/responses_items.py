@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from proxy.core import describe, media
+from proxy.core.fields import check_keys
 from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item, media_digest
 from proxy.core.tokens import TokenCounter
 from proxy.wire.chat import canonical_arguments
@@ -203,6 +204,7 @@ def count_parts(counter: TokenCounter, content: Any) -> int:
         if not isinstance(part, dict):
             n += counter.json(part)
             continue
+        check_keys(part)
         kind = part.get("type")
         if kind in TEXT_PARTS and isinstance(part.get("text"), str):
             n += counter.text(part["text"])
@@ -235,6 +237,7 @@ def count_element(counter: TokenCounter, element: Any) -> int:
         return ITEM_TOKENS + counter.text("user") + counter.text(element)
     if not isinstance(element, dict):
         return ITEM_TOKENS + counter.json(element)
+    check_keys(element)
     kind = kind_of(element)
     if kind == "message":
         role = element.get("role")

@@ -25,6 +25,19 @@ TENANT = {"name": "t", "keys": ["sk-t"], "models": ["gpt-4o-mini"], "max_output_
     ("/v1/responses", {"model": "gpt-4o-mini", "input": "hi", "Max_Output_Tokens": 100000}),
     ("/v1/messages", {"model": "gpt-4o-mini", "max_tokens": 50, "messages": HI, "mODEL": "gpt-4o"}),
     ("/v1/embeddings", {"model": "gpt-4o-mini", "Model": "text-embedding-3-large", "input": "hi"}),  # relayed
+    ("/v1/embeddings", {"Model": "text-embedding-3-large", "input": "hi"}),  # the only model key, relayed
+    # Go folds the long s (U+017F) onto "s" and the Kelvin sign onto "k"
+    ("/v1/chat/completions", {"model": "gpt-4o-mini", "messages": HI, "max_tokens": 50, "max_token\u017f": 10**5}),
+    ("/v1/chat/completions", {"model": "gpt-4o-mini", "messages": HI, "max_to\u212aens": 10**5}),
+    # inside conversation items: content a Go upstream reads that the proxy would never count
+    ("/v1/chat/completions", {"model": "gpt-4o-mini", "messages": [
+        {"role": "user", "content": "hi", "Content": [{"type": "text", "text": "word " * 5000}]}]}),
+    ("/v1/chat/completions", {"model": "gpt-4o-mini", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi", "Text": "word " * 5000}]}]}),
+    ("/v1/responses", {"model": "gpt-4o-mini", "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi", "TEXT": "w " * 5000}]}]}),
+    ("/v1/messages", {"model": "gpt-4o-mini", "max_tokens": 50, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi", "Text": "word " * 5000}]}]}),
 ])
 async def test_case_variants_of_interpreted_fields_are_refused(
         start_proxy: StartProxy, upstream: FakeUpstream, path: str, body: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from proxy.core import describe, media
+from proxy.core.fields import check_keys
 from proxy.core.items import ASSISTANT, SYSTEM, TOOL, Item, media_digest
 from proxy.core.tokens import TokenCounter
 from proxy.wire.chat import canonical_arguments
@@ -40,6 +41,7 @@ Block = dict[str, Any]
 def count_raw(counter: TokenCounter, raw: Any) -> int:
     """An item's tokens: a message-shaped raw (``role``) or a ``tool_result`` block."""
     if isinstance(raw, dict) and "role" in raw:
+        check_keys(raw)
         content = raw.get("content")
         if content == [] and raw.get("role") == "user":
             return 0  # a boundary item (the adapter's; a client's empty user message is refused): no message
@@ -58,6 +60,7 @@ def count_content(counter: TokenCounter, content: Any) -> int:
 
 
 def count_block(counter: TokenCounter, block: Block) -> int:
+    check_keys(block)
     kind = block.get("type")
     if kind == "text":
         text = block.get("text")
