@@ -336,7 +336,8 @@ class Config:
 
 
 def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    # a header that is not UTF-8 arrives with surrogates (aiohttp): such a key is wrong, never a 500
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _key_hash(key: str) -> str:

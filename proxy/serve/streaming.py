@@ -58,7 +58,9 @@ async def relay_answer(
         except CtxProxyError as exc:
             broken = True
             # after the wire's terminal event the stream is complete: a lost connection adds nothing
-            error = None if watcher.done else exc
+            # (without its traceback: the frame that holds it would otherwise form a cycle that keeps the
+            # request and the answer alive until the collector runs)
+            error = None if watcher.done else exc.with_traceback(None)
         else:
             if not watcher.complete:
                 error = UpstreamUnreachable("The upstream closed the stream before it was complete.")

@@ -97,6 +97,14 @@ def dumps(value: dict[str, Any]) -> bytes:
         raise CacheBackendError(f"cache value is not JSON-serialisable: {exc}") from exc
 
 
+def loads_or_none(raw: bytes | str) -> dict[str, Any] | None:
+    """``loads`` for one record of many: a corrupt one is missing, so it never hides the others."""
+    try:
+        return loads(raw)
+    except CacheBackendError:
+        return None
+
+
 def loads(raw: bytes | str) -> dict[str, Any]:
     try:
         value = orjson.loads(raw)

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import diskcache
 
 from proxy.core.errors import CacheBackendError
-from proxy.store.cache import LOCK_PREFIX, BaseCache, dumps, loads
+from proxy.store.cache import LOCK_PREFIX, BaseCache, dumps, loads, loads_or_none
 
 T = TypeVar("T")
 
@@ -151,8 +151,8 @@ class DiskCache(BaseCache):
             for i, key in enumerate(keys):  # one SQLite read per key: stop at the first hit when that is all
                 raw = dc.get(key)
                 if raw is not None:
-                    out[i] = loads(raw)
-                    if first_hit:
+                    out[i] = loads_or_none(raw)
+                    if first_hit and out[i] is not None:
                         break
             return out
 

@@ -10,7 +10,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from proxy.core.errors import CacheBackendError
-from proxy.store.cache import BaseCache, dumps, loads
+from proxy.store.cache import BaseCache, dumps, loads, loads_or_none
 
 # compare-and-delete / compare-and-extend, so a holder whose lock expired cannot touch someone else's lock
 _RELEASE_LUA = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
@@ -85,7 +85,7 @@ class RedisCache(BaseCache):
         if not keys:
             return []
         raws = await self._cmd("MGET", *[self._prefix + key for key in keys])
-        return [None if raw is None else loads(raw) for raw in raws]
+        return [None if raw is None else loads_or_none(raw) for raw in raws]
 
     async def _renew(self, lock_key: str, token: str, ttl: float) -> None:
         await self._cmd("EVAL", _RENEW_LUA, 1, self._prefix + lock_key, token, self._ms(ttl))

@@ -268,8 +268,9 @@ class LiteLLMProvider:
     def _note_dropped(self, route: ModelRoute, call: Outgoing) -> None:
         """Say once per field name, at WARNING, which request fields litellm is not given (``FIELDS``)."""
         allowed = FIELDS.get(call.wire, CHAT_FIELDS)
-        new = [k for k in call.body if k not in allowed and k not in ("model", "stream") and k not in self._dropped]
-        if new and len(self._dropped) < 200:
+        new = [k[:40] for k in call.body if k not in allowed and k not in ("model", "stream")
+               and k[:40] not in self._dropped][: max(0, 200 - len(self._dropped))]
+        if new:
             self._dropped.update(new)
             log.warning("litellm route %s (%s): request fields not passed on to litellm: %s", route.name, call.wire,
                         ", ".join(sorted(repr(k)[:40] for k in new)[:10]))

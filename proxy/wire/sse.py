@@ -179,14 +179,14 @@ class StreamWatcher:
                 self._event = line[6:].strip()
                 if end.terminal(self._event, b""):
                     self.done = True
-                    self.failed = self._event == b"error"
+                    self.failed = self.failed or self._event == b"error"
                 continue
             if not line.startswith(b"data:"):
                 continue
             payload = line[5:].strip()
             if end.terminal(self._event, payload):
+                self.failed = self.failed or _is_error(self._event, payload)  # an error stays one ([DONE] after it)
                 self.done = True
-                self.failed = _is_error(self._event, payload)
             if b'"usage"' in payload:
                 try:
                     event = orjson.loads(payload)

@@ -49,3 +49,21 @@ async def test_an_admin_key_in_any_header_is_accepted(start_proxy: StartProxy, u
             assert r.status == 200, await r.text()
         async with s.get(proxy.url + "/admin/report", headers={"x-api-key": "sk-team"}) as r:
             assert r.status == 401  # a tenant key is not an admin key
+
+
+async def test_a_key_header_that_is_not_utf8_is_a_wrong_key(start_proxy: StartProxy, upstream: FakeUpstream) -> None:
+    """Raw bytes 0xff 0xfe in x-api-key (aiohttp decodes them to surrogates): 401, never a 500."""
+    import asyncio
+    from urllib.parse import urlsplit
+
+    proxy = await start_proxy(base_config(upstream.base_url, tenants=[{"name": "team", "keys": ["sk-team"]}],
+                                          admin={"keys": ["sk-admin"]}))
+    where = urlsplit(proxy.url)
+    for head in (b"POST /v1/chat/completions HTTP/1.1", b"GET /admin/report HTTP/1.1"):
+        reader, writer = await asyncio.open_connection(where.hostname, where.port)
+        writer.write(head + b"\r\nHost: x\r\nx-api-key: \xff\xfe-key\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+        assert b" 401 " in status_line, status_line

@@ -115,6 +115,21 @@ async def test_get_many_in_key_order_and_first_hit(make: Factory) -> None:
     assert await cache.get_many(["x", "y"], first_hit=True) == [None, None]
 
 
+async def test_get_many_reads_past_a_corrupt_record(make: Factory) -> None:
+    """A record that is not a JSON object is missing to get_many: it never hides the others (first_hit too)."""
+    cache = make()
+    await cache.set("good", {"v": 1})
+    raw = getattr(cache, "_dc", None) or getattr(cache, "_data", None)
+    if cache.name == "disk":
+        await cache._run(lambda dc: dc.set("bad", b"not json"))  # type: ignore[attr-defined]
+    elif cache.name == "redis":
+        await cache._cmd("SET", cache._prefix + "bad", b"[1, 2]")  # type: ignore[attr-defined]
+    else:
+        pytest.skip(f"the memory backend stores objects, not bytes ({raw is not None})")
+    assert await cache.get_many(["bad", "good"]) == [None, {"v": 1}]
+    assert (await cache.get_many(["bad", "good"], first_hit=True))[1] == {"v": 1}
+
+
 async def test_ttl_expiry(make: Factory) -> None:
     c, with_default = make(), make(ttl=0.3)
     await c.set("short", {"a": 1}, ttl=0.3)

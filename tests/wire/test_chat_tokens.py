@@ -302,3 +302,17 @@ def test_a_structured_output_schema_counts_like_tool_schemas() -> None:
     r_structured = RESPONSES_WIRE.parse({**responses, "text": {"format": {"type": "json_schema", "name": "answer",
                                                                           "schema": schema}}}, counter).fixed_tokens
     assert r_structured - r_plain >= counter.text(str(schema)) // 2
+
+
+def test_a_messages_structured_output_schema_counts_too() -> None:
+    from proxy.core.tokens import Tokenizers
+    from proxy.wire.messages import WIRE as MESSAGES_WIRE
+
+    counter = Tokenizers().get("o200k_base")
+    schema = {"type": "object", "properties": {f"f{i}": {"type": "string", "description": "word " * 20}
+                                               for i in range(20)}}
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]}
+    plain = MESSAGES_WIRE.parse(dict(body), counter).fixed_tokens
+    for extra in ({"output_format": {"type": "json_schema", "schema": schema}},
+                  {"output_config": {"format": {"type": "json_schema", "schema": schema}}}):
+        assert MESSAGES_WIRE.parse({**body, **extra}, counter).fixed_tokens - plain >= counter.text(str(schema)) // 2

@@ -218,6 +218,12 @@ def test_an_error_object_with_spaces_ends_a_chat_stream() -> None:
     assert w.done and w.failed
 
 
+def test_an_error_stays_a_failure_when_done_follows() -> None:
+    """vLLM ends a failed stream with data: {"error": …} and then data: [DONE]."""
+    w = watch(CHAT, [data({"error": {"message": "boom", "type": "server_error"}}), b"data: [DONE]\n\n"])
+    assert w.done and w.failed
+
+
 def test_a_terminal_event_is_not_a_failure() -> None:
     assert not watch(CHAT, [b"data: [DONE]\n\n"]).failed
     assert not watch(MESSAGES, [event("message_stop", {"type": "message_stop"})]).failed

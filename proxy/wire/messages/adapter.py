@@ -27,7 +27,7 @@ from proxy.core.conversation import Conversation
 from proxy.core.errors import OutputLimitExceeded, PayloadError
 from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
 from proxy.core.pairing import PLACEHOLDER, is_paired
-from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key
+from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, output_schema
 from proxy.wire.messages.blocks import SALT, THINKING, AnthropicItem, Block, count_raw
 from proxy.wire.messages.shape import check_body
 from proxy.wire.sse import MESSAGES as MESSAGES_STREAM
@@ -199,7 +199,11 @@ class MessagesWire:
         if thinking_enabled(body):
             pin_turn_thinking(items)
         neutral: list[Item] = list(items)
-        fixed = REPLY_PRIMING + system_tokens(counter, body.get("system")) + counter.tools(body.get("tools"))
+        config = body.get("output_config")
+        fixed = (REPLY_PRIMING + system_tokens(counter, body.get("system")) + counter.tools(body.get("tools"))
+                 + counter.tools(output_schema(body.get("output_format")), "output_format")
+                 + counter.tools(output_schema(config.get("format") if isinstance(config, dict) else None),
+                                 "output_config.format"))
         return Conversation(neutral, fixed, is_paired(neutral))
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
