@@ -652,8 +652,9 @@ def _notes(f: dict[str, Any]) -> list[str]:
     ratio = f["tokens"].get("server_over_ctxproxy_ratio")
     if ratio:
         t = f["tokens"]
-        held = (f"; the calibrated budget B={t['budget_ctxproxy']} is {t['server_tokens_at_budget']} tokens by the "
-                f"server's count, within its {t['budget_server_tokens']}") if t.get("server_tokens_at_budget") else ""
+        held = (f"; the calibrated budget B={t['budget_ctxproxy']} would be {t['server_tokens_at_budget']} tokens by "
+                f"the server's count at the largest ratio measured, within its {t['budget_server_tokens']}") \
+            if t.get("server_tokens_at_budget") else ""
         notes.append(f"the server's usage.prompt_tokens is {ratio['min']:.2f}x-{ratio['max']:.2f}x (mean "
                      f"{ratio['mean']:.2f}x) ctxproxy's count of the same forwarded messages: SmolLM2's tokenizer "
                      f"and chat template against o200k, more than the 10 % margin alone covers{held}")
@@ -682,7 +683,8 @@ def write_results(figures: dict[str, Any], stem: Path) -> None:
         f"from {figures['data']}, tool calls rendered as text, each turn cut at "
         f"{figures['layout']['turn_chars']} characters (chosen so that ctxproxy's threshold "
         f"T={figures['layout']['threshold']} is crossed late: first at turn "
-        f"{figures['layout']['first_turn_over_threshold']}; B={figures['layout']['hard_budget']}). "
+        f"{figures['layout']['first_turn_over_threshold']}; B={figures['layout']['hard_budget']}, both at the "
+        f"model family's default calibration before any answer; the learned factor then moves B, see the table). "
         f"Written by `python -m bench.real_server` ({figures['seconds']} s on a shared 2-core machine).",
         "",
         "| figure | value |",

@@ -86,9 +86,11 @@ class TokenCounter:
         self._lock = threading.Lock()
 
     def clear(self) -> None:
-        """Forget every cached count (benchmarks use it to measure a cold request)."""
+        """Forget every cached count and digest (benchmarks use it to measure a cold request)."""
         with self._lock:
             self._cache.clear()
+            self._digests.clear()
+            self._small.clear()
 
     def text(self, text: str) -> int:
         if len(text) <= 16:

@@ -5,10 +5,11 @@ turns it covers, so identical histories share it, any edit misses it, and one
 tenant never sees another's. The chained hashes are wire-neutral (``Item.atoms``),
 so one conversation summarised once is reused whatever wire it arrives on.
 
-A lookup asks the cache for every prefix of the conversation at once (one
-``get_many``: one Redis MGET, one disk transaction) and takes the longest hit, so
-there is no per-conversation index to lose updates or overflow: each summary is
-its own entry, bounded by the cache's TTL and size.
+A lookup asks the cache for every prefix of the conversation at once, longest
+first (one ``get_many``: one Redis MGET; the disk backend stops reading at the
+first record it finds), and takes the longest usable one, so there is no
+per-conversation index to lose updates or overflow: each summary is its own
+entry, bounded by the cache's TTL and size.
 
 Concurrent requests needing the same summary wait for one summariser call: in
 one process through a shared task, across processes and replicas through the
