@@ -107,12 +107,6 @@ def client_keys(request: web.Request) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def client_key(request: web.Request) -> str | None:
-    """The first key a client sent (``client_keys``), or None."""
-    keys = client_keys(request)
-    return keys[0] if keys else None
-
-
 async def read_body(request: web.Request) -> bytes:
     server = state(request).config.settings.server
     limit = int(server.max_body_mb * 1024 * 1024)

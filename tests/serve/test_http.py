@@ -23,7 +23,7 @@ from proxy.core.errors import (
 from proxy.serve.http import (
     ERROR_SHAPE,
     RESPONSE_HEADERS,
-    client_key,
+    client_keys,
     error_middleware,
     error_payload,
     error_response,
@@ -108,8 +108,14 @@ def test_a_missing_request_id_gets_a_fresh_uuid_each_time() -> None:
     ({"Authorization": "Bearer"}, None),
     ({}, None),
 ])
-def test_client_key(headers: dict[str, str], key: str | None) -> None:
-    assert client_key(req(headers)) == key
+def test_client_keys_first(headers: dict[str, str], key: str | None) -> None:
+    keys = client_keys(req(headers))
+    assert (keys[0] if keys else None) == key
+
+
+def test_client_keys_in_order() -> None:
+    assert client_keys(req({"Authorization": "Bearer sk-a", "x-api-key": "sk-b", "api-key": "sk-c"})) == (
+        "sk-a", "sk-b", "sk-c")
 
 
 # --------------------------------------------------------------------------- bodies
