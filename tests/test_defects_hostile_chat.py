@@ -25,21 +25,17 @@ import pytest
 
 from tests.conftest import StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
-from tests.outside import Message, post, request, share_model_map, text_of
+from tests.outside import Message, post, request
+from tests.test_defects_security import (  # noqa: F401  (_shared_model_map: an autouse fixture)
+    MODEL,
+    OVERRIDE,
+    TENANT_KEY,
+    _shared_model_map,
+    tenant_config,
+    twenty_turns,
+)
 
-MODEL = "gpt-4o-mini"
-TENANT_KEY = "sk-tenant-hostile-1"
-OVERRIDE = "x-ctxproxy-context-manager"
-
-
-@pytest.fixture(autouse=True)
-def _shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
-    share_model_map(monkeypatch)  # speed only
-
-
-def tenant_config(upstream_url: str, **tenant: Any) -> dict[str, Any]:
-    return base_config(upstream_url, tenants=[{"name": "acme", "keys": [TENANT_KEY], **tenant}],
-                       summarizer={"retry_backoff_seconds": 0, "timeout_seconds": 2, "max_summary_tokens": 300})
+# the same proxy set-up and conversation as the security defects' (a tenant with a key, the shared model map)
 
 
 def error_of(payload: Any) -> dict[str, Any]:
@@ -50,15 +46,6 @@ def error_of(payload: Any) -> dict[str, Any]:
 
 
 # =========================================================================== overrides: cut_step on a type change
-
-
-def twenty_turns() -> list[Message]:
-    out: list[Message] = [{"role": "system", "content": "You are ACME's support agent."}]
-    for i in range(20):
-        out += [{"role": "user", "content": f"Question {i}: " + text_of(60, i)},
-                {"role": "assistant", "content": f"Answer {i}: " + text_of(340, i + 100)}]
-    out.append({"role": "user", "content": "And the last question?"})
-    return out
 
 
 POLICY = {"type": "summarising", "params": {"keep_turns": 3}}  # derived threshold; the cap makes it summarise
