@@ -164,10 +164,10 @@ async def admin_reload(request: web.Request) -> web.Response:
     st = state(request)
     if not any(st.config.is_admin_key(key) for key in client_keys(request)):
         raise AuthenticationError("An admin key is required for /admin/reload.")
-    problems = st.reload()
-    if problems:
-        return json_response({"reloaded": False, "problems": problems}, 400)
-    return json_response({"reloaded": True})
+    done = st.reload()
+    if done.problems:
+        return json_response({"reloaded": False, "problems": done.problems}, 400)
+    return json_response({"reloaded": True, "restart_required": done.restart_required})
 
 
 async def admin_report(request: web.Request) -> web.Response:

@@ -25,8 +25,6 @@ from proxy.serve.state import (
 from proxy.settings import Config
 from proxy.store.cache import Cache
 
-MB = 1024 * 1024
-
 
 def create_app(config: Config, *, config_path: str | None = None, cache: Cache | None = None) -> web.Application:
     """Build the app; shared objects are created here and closed on cleanup."""
@@ -35,8 +33,8 @@ def create_app(config: Config, *, config_path: str | None = None, cache: Cache |
                       multiprocess_dir=os.environ.get("PROMETHEUS_MULTIPROC_DIR"), upstreams=upstream_names(config))
     shared = build_shared(config, metrics=metrics, cache=cache, model_map=model_map)
     state = State(build_runtime(config, shared), shared, metrics, config_path)
-    max_body = int(config.settings.server.max_body_mb * MB) + 1
-    app = web.Application(client_max_size=max_body, middlewares=[error_middleware])
+    # bodies are read by proxy.serve.http.read_body, which applies the running config's max_body_mb
+    app = web.Application(middlewares=[error_middleware])
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
     add_routes(app)

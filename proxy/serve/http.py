@@ -108,17 +108,25 @@ def client_keys(request: web.Request) -> tuple[str, ...]:
 
 
 async def read_body(request: web.Request) -> bytes:
+    """The request's body (inflated), refused past the running config's ``server.max_body_mb``.
+
+    The limit is read per request, so a reload that raises or lowers it applies at once (aiohttp's own
+    ``client_max_size`` is fixed when the app is built, so it is not what limits a body).
+    """
     server = state(request).config.settings.server
     limit = int(server.max_body_mb * 1024 * 1024)
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"The request body is {request.content_length} bytes; the limit is {limit}.")
+    body = bytearray()
     try:
         async with deadline(server.body_timeout):
-            return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise BodyTooLarge(f"The request body is larger than the limit of {limit} bytes.") from None
+            while chunk := await request.content.readany():
+                body += chunk
+                if len(body) > limit:  # counted as it is inflated: a small compressed body may grow past it
+                    raise BodyTooLarge(f"The request body is larger than the limit of {limit} bytes.")
     except asyncio.TimeoutError:
         raise RequestTimeout(f"The request body did not arrive within {server.body_timeout:g}s.") from None
+    return bytes(body)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

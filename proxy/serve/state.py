@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any, TypedDict
 
 from aiohttp import web
 
@@ -69,12 +70,7 @@ def build_shared(
             size_limit_mb=s.cache.size_limit_mb, on_error=metrics.cache_error if metrics else None,
         )
     summaries = SummaryService(
-        cache,
-        ttl=s.cache.ttl_seconds,
-        lock_wait=s.summarizer.lock_wait_seconds,
-        max_wait=s.summarizer.timeout_seconds * s.summarizer.max_calls_per_summary + LOCK_TTL,
-        backoff_first=s.summarizer.retry_backoff_seconds,
-        backoff_max=s.summarizer.max_backoff_seconds,
+        cache, **summary_settings(config),
         on_call=metrics.summary_call if metrics else None,
         on_failure=metrics.summary_failed if metrics else None,
     )
@@ -93,8 +89,52 @@ class Served:
     providers: Providers
 
 
+class SummarySettings(TypedDict):
+    ttl: float | None
+    lock_wait: float
+    max_wait: float
+    backoff_first: float
+    backoff_max: float
+
+
+def summary_settings(config: Config) -> SummarySettings:
+    s = config.settings
+    return SummarySettings(
+        ttl=s.cache.ttl_seconds,
+        lock_wait=s.summarizer.lock_wait_seconds,
+        max_wait=s.summarizer.timeout_seconds * s.summarizer.max_calls_per_summary + LOCK_TTL,
+        backoff_first=s.summarizer.retry_backoff_seconds,
+        backoff_max=s.summarizer.max_backoff_seconds,
+    )
+
+
+# Settings read once, when the process starts: a reload that changes one names it, and it keeps its value.
+RESTART_ONLY = (
+    "server.host", "server.port", "server.workers",  # the listening socket and the worker processes
+    "server.header_timeout", "server.drain_timeout",  # given to aiohttp's runner when it is built
+    "cache.backend", "cache.path", "cache.url", "cache.size_limit_mb",  # the open cache holds summaries, locks, ledger
+)
+
+
+def restart_required(running: Config, new: Config) -> list[str]:
+    """The restart-only settings whose value differs between the config the process started with and ``new``."""
+    def value(config: Config, path: str) -> Any:
+        node: Any = config.settings
+        for part in path.split("."):
+            node = getattr(node, part)
+        return node
+
+    return [path for path in RESTART_ONLY if value(running, path) != value(new, path)]
+
+
 def build_runtime(config: Config, shared: Shared, *, engine: bool = True) -> Served:
-    """The runtime for ``config``; ``engine=False`` leaves it without a summariser (``assemble --offline``)."""
+    """The runtime for ``config``; ``engine=False`` leaves it without a summariser (``assemble --offline``).
+
+    The shared objects take the config's live settings here (upstream timeouts and pool sizes, the summary
+    cache's TTL, the summariser's back-off and lock waits), so a reload applies them.
+    """
+    shared.pool.configure(config.settings.server)
+    shared.summaries.configure(**summary_settings(config))
     providers = Providers(config, shared.pool)
     shared.model_map.set_price_overrides(price_overrides(config))
     runtime = Runtime(config, tokenizers=shared.tokenizers, model_map=shared.model_map, summaries=shared.summaries,
@@ -102,6 +142,15 @@ def build_runtime(config: Config, shared: Shared, *, engine: bool = True) -> Ser
     if engine:
         runtime.engine = UpstreamEngine(runtime.route, providers.for_route)
     return Served(runtime, providers)
+
+
+@dataclass
+class Reloaded:
+    """What a reload did: the problems that rejected it (the running config kept), or the settings that
+    changed but keep their running value until a restart."""
+
+    problems: list[str] = field(default_factory=list)
+    restart_required: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -114,6 +163,10 @@ class State:
     config_path: str | None
     prefix: PrefixTracker = field(default_factory=PrefixTracker)
     draining: bool = False
+    started_with: Config = field(init=False)  # the config the process was built with
+
+    def __post_init__(self) -> None:
+        self.started_with = self.served.runtime.config
 
     @property
     def runtime(self) -> Runtime:
@@ -123,20 +176,27 @@ class State:
     def config(self) -> Config:
         return self.served.runtime.config
 
-    def reload(self) -> list[str]:
+    def reload(self) -> Reloaded:
         """Re-read the config file; on any problem keep the running config and return the problems."""
         if self.config_path is None:
-            return ["no config file to reload (the app was built from an in-memory config)"]
+            return Reloaded(["no config file to reload (the app was built from an in-memory config)"])
         try:
             config = load_config(self.config_path)
         except ConfigError as exc:
             for problem in exc.problems:
                 log.error("reload rejected, keeping the running config: %s", problem)
-            return exc.problems
+            return Reloaded(exc.problems)
+        level = config.settings.logging.level
+        if level != self.config.settings.logging.level:
+            logging.getLogger().setLevel(level)
         self.served = build_runtime(config, self.shared)
         self.metrics.set_labels(tenant_names(config), model_names(config), upstream_names(config))
+        pending = restart_required(self.started_with, config)
         log.info("config reloaded from %s", self.config_path)
-        return []
+        if pending:
+            log.warning("these settings changed but keep their running values until a restart: %s",
+                        ", ".join(pending))
+        return Reloaded(restart_required=pending)
 
 
 STATE = web.AppKey("state", State)

@@ -78,17 +78,30 @@ class SummaryService:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cache = cache
-        self.ttl = ttl
-        self.lock_wait = lock_wait
         self.lock_ttl = lock_ttl
-        self.max_wait = max_wait
-        self.backoff_first = backoff_first
-        self.backoff_max = backoff_max
         self.on_call = on_call
         self.on_failure = on_failure
         self.clock = clock
+        self.configure(ttl=ttl, lock_wait=lock_wait, max_wait=max_wait, backoff_first=backoff_first,
+                       backoff_max=backoff_max)
         self._flights: dict[str, _Flight] = {}
-        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # conversation -> (failures, last at)
+
+    def configure(self, *, ttl: float | None, lock_wait: float, max_wait: float, backoff_first: float,
+                  backoff_max: float) -> None:
+        """Set the settings a reload may change; a back-off in progress is measured with the new ones."""
+        self.ttl = ttl
+        self.lock_wait = lock_wait
+        self.max_wait = max_wait
+        self.backoff_first = backoff_first
+        self.backoff_max = backoff_max
+
+    def _backoff_until(self, conversation: str) -> float | None:
+        failing = self._failures.get(conversation)
+        if failing is None or not self.backoff_first:
+            return None
+        count, at = failing
+        return at + min(self.backoff_max, self.backoff_first * 2.0 ** min(count - 1, 62))
 
     async def lookup(self, scope: SummaryScope, chain: Sequence[str]) -> CachedSummary | None:
         if not chain:
@@ -123,9 +136,9 @@ class SummaryService:
         model: str = "",
     ) -> tuple[CachedSummary, bool]:
         conversation = summary_key(scope, "conversation:" + chain[0])
-        failing = self._failures.get(conversation)
-        if failing is not None and self.clock() < failing[1]:
-            raise SummaryUnavailable(f"summariser backing off for {failing[1] - self.clock():.0f}s after a failure",
+        until = self._backoff_until(conversation)
+        if until is not None and self.clock() < until:
+            raise SummaryUnavailable(f"summariser backing off for {until - self.clock():.0f}s after a failure",
                                      reason="backoff")
         key = summary_key(scope, chain[cut - 1])
         flight = self._flights.get(key)
@@ -222,8 +235,7 @@ class SummaryService:
     def _failed(self, job: _Job, exc: SummaryUnavailable) -> None:
         if exc.reason != "backoff":
             count = self._failures.get(job.conversation, (0, 0.0))[0] + 1
-            delay = min(self.backoff_max, self.backoff_first * 2 ** (count - 1)) if self.backoff_first else 0.0
-            self._failures[job.conversation] = (count, self.clock() + delay)
+            self._failures[job.conversation] = (count, self.clock())
             self._failures.move_to_end(job.conversation)
             while len(self._failures) > FAILURES_TRACKED:
                 self._failures.popitem(last=False)
