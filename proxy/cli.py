@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from proxy.core.errors import ConfigError, CtxProxyError
-from proxy.settings import Config, load_config
+
+if TYPE_CHECKING:  # the settings (pydantic) load after `serve` has held SIGHUP (_serve)
+    from proxy.settings import Config
 
 EXIT_OK, EXIT_REFUSED, EXIT_INVALID = 0, 1, 2
 
@@ -59,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _load(path: str) -> Config | None:
+    from proxy.settings import load_config
+
     try:
         return load_config(path)
     except ConfigError as exc:
@@ -149,6 +154,8 @@ async def _run_report(config: Config, since: float) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # SIGHUP (reload) is held until the server has its handler: one sent while it loads must not end it
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
     config = _load(args.config)
     if config is None:
         return EXIT_INVALID

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -351,6 +352,7 @@ class Config:
     source: str = "<memory>"
     keys: dict[str, Tenant] = field(default_factory=dict)  # sha256 hex of key -> tenant
     admin_keys: frozenset[str] = frozenset()
+    read_at: float = 0.0  # time.monotonic() when the file was read (a worker reports it: proxy.serve.workers)
 
     @property
     def default_upstream(self) -> str:
@@ -511,6 +513,7 @@ def load_config(
     registry: Registry | None = None,
 ) -> Config:
     """Read, substitute, validate and resolve a config file (or an already-parsed mapping)."""
+    read_at = time.monotonic()
     env = dict(os.environ) if env is None else env
     registry = registry or default_registry()
     problems: list[str] = []
@@ -586,4 +589,4 @@ def load_config(
                             "an admin key must be separate")
     if problems:
         raise ConfigError(problems)
-    return Config(settings, top, tenants, registry, name, keys, admin)
+    return Config(settings, top, tenants, registry, name, keys, admin, read_at)

@@ -255,3 +255,45 @@ async def test_a_malformed_request_is_logged_in_one_line_without_its_bytes(
     log = "\n".join(served.lines)
     assert "sk-LEAKED" not in log and "Traceback" not in log
     assert "LineTooLong" in log
+
+
+def sighup_held(pid: int) -> bool:
+    """Whether ``pid`` blocks SIGHUP (bit 0 of SigBlk in /proc/<pid>/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    match = re.search(r"^SigBlk:\s*([0-9a-f]+)$", status, re.M)
+    return bool(match and int(match.group(1), 16) & 1)
+
+
+async def test_a_sighup_before_the_server_listens_is_handled_once_it_does(upstream: FakeUpstream,
+                                                                         tmp_path: Path) -> None:
+    """SIGHUP's default action ends a process: one sent while `serve` was still loading killed it."""
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        str(CTXPROXY), "serve", "--config", str(write_config(tmp_path, upstream)), "--port", str(port),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    served = Served(proc, port)
+    try:
+        deadline = time.monotonic() + 10
+        while not sighup_held(proc.pid):  # held from the start, long before it listens
+            assert time.monotonic() < deadline and proc.returncode is None, "SIGHUP is never held while it starts"
+            await asyncio.sleep(0.002)
+        assert not served.ready.done()
+        proc.send_signal(signal.SIGHUP)
+        await asyncio.wait([served.ready, served.reader], timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        assert served.ready.done(), f"exited {proc.returncode}:\n" + "\n".join(served.lines)
+        for _ in range(100):
+            if any("config reloaded from" in line for line in served.lines):
+                break
+            await asyncio.sleep(0.05)
+        assert any("config reloaded from" in line for line in served.lines), served.lines
+        async with openai.AsyncOpenAI(base_url=served.base_url, api_key="sk-client", max_retries=0) as c:
+            await c.chat.completions.create(model=MODEL, messages=MESSAGES)
+        proc.send_signal(signal.SIGTERM)
+        assert await served.wait_exit(DRAIN + 5) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

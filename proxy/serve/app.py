@@ -22,6 +22,7 @@ from proxy.serve.state import (
     tenant_names,
     upstream_names,
 )
+from proxy.serve.workers import Supervised
 from proxy.settings import Config
 from proxy.store.cache import Cache
 
@@ -32,7 +33,8 @@ def create_app(config: Config, *, config_path: str | None = None, cache: Cache |
     metrics = Metrics(tenant_names(config), model_names(config), model_map,
                       multiprocess_dir=os.environ.get("PROMETHEUS_MULTIPROC_DIR"), upstreams=upstream_names(config))
     shared = build_shared(config, metrics=metrics, cache=cache, model_map=model_map)
-    state = State(build_runtime(config, shared), shared, metrics, config_path)
+    state = State(build_runtime(config, shared), shared, metrics, config_path,
+                  supervised=Supervised.from_env(os.environ))
     # bodies are read by proxy.serve.http.read_body, which applies the running config's max_body_mb
     app = web.Application(middlewares=[error_middleware])
     app[STATE] = state

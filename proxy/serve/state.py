@@ -10,6 +10,8 @@ explain all go through these two functions.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -20,6 +22,7 @@ from proxy.core.modelinfo import ModelMap, PriceOverride
 from proxy.core.tokens import Tokenizers
 from proxy.runtime import Runtime
 from proxy.serve.metrics import Metrics
+from proxy.serve.workers import Status, Supervised
 from proxy.settings import Config, load_config
 from proxy.store.backends import open_cache
 from proxy.store.cache import Cache, SafeCache
@@ -163,6 +166,7 @@ class State:
     config_path: str | None
     prefix: PrefixTracker = field(default_factory=PrefixTracker)
     draining: bool = False
+    supervised: Supervised | None = None  # a worker of ``serve --workers N``
     started_with: Config = field(init=False)  # the config the process was built with
 
     def __post_init__(self) -> None:
@@ -176,12 +180,24 @@ class State:
     def config(self) -> Config:
         return self.served.runtime.config
 
+    def announce(self) -> None:
+        """A worker tells its supervisor (and the others) it is serving, with the config it started with."""
+        if self.supervised is not None:
+            self.supervised.write(Status(os.getpid(), self.started_with.read_at))
+
     def reload(self) -> Reloaded:
         """Re-read the config file; on any problem keep the running config and return the problems."""
         if self.config_path is None:
             return Reloaded(["no config file to reload (the app was built from an in-memory config)"])
+        asked = time.monotonic()
+        done = self._reload(self.config_path)
+        if self.supervised is not None:
+            self.supervised.write(Status(os.getpid(), asked, done.problems, done.restart_required))
+        return done
+
+    def _reload(self, path: str) -> Reloaded:
         try:
-            config = load_config(self.config_path)
+            config = load_config(path)
         except ConfigError as exc:
             for problem in exc.problems:
                 log.error("reload rejected, keeping the running config: %s", problem)
@@ -192,7 +208,7 @@ class State:
         self.served = build_runtime(config, self.shared)
         self.metrics.set_labels(tenant_names(config), model_names(config), upstream_names(config))
         pending = restart_required(self.started_with, config)
-        log.info("config reloaded from %s", self.config_path)
+        log.info("config reloaded from %s", path)
         if pending:
             log.warning("these settings changed but keep their running values until a restart: %s",
                         ", ".join(pending))
