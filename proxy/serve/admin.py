@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -10,7 +11,14 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.core.errors import AuthenticationError, BadRequest, CtxProxyError, ModelNotFound, NotFound
+from proxy.core.errors import (
+    AuthenticationError,
+    BadRequest,
+    ConfigError,
+    CtxProxyError,
+    ModelNotFound,
+    NotFound,
+)
 from proxy.runtime import Runtime
 from proxy.serve.explain import calibration_detail, explain
 from proxy.serve.http import (
@@ -24,10 +32,13 @@ from proxy.serve.http import (
 )
 from proxy.serve.report import cost_report, parse_since, render
 from proxy.serve.requestlog import RequestRecord
-from proxy.settings import Config, Tenant
+from proxy.serve.workers import Supervised
+from proxy.settings import Config, Tenant, load_config
 from proxy.upstream.anthropic import anthropic_headers
 from proxy.upstream.http import open_request, upstream_headers
 from proxy.wire import WIRES
+
+WORKERS_RELOAD_WAIT = 10.0  # seconds POST /admin/reload waits for every worker to confirm
 
 
 async def explain_handler(request: web.Request) -> web.Response:
@@ -161,13 +172,41 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 
 async def admin_reload(request: web.Request) -> web.Response:
+    """POST /admin/reload (admin key): re-read the config file, in this process or in every worker."""
     st = state(request)
     if not any(st.config.is_admin_key(key) for key in client_keys(request)):
         raise AuthenticationError("An admin key is required for /admin/reload.")
+    if st.supervised is not None and st.config_path is not None:
+        return await _reload_every_worker(st.supervised, st.config_path)
     done = st.reload()
     if done.problems:
         return json_response({"reloaded": False, "problems": done.problems}, 400)
     return json_response({"reloaded": True, "restart_required": done.restart_required})
+
+
+async def _reload_every_worker(supervised: Supervised, config_path: str) -> web.Response:
+    """Under ``--workers``: a new config is checked here first (an invalid one reaches no worker), then every
+    worker reloads (the supervisor relays SIGHUP) and the answer says what each did."""
+    try:
+        load_config(config_path)
+    except ConfigError as exc:
+        return json_response({"reloaded": False, "problems": exc.problems}, 400)
+    if not supervised.supervisor_alive():
+        return json_response({"reloaded": False, "problems": [
+            f"the supervisor (pid {supervised.supervisor}) is gone: restart the server"]}, 503)
+    outcomes = await supervised.reload_all(WORKERS_RELOAD_WAIT)
+    states = {o.state for o in outcomes}
+    body: dict[str, Any] = {
+        "reloaded": states <= {"reloaded", "exited"},
+        "workers": [o.as_dict() for o in outcomes],
+        "restart_required": list(dict.fromkeys(p for o in outcomes for p in o.restart_required)),
+    }
+    problems = [f"worker {o.pid} did not confirm its reload within {WORKERS_RELOAD_WAIT:g}s"
+                for o in outcomes if o.state == "pending"]
+    problems += [f"worker {o.pid}: {problem}" for o in outcomes if o.state == "rejected" for problem in o.problems]
+    if problems:
+        body["problems"] = problems
+    return json_response(body, 504 if "pending" in states else 400 if "rejected" in states else 200)
 
 
 async def admin_report(request: web.Request) -> web.Response:
@@ -181,8 +220,15 @@ async def admin_report(request: web.Request) -> web.Response:
         raise BadRequest(str(exc), param="since", code="invalid_since") from None
     await st.shared.ledger.flush()  # this process's latest buckets first
     report = await cost_report(st.shared.cache, since)
+    if st.supervised is not None and st.shared.cache.name == "memory":
+        # each worker's ledger lives in its own memory: this one can only speak for itself
+        workers = max(1, len(st.supervised.statuses()))
+        report["scope"] = {"worker_pid": os.getpid(), "workers": workers}
+        report["warning"] = (f"cache.backend is memory and {workers} workers serve this port: this report counts "
+                             f"only worker {os.getpid()}'s requests; use the disk or redis backend for one report")
     if request.query.get("format") == "text":
-        return web.Response(text=render(report), content_type="text/plain")
+        text = render(report) + (f"warning: {report['warning']}\n" if "warning" in report else "")
+        return web.Response(text=text, content_type="text/plain")
     return json_response(report)
 
 
