@@ -195,6 +195,9 @@ async def _reload_every_worker(supervised: Supervised, config_path: str) -> web.
         return json_response({"reloaded": False, "problems": [
             f"the supervisor (pid {supervised.supervisor}) is gone: restart the server"]}, 503)
     outcomes = await supervised.reload_all(WORKERS_RELOAD_WAIT)
+    if outcomes is None:
+        return json_response({"reloaded": False, "problems": [
+            f"the workers' status files in {supervised.directory} cannot be read: restart the server"]}, 503)
     states = {o.state for o in outcomes}
     body: dict[str, Any] = {
         "reloaded": states <= {"reloaded", "exited"},

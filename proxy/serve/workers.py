@@ -98,9 +98,14 @@ class Supervised:
     def supervisor_alive(self) -> bool:
         return os.getppid() == self.supervisor  # reparented: the supervisor is gone
 
-    async def reload_all(self, timeout: float) -> list[Outcome]:
-        """Ask the supervisor to reload every worker; wait until each has read the file since, up to ``timeout``."""
+    async def reload_all(self, timeout: float) -> list[Outcome] | None:
+        """Ask the supervisor to reload every worker; wait until each has read the file since, up to ``timeout``.
+
+        None when the status files cannot be read (this worker's own is missing): nobody could confirm.
+        """
         before = set(self.statuses())
+        if os.getpid() not in before:
+            return None
         asked = time.monotonic()
         os.kill(self.supervisor, signal.SIGHUP)
         deadline = asked + timeout
