@@ -80,6 +80,7 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> Non
     # load the default tokenizer and litellm's model map in the background: the first request
     # must not pay ~0.5 s for them
     warm = asyncio.get_running_loop().run_in_executor(None, _warm_up, state)
+    state.announce()  # before the line below: a worker that says it listens is ready for its supervisor too
     # one write: workers share stderr, and print() writes the line and its newline apart
     sys.stderr.write(f"ctxproxy listening on http://{host}:{bound} (pid {os.getpid()})\n")
     sys.stderr.flush()
@@ -89,7 +90,6 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> Non
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, state.reload)
-    state.announce()
     # held until now (by `serve`, or inherited from the supervisor): one that came meanwhile is handled now
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_UNTIL_READY)
     await stop.wait()

@@ -30,7 +30,7 @@ from proxy.settings import Config
 
 log = logging.getLogger("ctxproxy")
 
-RESPAWN_FIRST = 0.5  # seconds before a dead worker is replaced; doubles while replacements die young
+RESPAWN_FIRST = 0.5  # seconds before a dead worker is replaced; doubles for each replacement in a row that died young
 RESPAWN_MAX = 30.0
 STABLE = 30.0  # a worker that lived this long resets the back-off
 TICK = 1.0  # the longest the supervisor sleeps without looking at its workers
@@ -44,7 +44,8 @@ class Slot:
     index: int
     proc: subprocess.Popen[bytes] | None = None
     started: float = 0.0
-    quick_deaths: int = 0
+    replacements: int = 0  # started since the slot's first worker died
+    died_young: int = 0  # replacements in a row that died within STABLE seconds
     respawn_at: float | None = None
 
 
@@ -117,12 +118,11 @@ class Supervisor:
     def _reap(self) -> int | None:
         """Note the workers that exited; the exit code that ends the server when one failed to start."""
         now = time.monotonic()
+        self.ever_ready = self.ever_ready or any(s.proc is not None and self._ready(s.proc.pid) for s in self.slots)
         for slot in self.slots:
             proc = slot.proc
             if proc is None:
                 continue
-            if not self.ever_ready and self._ready(proc.pid):
-                self.ever_ready = True
             code = proc.poll()
             if code is None:
                 continue
@@ -135,8 +135,8 @@ class Supervisor:
                           _exit(code))
                 return code if code > 0 else 1
             lived = now - slot.started
-            slot.quick_deaths = 0 if lived >= STABLE else slot.quick_deaths + 1
-            delay = min(RESPAWN_MAX, RESPAWN_FIRST * 2 ** max(0, slot.quick_deaths - 1))
+            slot.died_young = slot.died_young + 1 if slot.replacements and lived < STABLE else 0
+            delay = min(RESPAWN_MAX, RESPAWN_FIRST * 2.0 ** min(slot.died_young, 16))
             slot.respawn_at = now + delay
             log.warning("worker %d (pid %d) exited with %s after %.1fs; starting a new one in %.1fs",
                         slot.index, proc.pid, _exit(code), lived, delay)
@@ -146,6 +146,7 @@ class Supervisor:
         now = time.monotonic()
         for slot in self.slots:
             if slot.proc is None and slot.respawn_at is not None and now >= slot.respawn_at:
+                slot.replacements += 1
                 log.info("worker %d restarted (pid %d)", slot.index, self._start(slot))
 
     def _stop(self, signum: signal.Signals) -> int:
