@@ -106,6 +106,9 @@ class FakeUpstream:
     count_tokens_answer: int = 42
     counts: list[Received] = field(default_factory=list)  # /v1/messages/count_tokens requests
     sent: bytes = b""  # the exact bytes of the last relayed-wire stream this upstream wrote
+    # rewrite every stream (chat, responses, messages) before it is written: e.g. other line ends, or cut short
+    stream_edit: Callable[[bytes], bytes] | None = None
+    stream_close: str = "eof"  # eof (a clean end) | drop (the connection is cut after the last byte written)
     # X-Request-ID enforcement (issue 17)
     require_uuid_request_id: bool = False
     request_ids: list[tuple[str, str | None]] = field(default_factory=list)  # (purpose or path, X-Request-ID)
@@ -267,12 +270,14 @@ class FakeUpstream:
         usage = self.usage_for(request, body)
         if not body.get("stream"):
             return web.json_response(_completion(model, REPLY, usage))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunks = [_chunk(model, {"role": "assistant", "content": ""})]
         chunks += [_chunk(model, {"content": p}) for p in PIECES]
         chunks.append(_chunk(model, {}, "stop", usage if include_usage else None))
+        if self.stream_edit is not None:
+            return await self._wire_stream(request, [*chunks, b"data: [DONE]\n\n"])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
         for i, chunk in enumerate(chunks):
             if self.mode == "stall" and i == 2:
                 await asyncio.sleep(self.delay or 3600)
@@ -346,6 +351,8 @@ class FakeUpstream:
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         self.sent = b""
+        if self.stream_edit is not None:
+            events = [self.stream_edit(b"".join(events))]
         for i, event in enumerate(events):
             if self.wire_mode == "break" and i == len(events) // 2:
                 assert request.transport is not None
@@ -353,6 +360,11 @@ class FakeUpstream:
                 return resp
             self.sent += event
             await resp.write(event)
+        if self.stream_close == "drop":
+            await asyncio.sleep(0.05)  # the bytes reach the proxy before the connection is cut
+            assert request.transport is not None
+            request.transport.close()
+            return resp
         await resp.write_eof()  # a clean end: the last chunk, nothing after the terminal event
         return resp
 
