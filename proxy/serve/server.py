@@ -96,11 +96,12 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> Non
 
 
 def make_runner(app: web.Application, config: Config, *, shutdown_timeout: float | None = None) -> web.AppRunner:
-    """The app's runner: handlers cancelled with their client, idle and half-sent request heads timed out."""
+    """The app's runner: handlers cancelled with their client, idle and half-sent request heads timed out, request
+    bodies decoded by ``proxy.serve.http.read_body`` (aiohttp would refuse a coding it cannot decode in plain text)."""
     server = config.settings.server
     drain = server.drain_timeout if shutdown_timeout is None else shutdown_timeout
     return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain,
-                         keepalive_timeout=server.header_timeout)
+                         keepalive_timeout=server.header_timeout, auto_decompress=False)
 
 
 def _warm_up(state: State) -> None:
