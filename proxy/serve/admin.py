@@ -156,6 +156,17 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
+    """GET /metrics: open without tenants; with tenants it names each one with its traffic and cost, so only an
+    admin key reads it here (a scraper without one reads ``server.metrics_port``)."""
+    st = state(request)
+    if st.config.tenants and not any(st.config.is_admin_key(key) for key in client_keys(request)):
+        raise AuthenticationError("With tenants configured, /metrics needs an admin key (admin.keys); a scraper "
+                                  "without one reads the server.metrics_port listener.")
+    return await open_metrics_handler(request)
+
+
+async def open_metrics_handler(request: web.Request) -> web.Response:
+    """GET /metrics on the ``server.metrics_port`` listener: no key (bind it to loopback or a private network)."""
     payload, content_type = state(request).metrics.render()
     return web.Response(body=payload, headers={"Content-Type": content_type})
 
