@@ -99,8 +99,9 @@ class UnsupportedEncoding(CtxProxyError):
     type = "invalid_request_error"
     code = "unsupported_content_encoding"
 
-    def __init__(self, message: str, accepted: str) -> None:
-        super().__init__(message, param="Content-Encoding")
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 accepted: str = "identity") -> None:
+        super().__init__(message, param=param, code=code)
         self.headers = {"Accept-Encoding": accepted}  # RFC 9110 15.5.16: the codings it does accept
 
 

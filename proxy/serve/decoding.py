@@ -29,7 +29,7 @@ def content_codings(values: list[str]) -> list[str]:
         if coding not in ("gzip", "x-gzip", "deflate"):
             raise UnsupportedEncoding(
                 f"The request body's Content-Encoding {coding[:40]!r} is not supported; send it uncompressed, or "
-                f"with one of: {ACCEPTED}.", ACCEPTED)
+                f"with one of: {ACCEPTED}.", param="Content-Encoding", accepted=ACCEPTED)
     return out
 
 
