@@ -164,7 +164,7 @@ async def _handle(request: web.Request, wire: ManagedWire, hook: RequestHook | N
                                           watcher=watcher)
         finally:
             record.upstream = time.perf_counter() - sent
-            record.ttft, record.usage = watcher.ttft, watcher.usage
+            record.ttft, record.usage, record.refusal = watcher.ttft, watcher.usage, watcher.refusal
         status = response.status
         return response
     except CtxProxyError as exc:
@@ -192,7 +192,8 @@ async def _handle(request: web.Request, wire: ManagedWire, hook: RequestHook | N
 def _after_answer(st: State, route: ModelRoute, assembly: Assembly, record: RequestRecord, status: int,
                   wire: str) -> None:
     try:
-        record.cost = settle(st.shared, st.metrics, route, assembly, record.tenant, record.usage, status, wire)
+        record.cost = settle(st.shared, st.metrics, route, assembly, record.tenant, record.usage, status, wire,
+                             refusal=record.refusal)
     except Exception:  # a bug here must never touch the answer, nor silence the request log
         log.exception("usage feedback failed for request %s", record.request_id)
     if st.config.settings.logging.requests:

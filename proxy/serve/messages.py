@@ -96,7 +96,8 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
         if answer is not None:
             return await relay_answer(request, answer, headers, idle_timeout=st.config.settings.server.idle_timeout,
                                       watcher=StreamWatcher(time.perf_counter(), WIRE.stream_end))
-    factor = runtime.calibration.factor(route) if runtime.calibration is not None else 1.0
+    name = tenant.name if tenant else "default"
+    factor = runtime.calibration.factor(route, name) if runtime.calibration is not None else 1.0
     out: dict[str, Any] = {"input_tokens": math.ceil(after * factor)}
     if body.get("context_management") is not None:
         out["context_management"] = {"original_input_tokens": math.ceil(before * factor)}
