@@ -34,6 +34,7 @@ _OBJ = re.compile(rb"\d+\s+\d+\s+obj\b")
 _PAGE = re.compile(rb"/Type\s*/Page(?![A-Za-z0-9_])")
 _PAGES_COUNT = re.compile(rb"/Type\s*/Pages\b[^>]{0,1024}?/Count\s+(\d{1,9})|/Count\s+(\d{1,9})[^>]{0,1024}?/Type\s*/Pages\b")
 _TEXT_MARK = re.compile(rb"\b[BE]T\b")
+_NEW_LINE = re.compile(rb"T\*|\bT[dDm]\b|['\"]")
 _LIT = rb"\((?:[^()\\]|\\.|\((?:[^()\\]|\\.)*\))*\)"
 _HEX = rb"<[0-9A-Fa-f\s]*>"
 _NUM = rb"[-+]?(?:\d+\.?\d*|\.\d+)"
@@ -98,7 +99,7 @@ def read_pdf(raw: bytes) -> PdfText | None:
     pages = _pages(objects)
     if pages is None:
         return None
-    return PdfText(pages, "\n".join(texts), glyphs)
+    return PdfText(pages, "".join(texts), glyphs)
 
 
 def _dictionary(raw: bytes, stream_at: int) -> bytes | None:
@@ -141,7 +142,11 @@ def _shown_text(content: bytes) -> tuple[str, int]:
     pieces: list[str] = []
     glyphs = 0
     for block in _text_blocks(content):
+        end = 0
         for shown in _SHOWN.finditer(block):
+            if pieces and pieces[-1] != "\n":  # what moved the text position between two strings: a new line?
+                pieces.append("\n" if _NEW_LINE.search(block, end, shown.start()) else " ")
+            end = shown.end()
             if shown.group(1) is not None:  # a TJ array: strings with kerning between them
                 word: list[str] = []
                 for part in _IN_ARRAY.finditer(shown.group(1)):
@@ -157,7 +162,7 @@ def _shown_text(content: bytes) -> tuple[str, int]:
                 pieces.append(text)
                 glyphs += unknown
         pieces.append("\n")
-    return " ".join(p for p in pieces if p), glyphs
+    return "".join(pieces), glyphs
 
 
 def _text_blocks(content: bytes) -> list[bytes]:

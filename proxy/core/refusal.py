@@ -26,9 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-MAX_BODY = 64 * 1024  # an error body larger than this is not a provider's length refusal
+MAX_MESSAGE = 2000  # only the start of a message is read
 MAX_COUNT = 10**9
 
 _LENGTH = re.compile(r"context[ _-]?(?:length|window|size)|prompt is too long|too many (?:input )?tokens"
@@ -55,13 +53,9 @@ class Refusal:
     limit: int | None
 
 
-def length_refusal(status: int, raw: bytes) -> Refusal | None:
-    """The refusal for length in a provider's error answer (status 400 or 413), or None."""
-    if status not in (400, 413) or not raw or len(raw) > MAX_BODY:
-        return None
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
+def length_refusal(status: int, body: Any) -> Refusal | None:
+    """The refusal for length in a provider's error answer (status 400 or 413; its parsed body), or None."""
+    if status not in (400, 413):
         return None
     error = body.get("error") if isinstance(body, Mapping) else None
     if not isinstance(error, Mapping):
@@ -69,7 +63,7 @@ def length_refusal(status: int, raw: bytes) -> Refusal | None:
     found = error.get("message")
     message = found if isinstance(found, str) else ""
     kind = " ".join(str(error.get(k)) for k in ("code", "type") if isinstance(error.get(k), str))
-    if not (_LENGTH.search(kind) or _LENGTH.search(message)):
+    if not (_LENGTH.search(kind) or _LENGTH.search(message[:MAX_MESSAGE])):
         return None
     return Refusal(_count(error.get("n_prompt_tokens"), message, _INPUT), _count(error.get("n_ctx"), message, _LIMIT))
 
@@ -78,7 +72,7 @@ def _count(field: Any, message: str, patterns: tuple[re.Pattern[str], ...]) -> i
     if isinstance(field, int) and not isinstance(field, bool) and 0 < field < MAX_COUNT:
         return field
     for pattern in patterns:
-        found = pattern.search(message[:2000])
+        found = pattern.search(message[:MAX_MESSAGE])
         if found is not None and 0 < int(found.group(1)) < MAX_COUNT:
             return int(found.group(1))
     return None

@@ -16,7 +16,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.core.conversation import WireAdapter
-from proxy.core.errors import CtxProxyError, PayloadError
+from proxy.core.errors import CtxProxyError, PayloadError, UpstreamStatus
+from proxy.core.refusal import length_refusal
 from proxy.pipeline import Assembly
 from proxy.policy import ModelRoute
 from proxy.runtime import Runtime
@@ -164,13 +165,15 @@ async def _handle(request: web.Request, wire: ManagedWire, hook: RequestHook | N
                                           watcher=watcher)
         finally:
             record.upstream = time.perf_counter() - sent
-            record.ttft, record.usage, record.refusal = watcher.ttft, watcher.usage, watcher.refusal
+            record.ttft, record.usage = watcher.ttft, watcher.usage
         status = response.status
         return response
     except CtxProxyError as exc:
         status = exc.status
         if isinstance(exc, PayloadError) or exc.code == "context_length_exceeded":
             st.metrics.payload_error(exc.code or "invalid_payload")
+        if isinstance(exc, UpstreamStatus):  # the provider's own words: a refusal for length is calibration evidence
+            record.refusal = length_refusal(exc.status, exc.raw if isinstance(exc.raw, dict) else exc.body)
         record.error = exc.code
         raise
     except (asyncio.CancelledError, ConnectionResetError):

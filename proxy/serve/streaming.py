@@ -17,7 +17,6 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.core.errors import CtxProxyError, UpstreamUnreachable
-from proxy.core.refusal import length_refusal
 from proxy.upstream.base import Answer
 from proxy.wire.sse import SSE_HEADERS, StreamWatcher
 
@@ -40,7 +39,6 @@ async def relay_answer(
         raw = await answer.read(idle_timeout)
         watcher.ttft = time.perf_counter() - watcher.started
         watcher.usage = usage_of(raw)
-        watcher.refusal = length_refusal(answer.status, raw)
         out_headers.setdefault("Content-Type", "application/json")
         return web.Response(body=raw, status=answer.status, headers=out_headers)
     out_headers["Content-Type"] = answer.headers.get("Content-Type", "text/event-stream")

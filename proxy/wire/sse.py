@@ -20,7 +20,6 @@ from typing import Any
 import orjson
 
 from proxy.core.errors import CtxProxyError
-from proxy.core.refusal import Refusal
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -154,7 +153,6 @@ class StreamWatcher:
         self.done = False
         self.failed = False  # the stream ended with the upstream's own error event
         self.usage: dict[str, Any] | None = None
-        self.refusal: Refusal | None = None  # an error answer that refused the payload for length (not a stream)
         self.ttft: float | None = None
         self._clock = clock
         self._partial = b""
