@@ -19,7 +19,8 @@ calibration (``proxy.store.calibration``), like its text.
 - **PDF** (its pages and text read by ``proxy.core.pdf``): both providers put the extracted text and
   an image of every page in the model's context (OpenAI "File inputs": "both the extracted text and an
   image of each page"; Anthropic "PDF support": text plus each page converted to an image, priced as an
-  image). So: the extracted text's tokens (glyphs without a text encoding at ``GLYPHS_PER_TOKEN``) plus,
+  image). So: the extracted text's tokens (glyphs without a text encoding, and text beyond the first 2 M
+  characters, at ``GLYPHS_PER_TOKEN`` a token) plus,
   per page, a page image: OpenAI ``OPENAI_PAGE_TOKENS`` (765, a letter page at high detail: 2×2 tiles
   after the 768-px scaling; 85 with ``detail: low``), Anthropic ``CLAUDE_PAGE_TOKENS`` (1,600: a rendered
   page reaches the image cap; a one-page scan bills ~1,600 on Claude).
@@ -134,7 +135,8 @@ def file_tokens(counter: TokenCounter, data: str | None, provider: str = OPENAI,
             page = CLAUDE_PAGE_TOKENS if provider == ANTHROPIC \
                 else OPENAI_PAGE_TOKENS_LOW if detail == "low" else OPENAI_PAGE_TOKENS
             text = counter.text(shown.text) if shown.text else 0
-            return text + math.ceil(shown.glyphs / GLYPHS_PER_TOKEN) + shown.pages * page
+            unread = math.ceil((shown.glyphs + shown.more_chars) / GLYPHS_PER_TOKEN)
+            return text + unread + shown.pages * page
     elif raw and b"\x00" not in raw:
         try:
             return max(1, counter.text(raw.decode("utf-8")))

@@ -14,7 +14,7 @@ What providers bill for a PDF is per page (``proxy.core.media``), so two figures
 
 The work is bounded whatever the input: at most ``MAX_STREAMS`` streams and ``MAX_INFLATED`` bytes
 inflated in all (a zip bomb stops there), regular expressions only (no recursion, no per-byte Python
-loop). A file that is not a PDF, or whose pages cannot be found, is None: the caller keeps its size-based
+loop), and at most ``MAX_TEXT`` characters handed on for tokenizing (beyond them only their number). A file that is not a PDF, or whose pages cannot be found, is None: the caller keeps its size-based
 default.
 """
 
@@ -25,7 +25,8 @@ import zlib
 from dataclasses import dataclass
 
 MAX_STREAMS = 10_000
-MAX_INFLATED = 64 * 1024 * 1024
+MAX_INFLATED = 32 * 1024 * 1024
+MAX_TEXT = 2_000_000  # characters of text kept for the tokenizer; beyond them only their number
 HEADER_WINDOW = 1024  # "%PDF-" must start within the first KiB, as readers accept it
 DICT_WINDOW = 2048  # how far before "stream" its dictionary is looked for
 
@@ -56,6 +57,7 @@ class PdfText:
     pages: int
     text: str
     glyphs: int
+    more_chars: int = 0  # characters shown beyond the first MAX_TEXT (counted, not kept)
 
 
 def is_pdf(raw: bytes) -> bool:
@@ -99,7 +101,8 @@ def read_pdf(raw: bytes) -> PdfText | None:
     pages = _pages(objects)
     if pages is None:
         return None
-    return PdfText(pages, "".join(texts), glyphs)
+    text = "".join(texts)
+    return PdfText(pages, text[:MAX_TEXT], glyphs, max(0, len(text) - MAX_TEXT))
 
 
 def _dictionary(raw: bytes, stream_at: int) -> bytes | None:

@@ -69,6 +69,12 @@ def test_a_zip_bomb_is_inflated_no_further_than_the_bound(monkeypatch: pytest.Mo
     assert len(got.text) < 1_000_000
 
 
+def test_text_beyond_the_bound_is_counted_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pdf, "MAX_TEXT", 100)
+    got = pdf.read_pdf(mf.pdf([mf.prose(50)]))
+    assert got is not None and len(got.text) == 100 and got.more_chars == len(mf.prose(50)) + 1 - 100
+
+
 def test_unbalanced_text_operators_stay_linear() -> None:
     """BT without ET, strings without their closing parenthesis: one pass, not one search per mark."""
     content = b"BT " * 200_000 + b"(" * 200_000 + b"[" * 200_000 + b"ET"
