@@ -441,7 +441,13 @@ class CalibrationStore:
 
     async def _write(self, key: Key) -> None:
         try:
-            await self._store(key)
+            # a sample that arrives while the record is on its way (after it was built) finds this write still
+            # pending and does not start another: this one writes again for it
+            while True:
+                await self._store(key)
+                entry = self._entries.get(key)
+                if entry is None or not entry.dirty:
+                    break
         except (CacheBackendError, OSError) as exc:  # a bare backend (SafeCache already swallows): the samples stay local
             log.debug("calibration write failed: %s", exc)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -330,3 +331,21 @@ async def test_a_refusal_lifts_the_factor_at_once() -> None:
     feed(s, [1.3] * 3, tenant="a")  # ordinary samples after it count as before
     assert s.get("a", UP, MODEL).samples == MIN_SAMPLES + 3
     await s.flush()
+
+
+async def test_a_sample_that_arrives_while_the_record_is_being_written_is_written_too() -> None:
+    """The pending write does not start another; the sample must still reach the shared record, not wait for
+    shutdown (two replicas under load lost such samples)."""
+    class Slow(MemoryCache):
+        async def set(self, key: str, value: dict[str, Any], ttl: float | None = None) -> None:
+            await asyncio.sleep(0.01)
+            await super().set(key, value, ttl)
+
+    cache = Slow()
+    s = store(cache)
+    feed(s, [1.3])
+    await asyncio.sleep(0.005)  # the first write has built its record and waits on the backend
+    feed(s, [1.31])
+    await s.flush()
+    record = await cache.get(cache_key(T, UP, MODEL))
+    assert record is not None and len(record["samples"]) == 2
