@@ -118,7 +118,7 @@ class ModelSettings(Strict):
     tokenizer: str | None = Field(None, description="tiktoken encoding name (default by model family).")
     calibration: Literal["auto", "off"] | float = Field(
         "auto", description="Token-count calibration (proxy.store.calibration): auto = learn the provider's count "
-        "over ctxproxy's from usage (starting from the family default), off = 1.0, a number = pinned factor.")
+        "over ctxproxy's from usage, per tenant (starting from the family default), off = 1.0, a number = pinned factor.")
     input_cost_per_token: float | None = Field(None, ge=0, description="USD per input token (default: litellm's map).")
     output_cost_per_token: float | None = Field(None, ge=0, description="USD per output token (default: litellm's map).")
     cache_read_input_token_cost: float | None = Field(

@@ -77,7 +77,8 @@ async def policy_handler(request: web.Request) -> web.Response:
     model = request.query.get("model") or None
     policy = runtime.policy(tenant, model, request.headers.get(OVERRIDE_HEADER))  # 404: a model it may not use
     out = policy.describe()
-    out["calibration"] = await _calibration(runtime, [model] if model else _usable(runtime.config, tenant))
+    out["calibration"] = await _calibration(runtime, [model] if model else _usable(runtime.config, tenant),
+                                            policy.tenant)
     if policy.warnings:
         out["warnings"] = policy.warnings
     return json_response(out)
@@ -88,8 +89,8 @@ def _usable(config: Config, tenant: Tenant | None) -> list[str]:
     return list(allowed) if allowed is not None else [m.name for m in config.settings.models]
 
 
-async def _calibration(runtime: Runtime, models: list[str]) -> dict[str, Any]:
-    """Per model name: the factor its budget uses, and where it comes from."""
+async def _calibration(runtime: Runtime, models: list[str], tenant: str) -> dict[str, Any]:
+    """Per model name: the factor the tenant's budget uses, and where it comes from."""
     out: dict[str, Any] = {}
     for name in models:
         try:
@@ -97,8 +98,8 @@ async def _calibration(runtime: Runtime, models: list[str]) -> dict[str, Any]:
         except ModelNotFound:
             continue
         if runtime.calibration is not None:
-            await runtime.calibration.prime(route)
-        out[name] = calibration_detail(runtime, route)
+            await runtime.calibration.prime(route, tenant)
+        out[name] = calibration_detail(runtime, route, tenant)
     return out
 
 

@@ -98,7 +98,8 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
             unmade += runtime.config.settings.summarizer.max_summary_tokens
         headers.update(report_headers(assembly, time.perf_counter() - started))
     request[RESPONSE_HEADERS] = headers
-    factor = runtime.calibration.factor(route) if runtime.calibration is not None else 1.0
+    name = tenant.name if tenant else "default"
+    factor = runtime.calibration.factor(route, name) if runtime.calibration is not None else 1.0
     # emulated context_management: Anthropic reports the body's size before its edits too
     original = math.ceil(_count(unedited, counter) * factor) if exchange is not None and \
         body.get("context_management") is not None else None
