@@ -178,6 +178,7 @@ def tenants_config(upstream: FakeUpstream, **model: Any) -> dict[str, Any]:
         "tenants": [{"name": "a", "keys": ["sk-a"]}, {"name": "b", "keys": ["sk-b"], "max_context_tokens": CAP_B},
                     {"name": "c", "keys": ["sk-c"]}],
         "cache": {"backend": "memory"},
+        "admin": {"keys": ["sk-admin"]},
     }
 
 
@@ -263,5 +264,5 @@ async def test_a_refusal_for_length_teaches_the_factor(upstream: FakeUpstream, s
         assert upstream.anthropic_inputs[-1] <= CLAUDE_WINDOW
         c = await claude_policy(s, proxy, "sk-c")
     assert c["source"] == "learned" and c["factor"] == pytest.approx(1.8, abs=0.03)
-    text = await scrape(proxy)
+    text = await scrape(proxy, "sk-admin")
     assert metric_total(text, "ctxproxy_calibration_samples_total", model=CLAUDE, result="refused") == 1
