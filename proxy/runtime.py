@@ -25,15 +25,16 @@ POLICY_MEMO = 4096
 
 
 class Calibration(Protocol):
-    """The provider-over-proxy token ratio per (upstream, model) (``proxy.store.calibration``).
+    """The provider-over-proxy token ratio per tenant and (upstream, model) (``proxy.store.calibration``).
 
-    ``factor`` is on every request's path and must be a dict lookup; ``prime`` makes sure the route's
-    factor is known (it awaits the shared cache only the first time a route is seen).
+    ``tenant`` is the tenant's name (``default`` without tenants): one tenant's traffic never widens
+    another's budget. ``factor`` is on every request's path and must be a dict lookup; ``prime`` makes
+    sure the factor is known (it awaits the shared cache only the first time a tenant's route is seen).
     """
 
-    def factor(self, route: ModelRoute) -> float: ...
+    def factor(self, route: ModelRoute, tenant: str) -> float: ...
 
-    async def prime(self, route: ModelRoute) -> None: ...
+    async def prime(self, route: ModelRoute, tenant: str) -> None: ...
 
 
 class Runtime:
@@ -135,8 +136,8 @@ class Runtime:
             prepared = await asyncio.get_running_loop().run_in_executor(None, prepare, body, wire, counter)
         calibration = 1.0
         if self.calibration is not None:
-            await self.calibration.prime(route)
-            calibration = self.calibration.factor(route)
+            await self.calibration.prime(route, policy.tenant)
+            calibration = self.calibration.factor(route, policy.tenant)
         assembly = await assemble(
             body, wire=wire, route=route, policy=policy, counter=counter,
             services=self.services(route, policy, request_id=request_id, dry_run=dry_run),

@@ -19,7 +19,15 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from plugins.registry import Binding, Registry, default_registry
 from proxy.core.budget import TrimmerParams
@@ -45,6 +53,20 @@ class ServerSettings(Strict):
         "partial headers) before it is closed; keep it above a load balancer's upstream keep-alive (nginx: 60).")
     body_timeout: float = Field(60, gt=0, description="Seconds a client gets to send a request body (then 408).")
     offload_bytes: int = Field(262_144, ge=0, description="Bodies larger than this are assembled off the event loop.")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="A second listener that serves only GET /metrics, with no key (a "
+        "Prometheus that has none); omit for none. With tenants configured, /metrics on the main port needs an "
+        "admin key (it names every tenant with its traffic and cost).")
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address of the metrics_port listener: loopback unless the scraper is elsewhere "
+        "(in a container network, 0.0.0.0 with the port left unpublished).")
+
+    @field_validator("metrics_port")
+    @classmethod
+    def _two_ports(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and value == info.data.get("port"):
+            raise ValueError("must differ from server.port")
+        return value
 
 
 class UpstreamSettings(Strict):
@@ -98,7 +120,7 @@ class ModelSettings(Strict):
     tokenizer: str | None = Field(None, description="tiktoken encoding name (default by model family).")
     calibration: Literal["auto", "off"] | float = Field(
         "auto", description="Token-count calibration (proxy.store.calibration): auto = learn the provider's count "
-        "over ctxproxy's from usage (starting from the family default), off = 1.0, a number = pinned factor.")
+        "over ctxproxy's from usage, per tenant (starting from the family default), off = 1.0, a number = pinned factor.")
     input_cost_per_token: float | None = Field(None, ge=0, description="USD per input token (default: litellm's map).")
     output_cost_per_token: float | None = Field(None, ge=0, description="USD per output token (default: litellm's map).")
     cache_read_input_token_cost: float | None = Field(

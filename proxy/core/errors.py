@@ -10,6 +10,7 @@
     │   └── OutputLimitExceeded        code=max_tokens_exceeded (tenant policy: refuse)
     ├── BodyTooLarge (413)             code=request_too_large
     ├── RequestTimeout (408)           code=request_timeout (a client too slow to send its body)
+    ├── UnsupportedEncoding (415)      code=unsupported_content_encoding (a body in br, zstd …)
     ├── AuthenticationError (401)      code=invalid_api_key
     ├── PermissionDenied (403)         code=not_allowed (a relayed path a tenant may not use)
     ├── ModelNotFound (404)            code=model_not_found
@@ -89,6 +90,19 @@ class RequestTimeout(CtxProxyError):
     status = 408
     type = "invalid_request_error"
     code = "request_timeout"
+
+
+class UnsupportedEncoding(CtxProxyError):
+    """A request body in a content coding the proxy does not decode; the answer says which it does."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_content_encoding"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 accepted: str = "identity") -> None:
+        super().__init__(message, param=param, code=code)
+        self.headers = {"Accept-Encoding": accepted}  # RFC 9110 15.5.16: the codings it does accept
 
 
 class AuthenticationError(CtxProxyError):

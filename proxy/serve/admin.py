@@ -88,7 +88,8 @@ async def policy_handler(request: web.Request) -> web.Response:
     model = request.query.get("model") or None
     policy = runtime.policy(tenant, model, request.headers.get(OVERRIDE_HEADER))  # 404: a model it may not use
     out = policy.describe()
-    out["calibration"] = await _calibration(runtime, [model] if model else _usable(runtime.config, tenant))
+    out["calibration"] = await _calibration(runtime, [model] if model else _usable(runtime.config, tenant),
+                                            policy.tenant)
     if policy.warnings:
         out["warnings"] = policy.warnings
     return json_response(out)
@@ -99,8 +100,8 @@ def _usable(config: Config, tenant: Tenant | None) -> list[str]:
     return list(allowed) if allowed is not None else [m.name for m in config.settings.models]
 
 
-async def _calibration(runtime: Runtime, models: list[str]) -> dict[str, Any]:
-    """Per model name: the factor its budget uses, and where it comes from."""
+async def _calibration(runtime: Runtime, models: list[str], tenant: str) -> dict[str, Any]:
+    """Per model name: the factor the tenant's budget uses, and where it comes from."""
     out: dict[str, Any] = {}
     for name in models:
         try:
@@ -108,8 +109,8 @@ async def _calibration(runtime: Runtime, models: list[str]) -> dict[str, Any]:
         except ModelNotFound:
             continue
         if runtime.calibration is not None:
-            await runtime.calibration.prime(route)
-        out[name] = calibration_detail(runtime, route)
+            await runtime.calibration.prime(route, tenant)
+        out[name] = calibration_detail(runtime, route, tenant)
     return out
 
 
@@ -167,6 +168,17 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
+    """GET /metrics: open without tenants; with tenants it names each one with its traffic and cost, so only an
+    admin key reads it here (a scraper without one reads ``server.metrics_port``)."""
+    st = state(request)
+    if st.config.tenants and not any(st.config.is_admin_key(key) for key in client_keys(request)):
+        raise AuthenticationError("With tenants configured, /metrics needs an admin key (admin.keys); a scraper "
+                                  "without one reads the server.metrics_port listener.")
+    return await open_metrics_handler(request)
+
+
+async def open_metrics_handler(request: web.Request) -> web.Response:
+    """GET /metrics on the ``server.metrics_port`` listener: no key (bind it to loopback or a private network)."""
     payload, content_type = state(request).metrics.render()
     return web.Response(body=payload, headers={"Content-Type": content_type})
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from proxy.core.modelinfo import ModelMap
+from proxy.serve.admin import not_found, open_metrics_handler
 from proxy.serve.http import error_middleware
 from proxy.serve.metrics import Metrics
 from proxy.serve.routes import add_routes
@@ -51,3 +52,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     with contextlib.suppress(asyncio.CancelledError):
         await flushing
     await shared.close()
+
+
+def create_metrics_app(app: web.Application) -> web.Application:
+    """The ``server.metrics_port`` listener's app: ``GET /metrics`` of ``app``, with no key, and nothing else."""
+    metrics = web.Application(middlewares=[error_middleware])
+    metrics[STATE] = app[STATE]  # the same state (a reload swaps its runtime); ``app`` opens and closes it
+    metrics.router.add_get("/metrics", open_metrics_handler)
+    metrics.router.add_route("*", "/{tail:.*}", not_found)
+    return metrics

@@ -168,11 +168,12 @@ class Metrics:
         self.net_loss = counter(
             "ctxproxy_net_loss_usd",
             "Net savings in USD of requests whose net was negative, as a positive amount.", TM)
-        # token-count calibration (proxy.store.calibration), per upstream model
+        # token-count calibration (proxy.store.calibration), per tenant and upstream model
         self.calibration = Gauge(
             "ctxproxy_token_calibration_factor",
-            "The provider's input-token count over ctxproxy's, learned from usage (or the family default).",
-            ("upstream", "model"), registry=self.registry, multiprocess_mode="mostrecent")
+            "The provider's input-token count over ctxproxy's that a tenant's budget uses, learned from usage "
+            "(or the family default).",
+            ("tenant", "upstream", "model"), registry=self.registry, multiprocess_mode="mostrecent")
         self.calibration_samples = counter(
             "ctxproxy_calibration_samples", "Answers considered for calibration, by result.", ("model", "result"))
         self.count_error = histogram(
@@ -311,9 +312,10 @@ class Metrics:
         self._ledger(t, m, gross_usd=max(0.0, cost.gross_usd or 0.0), cache_effect_usd=effect_usd,
                      net_usd=net or 0.0, unpriced=int(net is None))
 
-    def calibration_factor(self, upstream: str, model: str, factor: float) -> None:
-        """The factor in effect for an upstream model (the calibration store's hook)."""
-        self.calibration.labels(upstream if upstream in self._upstreams else OTHER, self.model_label(model)).set(factor)
+    def calibration_factor(self, tenant: str, upstream: str, model: str, factor: float) -> None:
+        """The factor in effect for a tenant on an upstream model (the calibration store's hook)."""
+        self.calibration.labels(self.tenant_label(tenant), upstream if upstream in self._upstreams else OTHER,
+                                self.model_label(model)).set(factor)
 
     def calibration_sample(self, model: str, sample: Sample, usage: Usage | None, proxy_tokens: int,
                            factor: float) -> None:

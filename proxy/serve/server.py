@@ -77,6 +77,7 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> Non
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=2048)
     await site.start()
     bound = _bound_port(site) or port
+    metrics_runner = await _metrics_listener(app, config, reuse_port=reuse_port)
     # load the default tokenizer and litellm's model map in the background: the first request
     # must not pay ~0.5 s for them
     warm = asyncio.get_running_loop().run_in_executor(None, _warm_up, state)
@@ -96,16 +97,37 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> Non
     await warm
     state.draining = True
     log.info("draining: no new connections; in-flight requests get up to %ss", drain)
+    if metrics_runner is not None:
+        await metrics_runner.cleanup()
     await runner.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout
     log.info("stopped")
 
 
+async def _metrics_listener(app: web.Application, config: Config, *, reuse_port: bool) -> web.AppRunner | None:
+    """The ``server.metrics_port`` listener (GET /metrics with no key), started; None when not configured."""
+    from proxy.serve.app import create_metrics_app
+
+    s = config.settings.server
+    if s.metrics_port is None:
+        return None
+    runner = web.AppRunner(create_metrics_app(app), access_log=None, keepalive_timeout=s.header_timeout,
+                           shutdown_timeout=1)
+    await runner.setup()
+    site = web.TCPSite(runner, s.metrics_host, s.metrics_port, reuse_port=reuse_port or None)
+    await site.start()
+    bound = _bound_port(site) or s.metrics_port
+    sys.stderr.write(f"ctxproxy metrics on http://{s.metrics_host}:{bound}/metrics (no key)\n")  # one write
+    sys.stderr.flush()
+    return runner
+
+
 def make_runner(app: web.Application, config: Config, *, shutdown_timeout: float | None = None) -> web.AppRunner:
-    """The app's runner: handlers cancelled with their client, idle and half-sent request heads timed out."""
+    """The app's runner: handlers cancelled with their client, idle and half-sent request heads timed out, request
+    bodies decoded by ``proxy.serve.http.read_body`` (aiohttp would refuse a coding it cannot decode in plain text)."""
     server = config.settings.server
     drain = server.drain_timeout if shutdown_timeout is None else shutdown_timeout
     return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain,
-                         keepalive_timeout=server.header_timeout)
+                         keepalive_timeout=server.header_timeout, auto_decompress=False)
 
 
 def _warm_up(state: State) -> None:

@@ -114,6 +114,7 @@ def summary_settings(config: Config) -> SummarySettings:
 # Settings read once, when the process starts: a reload that changes one names it, and it keeps its value.
 RESTART_ONLY = (
     "server.host", "server.port", "server.workers",  # the listening socket and the worker processes
+    "server.metrics_host", "server.metrics_port",  # the keyless metrics listener
     "server.header_timeout", "server.drain_timeout",  # given to aiohttp's runner when it is built
     "cache.backend", "cache.path", "cache.url", "cache.size_limit_mb",  # the open cache holds summaries, locks, ledger
 )

@@ -100,7 +100,7 @@ class ContextManagementHook:
         check_body(body)  # the edits read the messages: refuse a malformed body first, as the pipeline would
         policy = runtime.policy(tenant, body["model"], override)
         services = runtime.services(route, policy, request_id=request_id, dry_run=dry_run)
-        calibration = runtime.calibration.factor(route) if runtime.calibration is not None else 1.0
+        calibration = runtime.calibration.factor(route, policy.tenant) if runtime.calibration is not None else 1.0
         session = _Session(body, services, calibration)
         messages = resume_compaction(body["messages"])
         compaction: dict[str, Any] | None = None
