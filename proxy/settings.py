@@ -164,7 +164,12 @@ class CacheSettings(Strict):
     path: str = Field("~/.cache/ctxproxy", description="diskcache directory (created 0700).")
     url: str | None = Field(None, description="redis://host:port/db for backend: redis.")
     ttl_seconds: float | None = Field(7 * 24 * 3600, gt=0, description="Summary lifetime.")
-    size_limit_mb: int = Field(1024, ge=1, description="diskcache size limit.")
+    size_limit_mb: int = Field(
+        1024, ge=1, description="diskcache size limit (summaries and calibration; the cost ledger is not counted "
+        "in it and never evicted: <path>/ledger.db, or Redis keys without a TTL).")
+    timeout_seconds: float = Field(
+        1.0, gt=0, le=30, description="How long the cost ledger's store may take to answer (Redis's socket "
+        "timeout).")
 
     @model_validator(mode="after")
     def _redis_url(self) -> CacheSettings:

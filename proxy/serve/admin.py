@@ -10,7 +10,15 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.core.errors import AuthenticationError, BadRequest, CtxProxyError, ModelNotFound, NotFound
+from proxy.core.errors import (
+    AuthenticationError,
+    BadRequest,
+    CtxProxyError,
+    LedgerUnavailable,
+    ModelNotFound,
+    NotFound,
+    ReportUnavailable,
+)
 from proxy.runtime import Runtime
 from proxy.serve.explain import calibration_detail, explain
 from proxy.serve.http import (
@@ -191,8 +199,12 @@ async def admin_report(request: web.Request) -> web.Response:
         since = parse_since(request.query.get("since", "24h"))
     except ValueError as exc:
         raise BadRequest(str(exc), param="since", code="invalid_since") from None
-    await st.shared.ledger.flush()  # this process's latest buckets first
-    report = await cost_report(st.shared.cache, since)
+    ledger = st.shared.ledger
+    try:
+        await ledger.flush()  # this process's latest buckets first
+        report = await cost_report(ledger.store, since)
+    except LedgerUnavailable as exc:
+        raise ReportUnavailable(f"The cost report cannot be made: the cost ledger is unavailable: {exc}") from None
     if request.query.get("format") == "text":
         return web.Response(text=render(report), content_type="text/plain")
     return json_response(report)

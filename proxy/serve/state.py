@@ -1,7 +1,8 @@
 """The application's state, typed, and the one way to build a runtime from a config.
 
 ``build_shared`` opens the objects that outlive a reload (token counters, model map,
-summary cache, summaries, calibration, the prompt-cache tracker, the cost ledger);
+summary cache, summaries, calibration, the prompt-cache tracker, the cost ledger
+and its store);
 ``build_runtime`` wires a config to them (routes, providers, the summariser's engine,
 the config's calibration modes and prices). The server, ``ctxproxy assemble`` and
 explain all go through these two functions.
@@ -20,7 +21,7 @@ from proxy.core.tokens import Tokenizers
 from proxy.runtime import Runtime
 from proxy.serve.metrics import Metrics
 from proxy.settings import Config, load_config
-from proxy.store.backends import open_cache
+from proxy.store.backends import open_cache, open_ledger_store
 from proxy.store.cache import Cache, SafeCache
 from proxy.store.calibration import CalibrationStore, ConfiguredCalibration
 from proxy.store.ledger import Ledger
@@ -79,7 +80,7 @@ def build_shared(
         on_failure=metrics.summary_failed if metrics else None,
     )
     calibration = CalibrationStore(cache, on_factor=metrics.calibration_factor if metrics else None)
-    ledger = Ledger(cache)
+    ledger = Ledger(open_ledger_store(s.cache, create=True))
     if metrics is not None:
         metrics.ledger = ledger
     return Shared(Tokenizers(), model_map or ModelMap(), cache, summaries, UpstreamPool(s.server), calibration, ledger)

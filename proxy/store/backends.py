@@ -1,9 +1,11 @@
-"""``open_cache``: the configured cache backend, wrapped so its failures never fail a request."""
+"""``open_cache`` and ``open_ledger_store``: the configured cache backend, and where the cost ledger lives."""
 
 from __future__ import annotations
 
+from proxy.settings import CacheSettings
 from proxy.store.cache import Cache, ErrorHook, SafeCache
 from proxy.store.disk import DiskCache
+from proxy.store.ledger_store import DiskLedgerStore, LedgerStore, MemoryLedgerStore, RedisLedgerStore
 from proxy.store.memory import MemoryCache
 from proxy.store.redis import RedisCache
 
@@ -35,3 +37,18 @@ def open_cache(
     else:
         raise ValueError(f"unknown cache backend {backend!r} (expected 'disk', 'redis' or 'memory')")
     return SafeCache(inner, on_error)
+
+
+def open_ledger_store(settings: CacheSettings, *, create: bool) -> LedgerStore:
+    """Where the cost ledger lives for this cache configuration (``proxy.store.ledger_store``).
+
+    ``create``: the server, which writes it; ``ctxproxy report`` reads and never creates anything.
+    Does no I/O.
+    """
+    if settings.backend == "disk":
+        return DiskLedgerStore(settings.path, create=create)
+    if settings.backend == "redis":
+        if not settings.url:
+            raise ValueError("cache backend 'redis' requires cache.url")
+        return RedisLedgerStore(settings.url, timeout=settings.timeout_seconds)
+    return MemoryLedgerStore()
