@@ -1,7 +1,7 @@
 """The application's state, typed, and the one way to build a runtime from a config.
 
 ``build_shared`` opens the objects that outlive a reload (token counters, model map,
-summary cache, summaries, calibration, the prompt-cache tracker, the cost ledger
+summary cache and its breaker, summaries, calibration, the prompt-cache tracker, the cost ledger
 and its store);
 ``build_runtime`` wires a config to them (routes, providers, the summariser's engine,
 the config's calibration modes and prices). The server, ``ctxproxy assemble`` and
@@ -21,7 +21,7 @@ from proxy.core.tokens import Tokenizers
 from proxy.runtime import Runtime
 from proxy.serve.metrics import Metrics
 from proxy.settings import Config, load_config
-from proxy.store.backends import open_cache, open_ledger_store
+from proxy.store.backends import cache_guard, open_cache, open_ledger_store
 from proxy.store.cache import Cache, SafeCache
 from proxy.store.calibration import CalibrationStore, ConfiguredCalibration
 from proxy.store.ledger import Ledger
@@ -68,10 +68,12 @@ def build_shared(
         cache = open_cache(
             s.cache.backend, path=s.cache.path, url=s.cache.url, ttl=s.cache.ttl_seconds,
             size_limit_mb=s.cache.size_limit_mb, on_error=metrics.cache_error if metrics else None,
+            guard=cache_guard(s.cache, on_open=metrics.cache_breaker_opened if metrics else None),
         )
     summaries = SummaryService(
         cache,
         ttl=s.cache.ttl_seconds,
+        local_entries=s.cache.local_summaries,
         lock_wait=s.summarizer.lock_wait_seconds,
         max_wait=s.summarizer.timeout_seconds * s.summarizer.max_calls_per_summary + LOCK_TTL,
         backoff_first=s.summarizer.retry_backoff_seconds,
