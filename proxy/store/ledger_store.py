@@ -135,7 +135,8 @@ class DiskLedgerStore:
     def _open(self) -> sqlite3.Connection:
         if not self._create:
             if not os.path.isdir(self.directory):
-                raise LedgerUnavailable(f"{self.directory} does not exist (cache.path)")
+                problem = "is not a directory" if os.path.exists(self.directory) else "does not exist"
+                raise LedgerUnavailable(f"{self.directory} {problem} (cache.path)")
             if not os.path.isfile(self.where):
                 raise LedgerUnavailable(f"no cost ledger at {self.where}: no ctxproxy server has recorded anything "
                                         "there (cache.path)")

@@ -300,6 +300,11 @@ async def test_the_disk_reader_creates_nothing(tmp_path: Path) -> None:
         await store.read(0, 10)
     await store.close()
     assert not (tmp_path / "typo").exists()
+    (tmp_path / "a-file").write_text("")
+    store = DiskLedgerStore(str(tmp_path / "a-file"), create=False)
+    with pytest.raises(LedgerUnavailable, match="is not a directory"):
+        await store.read(0, 10)
+    await store.close()
 
 
 async def test_the_disk_ledger_is_private_and_reopens_after_a_broken_file(tmp_path: Path) -> None:
