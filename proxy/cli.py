@@ -131,7 +131,13 @@ def _report(args: argparse.Namespace) -> int:
         print("the memory cache lives inside the server process: ask it with GET /admin/report (admin key)",
               file=sys.stderr)
         return EXIT_INVALID
-    report = asyncio.run(_run_report(config, since))
+    from proxy.core.errors import LedgerUnavailable
+
+    try:
+        report = asyncio.run(_run_report(config, since))
+    except LedgerUnavailable as exc:
+        print(f"ctxproxy report: cannot read the cost ledger: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
     else:
@@ -143,14 +149,13 @@ def _report(args: argparse.Namespace) -> int:
 
 async def _run_report(config: Config, since: float) -> dict[str, Any]:
     from proxy.serve.report import cost_report
-    from proxy.store.backends import open_cache
+    from proxy.store.backends import open_ledger_store
 
-    c = config.settings.cache
-    cache = open_cache(c.backend, path=c.path, url=c.url, ttl=c.ttl_seconds, size_limit_mb=c.size_limit_mb)
+    store = open_ledger_store(config.settings.cache, create=False)  # a reader creates nothing
     try:
-        return await cost_report(cache, since)
+        return await cost_report(store, since)
     finally:
-        await cache.close()
+        await store.close()
 
 
 def _serve(args: argparse.Namespace) -> int:

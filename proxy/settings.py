@@ -166,7 +166,23 @@ class CacheSettings(Strict):
     path: str = Field("~/.cache/ctxproxy", description="diskcache directory (created 0700).")
     url: str | None = Field(None, description="redis://host:port/db for backend: redis.")
     ttl_seconds: float | None = Field(7 * 24 * 3600, gt=0, description="Summary lifetime.")
-    size_limit_mb: int = Field(1024, ge=1, description="diskcache size limit.")
+    size_limit_mb: int = Field(
+        1024, ge=1, description="diskcache size limit (summaries and calibration; the cost ledger is not counted "
+        "in it and never evicted: <path>/ledger.db, or Redis keys without a TTL).")
+    timeout_seconds: float = Field(
+        1.0, gt=0, le=30, description="A cache operation still unanswered after this long has timed out: it counts "
+        "toward the breaker (also Redis's socket timeout, for the cache and the cost ledger).")
+    budget_seconds: float = Field(
+        1.0, gt=0, le=60, description="The most one request may wait on slow cache operations in all (each "
+        "operation's first 50 ms are free); past it the request goes on without the cache.")
+    breaker_timeouts: int = Field(
+        2, ge=1, description="Consecutive timed-out cache operations that open the breaker: the cache is then "
+        "bypassed (every operation a miss, at once) until a background probe answers.")
+    breaker_cooldown_seconds: float = Field(
+        10, gt=0, description="How long an open breaker bypasses the cache before it probes the backend again.")
+    local_summaries: int = Field(
+        1000, ge=0, description="Summaries this process also keeps in memory, in front of the shared cache "
+        "(reused while the shared cache is slow or down; 0: none).")
 
     @field_validator("url")
     @classmethod

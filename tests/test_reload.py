@@ -578,11 +578,13 @@ async def test_reload_names_the_settings_that_need_a_restart(upstream: FakeUpstr
     """A reload must not claim what it cannot apply: the cache and the listening socket stay as started."""
     config = base_config(upstream.base_url)
     proxy, path = await reloadable(start_proxy, tmp_path, config)
-    moved = {**config, "cache": {"backend": "disk", "path": str(tmp_path / "cache")},
+    moved = {**config, "cache": {"backend": "disk", "path": str(tmp_path / "cache"), "breaker_timeouts": 5,
+                                 "local_summaries": 10, "budget_seconds": 2},
              "server": {"port": 9, "workers": 3, "drain_timeout": 1, "max_body_mb": 2}}
     with caplog.at_level(logging.INFO, logger="ctxproxy"):
         answer = await rewrite_and_reload(proxy, path, moved)
-    needs = ["server.port", "server.workers", "server.drain_timeout", "cache.backend", "cache.path"]
+    needs = ["server.port", "server.workers", "server.drain_timeout", "cache.backend", "cache.path",
+             "cache.breaker_timeouts"]
     assert answer == {"reloaded": True, "restart_required": needs}
     assert any(r.levelno == logging.WARNING and "until a restart: " + ", ".join(needs) in r.getMessage()
                for r in caplog.records)

@@ -16,6 +16,7 @@
     ├── ModelNotFound (404)            code=model_not_found
     ├── NotFound (404)                 code=not_found
     ├── RouteError (its status)        an HTTP-level refusal (405 method_not_allowed …)
+    ├── ReportUnavailable (503)        code=ledger_unavailable (the cost ledger cannot be read or written)
     └── UpstreamError                  the provider side
         ├── UpstreamUnreachable (502)  code=upstream_unreachable
         ├── UpstreamTimeout (504)      code=upstream_timeout
@@ -27,7 +28,8 @@
     ├── BindingError                   a plugin binding that cannot be resolved
     ├── OverrideRejected               a per-request override ignored (a warning header says why)
     ├── SummaryUnavailable             the summariser failed or is backing off (the trimmer serves)
-    └── CacheBackendError              a cache backend failed (SafeCache turns it into "no cache")
+    ├── CacheBackendError              a cache backend failed (SafeCache turns it into "no cache")
+    └── LedgerUnavailable              the cost ledger's store cannot be read or written (the report fails)
 
 ``to_openai`` gives an error's OpenAI-shaped body; a wire adapter renders it in its
 own shape (``proxy.wire``), so every body a client sees comes from this tree.
@@ -139,6 +141,14 @@ class RouteError(CtxProxyError):
         self.status = status
 
 
+class ReportUnavailable(CtxProxyError):
+    """The cost report cannot be made: its ledger cannot be read (or this process's figures written)."""
+
+    status = 503
+    type = "server_error"
+    code = "ledger_unavailable"
+
+
 class UpstreamError(CtxProxyError):
     status = 502
     type = "upstream_error"
@@ -209,6 +219,10 @@ class SummaryUnavailable(InternalError):
 
 class CacheBackendError(InternalError):
     """A cache backend could not complete an operation (I/O error, corrupt data, backend down)."""
+
+
+class LedgerUnavailable(InternalError):
+    """The cost ledger's store cannot be read or written; the message says why and where (never a secret)."""
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

@@ -16,8 +16,10 @@ from proxy.core.errors import (
     BadRequest,
     ConfigError,
     CtxProxyError,
+    LedgerUnavailable,
     ModelNotFound,
     NotFound,
+    ReportUnavailable,
 )
 from proxy.runtime import Runtime
 from proxy.serve.explain import calibration_detail, explain
@@ -233,8 +235,12 @@ async def admin_report(request: web.Request) -> web.Response:
         since = parse_since(request.query.get("since", "24h"))
     except ValueError as exc:
         raise BadRequest(str(exc), param="since", code="invalid_since") from None
-    await st.shared.ledger.flush()  # this process's latest buckets first
-    report = await cost_report(st.shared.cache, since)
+    ledger = st.shared.ledger
+    try:
+        await ledger.flush()  # this process's latest buckets first
+        report = await cost_report(ledger.store, since)
+    except LedgerUnavailable as exc:
+        raise ReportUnavailable(f"The cost report cannot be made: the cost ledger is unavailable: {exc}") from None
     if st.supervised is not None and st.shared.cache.name == "memory":
         # each worker's ledger lives in its own memory: this one can only speak for itself
         workers = max(1, len(st.supervised.statuses()))

@@ -27,6 +27,7 @@ from proxy.core.errors import (
 from proxy.pipeline import check_field_names
 from proxy.serve.decoding import content_codings, decode_body
 from proxy.serve.state import STATE, State
+from proxy.store.guard import cache_budget
 from proxy.wire.errors import anthropic_error_body
 
 log = logging.getLogger("ctxproxy")
@@ -71,10 +72,15 @@ def shape_for_path(path: str) -> str:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure becomes the wire's error shape; no traceback ever reaches a client."""
+    """Every failure becomes the wire's error shape; no traceback ever reaches a client.
+
+    Each request (and each task it starts) also gets its cache-time budget here (``proxy.store.guard``).
+    """
     shape = request.get(ERROR_SHAPE, shape_for_path(request.path))
+    st = request.app.get(STATE)
     try:
-        return await handler(request)
+        with cache_budget(st.config.settings.cache.budget_seconds if st is not None else None):
+            return await handler(request)
     except CtxProxyError as exc:
         return error_response(exc, request.get(RESPONSE_HEADERS), request.get(ERROR_SHAPE, shape))
     except web.HTTPRequestEntityTooLarge:

@@ -142,6 +142,9 @@ class Metrics:
         self.cached_tokens = counter(
             "ctxproxy_provider_cached_tokens", "Prompt tokens the provider served from its prompt cache.", TM)
         self.cache_errors = counter("ctxproxy_cache_errors", "Summary-cache errors, by operation.", ("operation",))
+        self.cache_breaker = counter(
+            "ctxproxy_cache_breaker_opened", "Times the cache's circuit breaker opened (its operations timed out: "
+            "the cache is bypassed until a probe answers).", ())
         self.prefix_stable = counter(
             "ctxproxy_prefix_stable", "Whether the forwarded prefix matched the previous request's.", (*TM, "result"))
         self.overhead = histogram(
@@ -258,6 +261,10 @@ class Metrics:
     def cache_error(self, operation: str, exc: BaseException) -> None:
         """One summary-cache error (Observer); the exception is not recorded."""
         self.cache_errors.labels(operation if operation in CACHE_OPERATIONS else OTHER).inc()
+
+    def cache_breaker_opened(self) -> None:
+        """The cache backend timed out and is bypassed for a while (``proxy.store.guard``)."""
+        self.cache_breaker.inc()
 
     def assembled(self, tenant: str, model: str, report: Report, upstream_model: str | None = None) -> None:
         """What the pipeline did to one request; savings priced on the model the route sends upstream."""

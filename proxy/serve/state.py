@@ -1,7 +1,8 @@
 """The application's state, typed, and the one way to build a runtime from a config.
 
 ``build_shared`` opens the objects that outlive a reload (token counters, model map,
-summary cache, summaries, calibration, the prompt-cache tracker, the cost ledger);
+summary cache and its breaker, summaries, calibration, the prompt-cache tracker, the cost ledger
+and its store);
 ``build_runtime`` wires a config to them (routes, providers, the summariser's engine,
 the config's calibration modes and prices). The server, ``ctxproxy assemble`` and
 explain all go through these two functions.
@@ -24,7 +25,7 @@ from proxy.runtime import Runtime
 from proxy.serve.metrics import Metrics
 from proxy.serve.workers import Status, Supervised
 from proxy.settings import Config, load_config
-from proxy.store.backends import open_cache
+from proxy.store.backends import cache_guard, open_cache, open_ledger_store
 from proxy.store.cache import Cache, SafeCache
 from proxy.store.calibration import CalibrationStore, ConfiguredCalibration
 from proxy.store.ledger import Ledger
@@ -71,6 +72,7 @@ def build_shared(
         cache = open_cache(
             s.cache.backend, path=s.cache.path, url=s.cache.url, ttl=s.cache.ttl_seconds,
             size_limit_mb=s.cache.size_limit_mb, on_error=metrics.cache_error if metrics else None,
+            guard=cache_guard(s.cache, on_open=metrics.cache_breaker_opened if metrics else None),
         )
     summaries = SummaryService(
         cache, **summary_settings(config),
@@ -78,7 +80,7 @@ def build_shared(
         on_failure=metrics.summary_failed if metrics else None,
     )
     calibration = CalibrationStore(cache, on_factor=metrics.calibration_factor if metrics else None)
-    ledger = Ledger(cache)
+    ledger = Ledger(open_ledger_store(s.cache, create=True))
     if metrics is not None:
         metrics.ledger = ledger
     return Shared(Tokenizers(), model_map or ModelMap(), cache, summaries, UpstreamPool(s.server), calibration, ledger)
@@ -94,6 +96,7 @@ class Served:
 
 class SummarySettings(TypedDict):
     ttl: float | None
+    local_entries: int
     lock_wait: float
     max_wait: float
     backoff_first: float
@@ -104,6 +107,7 @@ def summary_settings(config: Config) -> SummarySettings:
     s = config.settings
     return SummarySettings(
         ttl=s.cache.ttl_seconds,
+        local_entries=s.cache.local_summaries,
         lock_wait=s.summarizer.lock_wait_seconds,
         max_wait=s.summarizer.timeout_seconds * s.summarizer.max_calls_per_summary + LOCK_TTL,
         backoff_first=s.summarizer.retry_backoff_seconds,
@@ -117,6 +121,7 @@ RESTART_ONLY = (
     "server.metrics_host", "server.metrics_port",  # the keyless metrics listener
     "server.header_timeout", "server.drain_timeout",  # given to aiohttp's runner when it is built
     "cache.backend", "cache.path", "cache.url", "cache.size_limit_mb",  # the open cache holds summaries, locks, ledger
+    "cache.timeout_seconds", "cache.breaker_timeouts", "cache.breaker_cooldown_seconds",  # the backend's breaker
 )
 
 

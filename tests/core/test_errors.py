@@ -20,12 +20,14 @@ from proxy.core.errors import (
     CtxProxyError,
     InternalError,
     InvalidJSON,
+    LedgerUnavailable,
     ModelNotFound,
     NotFound,
     OutputLimitExceeded,
     OverrideRejected,
     PayloadError,
     PermissionDenied,
+    ReportUnavailable,
     RequestTimeout,
     RouteError,
     SummarizerFailed,
@@ -53,12 +55,13 @@ TREE: list[tuple[type[CtxProxyError], type[Exception], int, str, str]] = [
     (PermissionDenied, CtxProxyError, 403, "permission_error", "not_allowed"),
     (ModelNotFound, CtxProxyError, 404, "invalid_request_error", "model_not_found"),
     (NotFound, CtxProxyError, 404, "invalid_request_error", "not_found"),
+    (ReportUnavailable, CtxProxyError, 503, "server_error", "ledger_unavailable"),
     (UpstreamError, CtxProxyError, 502, "upstream_error", "upstream_error"),
     (UpstreamUnreachable, UpstreamError, 502, "upstream_error", "upstream_unreachable"),
     (UpstreamTimeout, UpstreamError, 504, "upstream_error", "upstream_timeout"),
     (SummarizerFailed, UpstreamError, 502, "upstream_error", "summarizer_failed"),
 ]
-INTERNAL = [ConfigError, BindingError, OverrideRejected, SummaryUnavailable, CacheBackendError]
+INTERNAL = [ConfigError, BindingError, OverrideRejected, SummaryUnavailable, CacheBackendError, LedgerUnavailable]
 
 
 @pytest.mark.parametrize(("cls", "parent", "status", "type_", "code"), TREE, ids=[t[0].__name__ for t in TREE])
