@@ -10,7 +10,6 @@ Claude Code breaks on that.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from typing import Any
@@ -21,6 +20,8 @@ from multidict import CIMultiDict
 
 from proxy.core.budget import default_reserve
 from proxy.core.errors import BadRequest, ContextLengthExceeded
+from proxy.core.offload import run_step
+from proxy.core.tokens import TokenCounter
 from proxy.serve.http import (
     ERROR_SHAPE,
     OVERRIDE_HEADER,
@@ -52,10 +53,8 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
     request[RESPONSE_HEADERS] = CIMultiDict({"x-request-id": rid})
     tenant = runtime.authenticate(client_keys(request))
     raw = await read_body(request)
-    if len(raw) > runtime.config.settings.server.offload_bytes:
-        body = await asyncio.get_running_loop().run_in_executor(None, parse_body, raw)
-    else:
-        body = parse_body(raw)
+    offload = len(raw) > runtime.config.settings.server.offload_bytes
+    body = await run_step(offload, parse_body, raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model: Field required", param="model", code="missing_model")
@@ -69,19 +68,17 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
         reserve = max(1, default_reserve(route.window, route.max_output))
         cap = runtime.policy(tenant, model, override).max_output_tokens
         probe["max_tokens"] = min(reserve, cap) if cap is not None else reserve
-    exchange = await HOOK.begin(runtime, tenant, probe, override=override, request_id=rid)
+    exchange = await HOOK.begin(runtime, tenant, probe, override=override, request_id=rid, offload=offload)
     if exchange is not None:
         probe = exchange.body
     headers: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
     try:
         assembly, route, _policy = await runtime.assemble(WIRE, probe, tenant=tenant, override=override,
-                                                          request_id=rid)
+                                                          offload=offload, request_id=rid)
     except ContextLengthExceeded:
         # too large to forward: still say how large, so the client can compact it itself
-        counter = runtime.tokenizers.get(route.encoding)
-        conversation = WIRE.parse(probe, counter)
         forwarded = probe
-        before = after = conversation.fixed_tokens + sum(item.tokens for item in conversation.items)
+        before = after = await run_step(offload, _visible_tokens, probe, runtime.tokenizers.get(route.encoding))
     else:
         forwarded = assembly.body
         before, after = assembly.report.tokens_before, assembly.report.tokens_after
@@ -91,7 +88,8 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
     upstream_count = getattr(provider, "count_tokens", None)
     if upstream_count is not None:
         sent = {k: v for k, v in forwarded.items() if not (added and k == "max_tokens") and k != "stream"}
-        call = Outgoing(WIRE.name, "/messages/count_tokens", sent, orjson.dumps(sent), False, request.headers, rid)
+        call = Outgoing(WIRE.name, "/messages/count_tokens", sent, await run_step(offload, orjson.dumps, sent), False,
+                        request.headers, rid)
         answer = await upstream_count(route, call)
         if answer is not None:
             return await relay_answer(request, answer, headers, idle_timeout=st.config.settings.server.idle_timeout,
@@ -101,3 +99,8 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
     if body.get("context_management") is not None:
         out["context_management"] = {"original_input_tokens": math.ceil(before * factor)}
     return json_response(out, headers=headers)
+
+
+def _visible_tokens(body: dict[str, Any], counter: TokenCounter) -> int:
+    conversation = WIRE.parse(body, counter)
+    return conversation.fixed_tokens + sum(item.tokens for item in conversation.items)
