@@ -23,7 +23,7 @@ from proxy.core.budget import Budget, compute_budget, why
 from proxy.core.conversation import Conversation, WireAdapter
 from proxy.core.errors import BadRequest, ContextLengthExceeded, OutputLimitExceeded, PayloadError
 from proxy.core.fields import case_variant
-from proxy.core.items import Item, atom_digests, turn_digest
+from proxy.core.items import USER, Item, atom_digests, turn_digest
 from proxy.core.offload import run_step
 from proxy.core.pairing import check, repair
 from proxy.core.tokens import TokenCounter
@@ -321,7 +321,7 @@ def _plan(
 
 
 def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
-    """From the context manager's history to the body to forward: WM cap, trim, checks, render."""
+    """From the context manager's history to the body to forward: WM cap, trim, whole turns, checks, render."""
     body, wire, report, budget, bands, live = plan.body, plan.wire, plan.report, plan.budget, plan.bands, plan.live
     received, repairs, fixed, changes = (plan.prepared.received, plan.prepared.repairs, plan.prepared.fixed,
                                          plan.changes)
@@ -332,6 +332,8 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     removed: Counter[str] = Counter(result.removed)
     history = [item for t in result.turns for item in t]
     history = _keep_pinned(bands.history, history)
+    history, cut = whole_turns(bands.history, history)
+    removed["windowed"] += _tokens(cut)
 
     cap = plan.policy.manager.working_memory_messages
     if cap is not None and live.rows() > cap:
@@ -344,6 +346,9 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     tail = [bands.current] if bands.current is not None else []
     size = fixed + _tokens(head) + _tokens(history) + _tokens(tail) + _tokens(live.items())
     history, size = _trim(history, live, size, budget, report, removed)
+    history, cut = whole_turns(bands.history, history)
+    size -= _tokens(cut)
+    removed["trimmed"] += _tokens(cut)
     wm = live.items()
     if size > budget.hard_budget and summary is not None:
         # the summary is the last thing to go: better the recent turns without it than a refusal
@@ -361,6 +366,37 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
                or bool(repairs))
     out = wire.render(body, final, changes) if changed else body
     return Assembly(out, final, changed, report, received, wire.field, changes)
+
+
+def whole_turns(history: list[Item], kept: list[Item]) -> tuple[list[Item], list[Item]]:
+    """``kept`` without what is left of a turn whose start was cut, and what that removed.
+
+    A cut (by the trimmer or a context manager) may fall inside a turn: the user's question goes and
+    the answer, its tool calls or its results stay, and the forwarded history then opens with an
+    answer to nothing. A turn of ``history`` (the committed history before the cut; items before
+    the first user item form a preamble turn) is kept from its start or not at all: a kept item
+    whose turn's first item was cut goes too, by whole tool groups. Pinned items stay wherever they
+    are, as do items that are not in ``history`` (a context manager's own). Linear in the items.
+    """
+    if not kept:
+        return kept, []
+    present = {id(item) for item in kept}
+    start_of: dict[int, Item] = {}
+    start: Item | None = None
+    for item in history:
+        if start is None or item.role == USER:
+            start = item
+        start_of[id(item)] = start
+    out: list[Item] = []
+    cut: list[Item] = []
+    for group in tool_groups(kept):
+        starts = [start_of.get(id(item)) for item in group]
+        orphaned = any(s is not None and id(s) not in present for s in starts)
+        if orphaned and not any(item.pinned for item in group):
+            cut.extend(group)
+        else:
+            out.extend(group)
+    return (out, cut) if cut else (kept, cut)
 
 
 def _unmanaged(

@@ -27,6 +27,8 @@ from proxy.wire.chat import WIRE as CHAT
 from proxy.wire.chat import repair_messages as repair
 from proxy.wire.messages import WIRE as MESSAGES
 from proxy.wire.responses import WIRE as RESPONSES
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
 from tests.helpers import (
     LINEAR,
     MANAGERS,
@@ -54,6 +56,7 @@ from tests.helpers import (
     user,
     words,
 )
+from tests.outside import post, text_of
 
 WINDOWS = (2_000, 4_000, 8_000)
 COUNTER = TokenCounter("o200k_base")  # one counter: per-message counts are LRU-cached
@@ -488,6 +491,48 @@ async def test_refusal_message_explains_an_explicit_budget_correctly() -> None:
     assert "500" in message
     m = re.search(r"window (\d+) - completion reserve (\d+) - safety margin (\d+)", message)
     assert m is None or int(m[1]) - int(m[2]) - int(m[3]) == 500, message
+
+
+# --------------------------------------------------------------------------- a cut keeps whole turns, over HTTP
+
+ANSWER = "Done, I read it."
+SHORT_TURNS = [
+    ("user", "Read this file and tell me when you have read it.\n" + text_of(700)),
+    ("assistant", ANSWER),
+    ("user", "Now list the three largest invoices. " + text_of(60, seed=1)),
+    ("assistant", "Invoices 12, 7 and 3."),
+    ("user", "And the smallest one?"),
+]
+WIRE_CALLS: dict[str, tuple[str, Callable[[list[dict[str, str]]], dict[str, Any]],
+                            Callable[[FakeUpstream], list[dict[str, Any]]]]] = {
+    "chat": ("/v1/chat/completions",
+             lambda turns: {"model": "gpt-4o-mini", "messages": [{"role": "system", "content": "Be terse."}, *turns]},
+             lambda up: up.chat[-1].body["messages"][1:]),
+    "responses": ("/v1/responses",
+                  lambda turns: {"model": "gpt-4o-mini", "instructions": "Be terse.", "input": turns},
+                  lambda up: up.responses[-1].body["input"]),
+    "messages": ("/v1/messages",
+                 lambda turns: {"model": "gpt-4o-mini", "max_tokens": 100, "system": "Be terse.", "messages": turns},
+                 lambda up: up.messages[-1].body["messages"]),
+}
+
+
+@pytest.mark.parametrize("wire", sorted(WIRE_CALLS))
+async def test_trim_over_http_never_forwards_an_answer_whose_question_it_dropped(
+    wire: str, upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """The trimmer drops the oldest groups; a user message is a group of its own, so a cut between a question
+    and its answer left "Done, I read it." at the head of the forwarded history, answering nothing. The rest
+    of a turn whose user message was cut goes with it, on every wire."""
+    proxy = await start_proxy(base_config(upstream.base_url, context_manager={
+        "type": "summarising", "params": {"summarizer": "drop", "trimmer": {"max_tokens": 400}}}))
+    path, make, forwarded_of = WIRE_CALLS[wire]
+    status, headers, payload = await post(proxy, make([{"role": r, "content": t} for r, t in SHORT_TURNS]), path=path)
+    assert status == 200, payload
+    assert int(headers["x-ctxproxy-tokens-out"]) <= 400 < int(headers["x-ctxproxy-tokens-in"])
+    forwarded = forwarded_of(upstream)
+    assert [m["role"] for m in forwarded] == ["user", "assistant", "user"]
+    assert forwarded[0]["content"] == SHORT_TURNS[2][1] and ANSWER not in str(forwarded)
 
 
 # --------------------------------------------------------------------------- linear in the items
