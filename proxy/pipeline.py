@@ -405,17 +405,41 @@ def _unmanaged(
 ) -> Assembly:
     """The provider holds part of this history: forward the conversation as sent; only the body's rules apply.
 
-    The proxy cannot see or count what the provider holds, so it neither manages, repairs nor
-    refuses the history; output caps, the model allow-list and the upstream model name still hold.
+    The proxy cannot see or count what the provider holds, so it neither manages nor repairs the
+    history; output caps, the model allow-list, the upstream model name and the tenant's
+    ``max_context_tokens`` (on the part it can see) still hold.
     """
-    report.unmanaged = prepared.unmanaged
+    held = report.unmanaged = prepared.unmanaged or "provider state"
     visible = prepared.fixed + _tokens(prepared.received)
     report.tokens_before = report.tokens_after = visible
     budget = _budget(route, policy, max_tokens, calibration)
     report.window, report.reserve, report.margin = budget.window, budget.reserve, budget.margin
     report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
+    check_visible(visible, policy, calibration, wire.field, held)
     out = {**body, **changes} if changes else body
     return Assembly(out, prepared.received, bool(changes), report, prepared.received, wire.field, changes)
+
+
+def check_visible(visible: int, policy: Policy, calibration: float, param: str, held: str | None) -> None:
+    """Refuse a body whose visible part alone is over the tenant's ``max_context_tokens``.
+
+    The cap is a hard cap on what is forwarded, on every path, including those where the proxy cannot
+    manage the history (the provider holds part of it: ``held``) and ``/responses/compact``. What the
+    provider holds is not counted: ctxproxy cannot see it. Like B, the cap holds in the provider's
+    count, so in the proxy's own count it is the cap / ``calibration``.
+    """
+    cap = policy.max_context_tokens
+    if cap is None:
+        return
+    limit = int(cap / calibration) if calibration > 0 and calibration != 1.0 else cap
+    if visible <= limit:
+        return
+    unseen = f" What the provider holds ({held}) is not counted: ctxproxy cannot see it." if held else ""
+    raise ContextLengthExceeded(
+        f"This request's input is {visible} tokens, over this key's context cap (max_context_tokens) of {limit}, "
+        f"and it cannot be trimmed here.{unseen} Shorten the input or start a new conversation.",
+        param=param,
+    )
 
 
 def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibration: float) -> Budget:

@@ -192,6 +192,7 @@ LARGE = {
             {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 1000}}]}}),
     "count-tokens": lambda: ("/v1/messages/count_tokens", tool_loop("messages", 300)[1]),
     "explain": lambda: tool_loop("explain", 300),
+    "compact": lambda: ("/v1/responses/compact", tool_loop("responses", 300)[1]),
 }
 
 
@@ -202,8 +203,9 @@ async def test_every_synchronous_step_of_a_large_request_runs_off_the_event_loop
     """Only the parse ran in a worker thread for a large body: the working-memory cap, the trim, the pairing
     check, rendering and serialising ran on the event loop and held up every other request. For a body over
     server.offload_bytes, the pipeline's steps before and after the context manager, the Messages
-    context_management edits and the forwarded bytes are all made in worker threads."""
+    context_management edits, the compact input and the forwarded bytes are all made in worker threads."""
     import proxy.pipeline as pipeline
+    import proxy.serve.compact as compact
     import proxy.serve.managed as handler
     import proxy.wire.messages.emulate as emulate
 
@@ -218,8 +220,9 @@ async def test_every_synchronous_step_of_a_large_request_runs_off_the_event_loop
         monkeypatch.setattr(module, name, wrapper)
 
     for module, name in [(pipeline, "prepare"), (pipeline, "_trim"), (pipeline, "check"),
-                         (handler, "forward_bytes"), (emulate, "clear_tool_uses")]:
+                         (handler, "forward_bytes"), (emulate, "clear_tool_uses"), (compact, "split_bands")]:
         spy(module, name)
+    upstream.compact_mode = "404"  # compact: relayed, then emulated
     proxy = await start_proxy(base_config(upstream.base_url, server={"offload_bytes": 4096}, context_manager={
         "type": "summarising", "params": {"trimmer": {"max_tokens": 3000}}}))
     path, body = LARGE[case]()
@@ -228,7 +231,7 @@ async def test_every_synchronous_step_of_a_large_request_runs_off_the_event_loop
     assert status == 200, raw[:300]
     assert seen and all(not on_loop for calls in seen.values() for on_loop in calls), seen
     managed = {"prepare", "_trim", "check", "forward_bytes"}
-    expected = {"count-tokens": {"prepare", "_trim"}, "explain": {"prepare", "_trim"},
+    expected = {"compact": {"split_bands"}, "count-tokens": {"prepare", "_trim"}, "explain": {"prepare", "_trim"},
                 "messages-context-management": {"clear_tool_uses", *managed}}.get(case, managed)
     assert expected <= set(seen), seen
 
