@@ -409,13 +409,13 @@ def _unmanaged(
     history; output caps, the model allow-list, the upstream model name and the tenant's
     ``max_context_tokens`` (on the part it can see) still hold.
     """
-    held = report.unmanaged = prepared.unmanaged or "provider state"
+    report.unmanaged = prepared.unmanaged
     visible = prepared.fixed + _tokens(prepared.received)
     report.tokens_before = report.tokens_after = visible
     budget = _budget(route, policy, max_tokens, calibration)
     report.window, report.reserve, report.margin = budget.window, budget.reserve, budget.margin
     report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
-    check_visible(visible, policy, calibration, wire.field, held)
+    check_visible(visible, policy, calibration, wire.field, prepared.unmanaged)
     out = {**body, **changes} if changes else body
     return Assembly(out, prepared.received, bool(changes), report, prepared.received, wire.field, changes)
 
