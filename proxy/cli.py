@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from proxy.core.errors import ConfigError, CtxProxyError
-from proxy.settings import Config, load_config
+
+if TYPE_CHECKING:  # the settings (pydantic) load after `serve` has held SIGHUP (_serve)
+    from proxy.settings import Config
 
 EXIT_OK, EXIT_REFUSED, EXIT_INVALID = 0, 1, 2
 
@@ -59,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _load(path: str) -> Config | None:
+    from proxy.settings import load_config
+
     try:
         return load_config(path)
     except ConfigError as exc:
@@ -126,7 +131,13 @@ def _report(args: argparse.Namespace) -> int:
         print("the memory cache lives inside the server process: ask it with GET /admin/report (admin key)",
               file=sys.stderr)
         return EXIT_INVALID
-    report = asyncio.run(_run_report(config, since))
+    from proxy.core.errors import LedgerUnavailable
+
+    try:
+        report = asyncio.run(_run_report(config, since))
+    except LedgerUnavailable as exc:
+        print(f"ctxproxy report: cannot read the cost ledger: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
     else:
@@ -138,17 +149,18 @@ def _report(args: argparse.Namespace) -> int:
 
 async def _run_report(config: Config, since: float) -> dict[str, Any]:
     from proxy.serve.report import cost_report
-    from proxy.store.backends import open_cache
+    from proxy.store.backends import open_ledger_store
 
-    c = config.settings.cache
-    cache = open_cache(c.backend, path=c.path, url=c.url, ttl=c.ttl_seconds, size_limit_mb=c.size_limit_mb)
+    store = open_ledger_store(config.settings.cache, create=False)  # a reader creates nothing
     try:
-        return await cost_report(cache, since)
+        return await cost_report(store, since)
     finally:
-        await cache.close()
+        await store.close()
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # SIGHUP (reload) is held until the server has its handler: one sent while it loads must not end it
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
     config = _load(args.config)
     if config is None:
         return EXIT_INVALID

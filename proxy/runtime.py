@@ -24,15 +24,16 @@ POLICY_MEMO = 4096
 
 
 class Calibration(Protocol):
-    """The provider-over-proxy token ratio per (upstream, model) (``proxy.store.calibration``).
+    """The provider-over-proxy token ratio per tenant and (upstream, model) (``proxy.store.calibration``).
 
-    ``factor`` is on every request's path and must be a dict lookup; ``prime`` makes sure the route's
-    factor is known (it awaits the shared cache only the first time a route is seen).
+    ``tenant`` is the tenant's name (``default`` without tenants): one tenant's traffic never widens
+    another's budget. ``factor`` is on every request's path and must be a dict lookup; ``prime`` makes
+    sure the factor is known (it awaits the shared cache only the first time a tenant's route is seen).
     """
 
-    def factor(self, route: ModelRoute) -> float: ...
+    def factor(self, route: ModelRoute, tenant: str) -> float: ...
 
-    async def prime(self, route: ModelRoute) -> None: ...
+    async def prime(self, route: ModelRoute, tenant: str) -> None: ...
 
 
 class Runtime:
@@ -111,12 +112,12 @@ class Runtime:
             dry_run=dry_run,
         )
 
-    async def calibration_factor(self, route: ModelRoute) -> float:
-        """The route's provider-over-proxy token ratio (1.0 without calibration)."""
+    async def calibration_factor(self, route: ModelRoute, tenant: str) -> float:
+        """The route's provider-over-proxy token ratio for ``tenant`` (1.0 without calibration)."""
         if self.calibration is None:
             return 1.0
-        await self.calibration.prime(route)
-        return self.calibration.factor(route)
+        await self.calibration.prime(route, tenant)
+        return self.calibration.factor(route, tenant)
 
     async def assemble(
         self,
@@ -137,7 +138,7 @@ class Runtime:
         route = self.route(model)
         policy = self.policy(tenant, model, override)
         counter = self.tokenizers.get(route.encoding)
-        calibration = await self.calibration_factor(route)
+        calibration = await self.calibration_factor(route, policy.tenant)
         assembly = await assemble(
             body, wire=wire, route=route, policy=policy, counter=counter,
             services=self.services(route, policy, request_id=request_id, dry_run=dry_run),

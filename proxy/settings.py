@@ -12,12 +12,22 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from plugins.registry import Binding, Registry, default_registry
 from proxy.core.budget import TrimmerParams
@@ -43,6 +53,20 @@ class ServerSettings(Strict):
         "partial headers) before it is closed; keep it above a load balancer's upstream keep-alive (nginx: 60).")
     body_timeout: float = Field(60, gt=0, description="Seconds a client gets to send a request body (then 408).")
     offload_bytes: int = Field(262_144, ge=0, description="Bodies larger than this are assembled off the event loop.")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="A second listener that serves only GET /metrics, with no key (a "
+        "Prometheus that has none); omit for none. With tenants configured, /metrics on the main port needs an "
+        "admin key (it names every tenant with its traffic and cost).")
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address of the metrics_port listener: loopback unless the scraper is elsewhere "
+        "(in a container network, 0.0.0.0 with the port left unpublished).")
+
+    @field_validator("metrics_port")
+    @classmethod
+    def _two_ports(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and value == info.data.get("port"):
+            raise ValueError("must differ from server.port")
+        return value
 
 
 class UpstreamSettings(Strict):
@@ -96,7 +120,7 @@ class ModelSettings(Strict):
     tokenizer: str | None = Field(None, description="tiktoken encoding name (default by model family).")
     calibration: Literal["auto", "off"] | float = Field(
         "auto", description="Token-count calibration (proxy.store.calibration): auto = learn the provider's count "
-        "over ctxproxy's from usage (starting from the family default), off = 1.0, a number = pinned factor.")
+        "over ctxproxy's from usage, per tenant (starting from the family default), off = 1.0, a number = pinned factor.")
     input_cost_per_token: float | None = Field(None, ge=0, description="USD per input token (default: litellm's map).")
     output_cost_per_token: float | None = Field(None, ge=0, description="USD per output token (default: litellm's map).")
     cache_read_input_token_cost: float | None = Field(
@@ -142,13 +166,66 @@ class CacheSettings(Strict):
     path: str = Field("~/.cache/ctxproxy", description="diskcache directory (created 0700).")
     url: str | None = Field(None, description="redis://host:port/db for backend: redis.")
     ttl_seconds: float | None = Field(7 * 24 * 3600, gt=0, description="Summary lifetime.")
-    size_limit_mb: int = Field(1024, ge=1, description="diskcache size limit.")
+    size_limit_mb: int = Field(
+        1024, ge=1, description="diskcache size limit (summaries and calibration; the cost ledger is not counted "
+        "in it and never evicted: <path>/ledger.db, or Redis keys without a TTL).")
+    timeout_seconds: float = Field(
+        1.0, gt=0, le=30, description="A cache operation still unanswered after this long has timed out: it counts "
+        "toward the breaker (also Redis's socket timeout, for the cache and the cost ledger).")
+    budget_seconds: float = Field(
+        1.0, gt=0, le=60, description="The most one request may wait on slow cache operations in all (each "
+        "operation's first 50 ms are free); past it the request goes on without the cache.")
+    breaker_timeouts: int = Field(
+        2, ge=1, description="Consecutive timed-out cache operations that open the breaker: the cache is then "
+        "bypassed (every operation a miss, at once) until a background probe answers.")
+    breaker_cooldown_seconds: float = Field(
+        10, gt=0, description="How long an open breaker bypasses the cache before it probes the backend again.")
+    local_summaries: int = Field(
+        1000, ge=0, description="Summaries this process also keeps in memory, in front of the shared cache "
+        "(reused while the shared cache is slow or down; 0: none).")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value:
+            problem = redis_url_problem(value)
+            if problem is not None:
+                raise ValueError(problem)
+        return value or None
 
     @model_validator(mode="after")
     def _redis_url(self) -> CacheSettings:
         if self.backend == "redis" and not self.url:
             raise ValueError("backend redis needs cache.url (redis://host:port/db)")
         return self
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why ``url`` is not a URL redis-py can connect with (its own parser decides), or None."""
+    from redis.connection import parse_url
+
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("redis", "rediss", "unix") or not rest:
+        return f"expected redis://host:port/db, rediss://... or unix:///path, got {_cut(url)!r}"
+    try:
+        parse_url(url)  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        return f"not a Redis URL ({exc}): {_cut(url)!r}"
+    db = urlsplit(url).path.strip("/")
+    if scheme != "unix" and db and not db.isdigit():
+        return f"the database must be a number (redis://host:port/0), got {db[:40]!r}"
+    return None
+
+
+def _cut(text: str) -> str:
+    """A URL as shown in a problem: its password blanked (a cache URL may carry one), cut short."""
+    try:
+        password = urlsplit(text).password
+    except ValueError:
+        password = None
+    if password:
+        text = text.replace(f":{password}@", ":***@", 1)
+    return text[:100]
 
 
 class SummarizerSettings(Strict):
@@ -315,6 +392,7 @@ class Config:
     source: str = "<memory>"
     keys: dict[str, Tenant] = field(default_factory=dict)  # sha256 hex of key -> tenant
     admin_keys: frozenset[str] = frozenset()
+    read_at: float = 0.0  # time.monotonic() when the file was read (a worker reports it: proxy.serve.workers)
 
     @property
     def default_upstream(self) -> str:
@@ -400,12 +478,82 @@ def compaction_binding(wm: WorkingMemorySettings | None) -> dict[str, Any] | Non
     return {"type": "summarising", "params": params}
 
 
+def read_yaml(text: str, name: str) -> tuple[Any, list[str]]:
+    """One YAML document, and a problem per key written twice in one mapping (YAML would keep the last)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, []
+        duplicates = duplicate_keys(loader, node)
+        return loader.construct_document(node), duplicates
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError([f"{name}: not valid YAML{where}: {getattr(exc, 'problem', exc)}"]) from None
+    except RecursionError:
+        raise ConfigError([f"{name}: nested too deeply to be a config"]) from None
+    finally:
+        loader.dispose()
+
+
+def duplicate_keys(loader: yaml.SafeLoader, root: yaml.Node) -> list[str]:
+    """One problem per key that appears twice in the same mapping, named by its key path and lines."""
+    problems: list[tuple[int, str]] = []
+    seen_nodes: set[int] = set()  # an alias repeats a node (or nests it in itself): walk each node once
+    todo: list[tuple[str, yaml.Node]] = [("", root)]
+    while todo:
+        path, node = todo.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            todo.extend((f"{path}[{i}]", item) for i, item in enumerate(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            first: dict[Any, int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: overriding merged keys is allowed
+                    continue
+                line = key_node.start_mark.line + 1
+                if not isinstance(key_node, yaml.ScalarNode):  # a mapping as a key: the constructor refuses it
+                    todo.append((_join(path, f"<key at line {line}>"), value_node))
+                    continue
+                key = loader.construct_object(key_node, deep=True)
+                key_path = _join(path, str(key))
+                if key in first:
+                    problems.append((line, f"{key_path}: written twice (lines {first[key]} and {line}); "
+                                           "YAML would silently keep the last"))
+                else:
+                    first[key] = line
+                todo.append((key_path, value_node))
+    return [problem for _, problem in sorted(problems)]
+
+
+def unrouted_summarizer_models(
+    settings: Settings, bindings: list[tuple[str, Binding | None]], tenant: TenantSettings | None = None,
+    where: str = "",
+) -> list[str]:
+    """Summariser models that name no route: with ``allow_unknown_models: false`` every summary would fail."""
+    if settings.allow_unknown_models:
+        return []
+    routes = {m.name for m in settings.models}
+    named: list[tuple[str, str | None]] = [(_join(where, "summarizer_model"),
+                                            (tenant or settings).summarizer_model)]
+    for path, binding in bindings:
+        summarizer = binding.summarizer if binding is not None else None
+        if summarizer is not None and summarizer.type == "llm":
+            named.append((f"{path}.params.summarizer.params.model", getattr(summarizer.params, "model", None)))
+    return [f"{path}: {model!r} is not a configured model, and allow_unknown_models is false: "
+            "every summary would fail" for path, model in named if model is not None and model not in routes]
+
+
 def load_config(
     source: str | Path | dict[str, Any],
     env: dict[str, str] | None = None,
     registry: Registry | None = None,
 ) -> Config:
     """Read, substitute, validate and resolve a config file (or an already-parsed mapping)."""
+    read_at = time.monotonic()
     env = dict(os.environ) if env is None else env
     registry = registry or default_registry()
     problems: list[str] = []
@@ -418,17 +566,15 @@ def load_config(
             text = Path(source).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError([f"{name}: cannot read: {exc.strerror or exc}"]) from None
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-            raise ConfigError([f"{name}: not valid YAML{where}: {getattr(exc, 'problem', exc)}"]) from None
+        raw, problems = read_yaml(text, name)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError([f"{name}: the top level must be a mapping, got {type(raw).__name__}"])
-    raw = interpolate(raw, env, "", problems)
+    try:
+        raw = interpolate(raw, env, "", problems)
+    except RecursionError:  # an alias that contains itself
+        raise ConfigError([f"{name}: nested too deeply to be a config (does an alias contain itself?)"]) from None
     try:
         settings = Settings.model_validate(raw)
     except ValidationError as exc:
@@ -452,9 +598,12 @@ def load_config(
 
     if settings.context_manager is not None:
         top = resolve(settings.context_manager, "context_manager")
+        top_path = "context_manager"
     else:
         sugar = compaction_binding(settings.working_memory)
-        top = resolve(sugar or "summarising", "working_memory.compaction" if sugar else "context_manager")
+        top_path = "working_memory.compaction" if sugar else "context_manager"
+        top = resolve(sugar or "summarising", top_path)
+    problems.extend(unrouted_summarizer_models(settings, [(top_path, top)]))
     tenants = []
     keys: dict[str, Tenant] = {}
     for i, ts in enumerate(settings.tenants):
@@ -469,6 +618,8 @@ def load_config(
         for m in ts.models or []:
             if not settings.allow_unknown_models and all(x.name != m for x in settings.models):
                 problems.append(f"tenants[{i}].models: {m!r} is not a configured model")
+        problems.extend(unrouted_summarizer_models(settings, [(f"tenants[{i}].context_manager", binding)], ts,
+                                                   f"tenants[{i}]"))
     if problems or top is None:
         raise ConfigError(problems or ["context_manager: could not be resolved"])
     admin = frozenset(_key_hash(k) for k in settings.admin.keys)
@@ -478,4 +629,4 @@ def load_config(
                             "an admin key must be separate")
     if problems:
         raise ConfigError(problems)
-    return Config(settings, top, tenants, registry, name, keys, admin)
+    return Config(settings, top, tenants, registry, name, keys, admin, read_at)

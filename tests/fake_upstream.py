@@ -24,7 +24,8 @@ gives canned content blocks (e.g. ``tool_use``) one request at a time; ``mode = 
 answers ``status`` with ``status_body`` (Anthropic's error shape by default); summariser
 calls (``x-ctxproxy-purpose: summarize``) go to ``summaries``; and
 ``POST /v1/messages/count_tokens`` answers ``{"input_tokens": count_tokens_answer}``
-(404 when ``count_tokens_served`` is false), recorded in ``counts``.
+(404 when ``count_tokens_served`` is false), recorded in ``counts``. ``anthropic_input`` (a function of
+the body) makes it report its own input count, and ``anthropic_window`` refuse a payload above it for length.
 Other relayed requests land in ``other`` and, when not streaming, are
 answered with the usual echo. ``require_uuid_request_id`` makes it refuse (400, empty body) every
 request whose ``X-Request-ID`` is not a UUID, as several ASGI request-id
@@ -105,7 +106,16 @@ class FakeUpstream:
     count_tokens_served: bool = True
     count_tokens_answer: int = 42
     counts: list[Received] = field(default_factory=list)  # /v1/messages/count_tokens requests
+    # Anthropic's own input count (a test's model of the provider's tokenizer and image pricing), reported as
+    # ``usage.input_tokens``; with ``anthropic_window``, a payload counted above it is refused (400) as
+    # Anthropic refuses one ("prompt is too long: N tokens > W maximum"). Every count lands in ``anthropic_inputs``.
+    anthropic_input: Callable[[Any], int] | None = None
+    anthropic_window: int | None = None
+    anthropic_inputs: list[int] = field(default_factory=list)
     sent: bytes = b""  # the exact bytes of the last relayed-wire stream this upstream wrote
+    # rewrite every stream (chat, responses, messages) before it is written: e.g. other line ends, or cut short
+    stream_edit: Callable[[bytes], bytes] | None = None
+    stream_close: str = "eof"  # eof (a clean end) | drop (the connection is cut after the last byte written)
     # X-Request-ID enforcement (issue 17)
     require_uuid_request_id: bool = False
     request_ids: list[tuple[str, str | None]] = field(default_factory=list)  # (purpose or path, X-Request-ID)
@@ -267,12 +277,14 @@ class FakeUpstream:
         usage = self.usage_for(request, body)
         if not body.get("stream"):
             return web.json_response(_completion(model, REPLY, usage))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         chunks = [_chunk(model, {"role": "assistant", "content": ""})]
         chunks += [_chunk(model, {"content": p}) for p in PIECES]
         chunks.append(_chunk(model, {}, "stop", usage if include_usage else None))
+        if self.stream_edit is not None:
+            return await self._wire_stream(request, [*chunks, b"data: [DONE]\n\n"])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
         for i, chunk in enumerate(chunks):
             if self.mode == "stall" and i == 2:
                 await asyncio.sleep(self.delay or 3600)
@@ -346,6 +358,8 @@ class FakeUpstream:
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         self.sent = b""
+        if self.stream_edit is not None:
+            events = [self.stream_edit(b"".join(events))]
         for i, event in enumerate(events):
             if self.wire_mode == "break" and i == len(events) // 2:
                 assert request.transport is not None
@@ -353,6 +367,11 @@ class FakeUpstream:
                 return resp
             self.sent += event
             await resp.write(event)
+        if self.stream_close == "drop":
+            await asyncio.sleep(0.05)  # the bytes reach the proxy before the connection is cut
+            assert request.transport is not None
+            request.transport.close()
+            return resp
         await resp.write_eof()  # a clean end: the last chunk, nothing after the terminal event
         return resp
 
@@ -416,14 +435,22 @@ class FakeUpstream:
             payload = self.status_body if self.status_body is not None else {
                 "type": "error", "error": {"type": "api_error", "message": "upstream failure"}}
             return web.json_response(payload, status=self.status, headers=self.status_headers)
+        counted = self.anthropic_input(body) if self.anthropic_input is not None else 10
+        if self.anthropic_input is not None:
+            self.anthropic_inputs.append(counted)
+            if self.anthropic_window is not None and counted > self.anthropic_window:
+                return web.json_response({"type": "error", "error": {
+                    "type": "invalid_request_error",
+                    "message": f"prompt is too long: {counted} tokens > {self.anthropic_window} maximum"}}, status=400)
         content = self.anthropic_script.pop(0) if self.anthropic_script else None
         if not body.get("stream"):
             message = _anthropic_message(model)
+            message["usage"] = {"input_tokens": counted, "output_tokens": 12}
             if content is not None:
                 message.update(content=content, stop_reason="tool_use" if any(
                     b.get("type") == "tool_use" for b in content) else "end_turn")
             return web.json_response(message)
-        return await self._wire_stream(request, anthropic_events(model, content))
+        return await self._wire_stream(request, anthropic_events(model, content, counted))
 
     async def _anthropic_summary(self, request: web.Request, body: Any) -> web.StreamResponse:
         if self.summary_mode == "status":
@@ -588,13 +615,13 @@ def _anthropic_message(model: str) -> dict[str, Any]:
             "usage": {"input_tokens": 10, "output_tokens": 12}}
 
 
-def anthropic_events(model: str, content: list[dict[str, Any]] | None = None) -> list[bytes]:
+def anthropic_events(model: str, content: list[dict[str, Any]] | None = None, input_tokens: int = 10) -> list[bytes]:
     """An Anthropic Messages stream as Anthropic sends it, ending with ``message_stop``.
 
     ``content``: canned blocks (text and tool_use) instead of the fixed text reply.
     """
     start = {**_anthropic_message(model), "content": [], "stop_reason": None,
-             "usage": {"input_tokens": 10, "output_tokens": 1}}
+             "usage": {"input_tokens": input_tokens, "output_tokens": 1}}
     events: list[tuple[str, dict[str, Any]]] = [("message_start", {"message": start})]
     stop = "end_turn"
     if content is None:

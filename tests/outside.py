@@ -67,8 +67,10 @@ async def request(
         return r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read()
 
 
-async def scrape(proxy: RunningProxy) -> str:
-    async with aiohttp.ClientSession() as s, s.get(proxy.url + "/metrics") as r:
+async def scrape(proxy: RunningProxy, key: str | None = None) -> str:
+    """GET /metrics (with tenants configured it needs an admin key: ``key``)."""
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    async with aiohttp.ClientSession() as s, s.get(proxy.url + "/metrics", headers=headers) as r:
         assert r.status == 200
         return await r.text()
 

@@ -15,6 +15,8 @@ or directly, e.g. for down-and-back tests that need their own server::
     with RedisServer.started() as server:   # skips when redis-server is missing
         server.stop()                        # Redis is down (connections refused)
         server.start()                       # back on the SAME port
+        with server.paused():                # Redis stalls (SIGSTOP): connections accepted, never answered
+            ...
 
 The server listens on 127.0.0.1 on a free port, keeps no data on disk (``--save "" --appendonly no``,
 working directory in a private temp dir) and allows DEBUG (``DEBUG SLEEP`` blocks the server, handy for
@@ -25,8 +27,10 @@ at interpreter exit.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -150,6 +154,7 @@ class RedisServer:
         """Stop the server (connections are then refused); ``start()`` brings it back on the same port."""
         for proc in self._procs:
             if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # a paused server handles SIGTERM only once it runs again
                 proc.terminate()
                 try:
                     proc.wait(timeout=5)
@@ -157,6 +162,23 @@ class RedisServer:
                     proc.kill()
                     proc.wait(timeout=5)
         self._procs.clear()
+
+    def pause(self) -> None:
+        """Stall the server (SIGSTOP): connections are accepted by the kernel and never answered."""
+        os.kill(self._procs[0].pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Undo :meth:`pause` (SIGCONT)."""
+        os.kill(self._procs[0].pid, signal.SIGCONT)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Stalled for the block; answering again after it, whatever happened inside."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
 
     def close(self) -> None:
         self.stop()

@@ -2,7 +2,7 @@
 
 Two apps (two replicas) on one Redis; the fake upstream reports 1.3x the true o200k count. Replica A
 learns the factor from its answers; replica B, which has served nothing, budgets with it on its first
-request; B's own answers join A's samples in the shared record; a new app on the same Redis (a restart)
+request; B's answers for another tenant keep their own record and join A's samples in the pooled one; a new app on the same Redis (a restart)
 starts from it. The cost ledger is shared the same way: one report sums both replicas.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.store.calibration import cache_key
+from proxy.store.calibration import POOLED, cache_key
 from tests.conftest import RunningProxy, StartProxy
 from tests.fake_upstream import FakeUpstream
 from tests.redis_server import RedisServer, redis_server_fixture
@@ -53,30 +53,32 @@ async def test_two_replicas_share_the_factor_and_a_restart_keeps_it(
         # B read the shared record once (the explain above); once that read is older than REFRESH_SECONDS, a
         # request refreshes it in the background (and still uses what B had), and the next one uses A's factor
         store = b.state.shared.calibration
-        store._entries[("fake", MODEL)].loaded = float("-inf")
+        store._entries[("acme", "fake", MODEL)].loaded = float("-inf")
         assert (await explain_budget(s, b))["calibration"] == 1.0
         await store.flush()
         report = await explain_budget(s, b)
         assert report["calibration"] == pytest.approx(SCALE, abs=0.02)
         assert report["calibration_detail"]["source"] == "learned"
         assert report["hard_budget"] == pytest.approx(calibrated, abs=60)
-        # B's answers join the shared record (a second tenant, same model: one factor)
+        # globex's answers through B: its own record, and the pooled one that holds every tenant's samples
         for n in range(8, 11):
             async with s.post(b.url + "/v1/chat/completions", json={"model": MODEL, "messages": conversation(n)},
                               headers={"Authorization": "Bearer sk-globex"}) as r:
                 assert r.status == 200
         await b.state.shared.calibration.flush()
-    record = await a.state.shared.cache.get(cache_key("fake", MODEL))
+    record = await a.state.shared.cache.get(cache_key(POOLED, "fake", MODEL))
     assert record is not None
     assert len(record["samples"]) == 8
+    own = await a.state.shared.cache.get(cache_key("globex", "fake", MODEL))
+    assert own is not None and own["tenant"] == "globex" and len(own["samples"]) == 3
     assert {origin for _, _, origin in record["samples"]} == {a.state.shared.calibration.origin,
                                                               b.state.shared.calibration.origin}
     await a.runner.cleanup()  # a replica goes away: its last buckets and samples are flushed on the way out
     await b.runner.cleanup()
     c = await start_proxy(cfg)  # the restart
     async with aiohttp.ClientSession() as s:
-        shown = await policy(s, c)
-        assert shown["source"] == "learned" and shown["samples"] == 8
+        shown = await policy(s, c)  # acme's factor: its own five samples
+        assert shown["source"] == "learned" and shown["samples"] == 5 and shown["tenant"] == "acme"
         assert shown["factor"] == pytest.approx(SCALE, abs=0.02)
         assert (await explain_budget(s, c))["hard_budget"] == pytest.approx(calibrated, abs=60)
         # the cost ledger outlived both replicas: one report sums them

@@ -1,4 +1,5 @@
-"""Calibration end to end (issue 15): a provider whose tokenizer counts 1.3x o200k, through the real server.
+"""Calibration end to end: a provider whose tokenizer counts 1.3x o200k, through the real server; tenants
+that must not move each other's budgets; a refusal for length as evidence.
 
 The fake upstream reports ``prompt_tokens`` = 1.3 x the true o200k count of what it received. With
 calibration, after a handful of answers the factor is 1.3 and no forwarded payload exceeds the window
@@ -12,9 +13,11 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests import media_files as mf
 from tests.conftest import RunningProxy, StartProxy, base_config
 from tests.fake_upstream import FakeUpstream, request_tokens
-from tests.outside import metric_total, scrape
+from tests.helpers import words
+from tests.outside import metric_total, n_tokens, scrape
 from tests.test_summarisation import conversation
 
 MODEL = "gpt-4o-mini"
@@ -144,3 +147,122 @@ async def test_odd_usage_teaches_nothing(upstream: FakeUpstream, start_proxy: St
             assert status == 200
         shown = await policy(s, proxy)
     assert (shown["factor"], shown["source"], shown["samples"]) == (1.2, "default", 0)  # SmolLM's default, unmoved
+
+
+# -- tenants on an Anthropic route: one tenant's traffic never widens another's budget --------------------
+
+CLAUDE = "claude-sonnet-4-5"
+CLAUDE_WINDOW, CLAUDE_OUTPUT = 8000, 1000
+CAP_B = 3000
+
+
+def claude_count(body: dict[str, Any]) -> int:
+    """The fake provider's own count: o200k text (3 per message) and 1 token per image (a 1×1 image costs next to
+    nothing), written here independently of the proxy's formulas."""
+    n = n_tokens(body["system"]) if isinstance(body.get("system"), str) else 0
+    for message in body.get("messages", []):
+        n += 3
+        content = message["content"]
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        for block in blocks:
+            n += n_tokens(block["text"]) if block.get("type") == "text" else 1
+    return n
+
+
+def tenants_config(upstream: FakeUpstream, **model: Any) -> dict[str, Any]:
+    return {
+        "upstreams": {"a": {"base_url": upstream.url, "api": "anthropic", "api_key": "sk-ant-upstream"}},
+        "models": [{"name": CLAUDE, "context_window": CLAUDE_WINDOW, "max_output_tokens": CLAUDE_OUTPUT,
+                    "calibration": "auto", **model}],
+        "context_manager": {"type": "sliding-window", "params": {"keep_turns": 1000}},  # the budget decides
+        "tenants": [{"name": "a", "keys": ["sk-a"]}, {"name": "b", "keys": ["sk-b"], "max_context_tokens": CAP_B},
+                    {"name": "c", "keys": ["sk-c"]}],
+        "cache": {"backend": "memory"},
+        "admin": {"keys": ["sk-admin"]},
+    }
+
+
+def talk(turns: int, words_each: int = 150) -> list[dict[str, Any]]:
+    """A plain-text conversation of ``turns`` user/assistant pairs, ending with a user turn."""
+    out: list[dict[str, Any]] = []
+    for i in range(turns):
+        out.append({"role": "user", "content": f"Question {i}: " + words(words_each, seed=i)})
+        out.append({"role": "assistant", "content": f"Answer {i}: " + words(words_each, seed=i + 1000)})
+    out.append({"role": "user", "content": "And now?"})
+    return out
+
+
+async def send(s: aiohttp.ClientSession, proxy: RunningProxy, key: str, messages: list[dict[str, Any]],
+               **extra: Any) -> int:
+    async with s.post(proxy.url + "/v1/messages", json={"model": CLAUDE, "max_tokens": CLAUDE_OUTPUT,
+                                                        "messages": messages, **extra},
+                      headers={"x-api-key": key, "anthropic-version": "2023-06-01"}) as r:
+        await r.read()
+        return r.status
+
+
+async def claude_policy(s: aiohttp.ClientSession, proxy: RunningProxy, key: str) -> dict[str, Any]:
+    async with s.get(proxy.url + f"/v1/ctxproxy/policy?model={CLAUDE}", headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status == 200
+        body: dict[str, Any] = await r.json()
+        return body["calibration"][CLAUDE]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_tenants_images_do_not_widen_other_tenants_budgets(
+        upstream: FakeUpstream, start_proxy: StartProxy, stream: bool) -> None:
+    """Tenant A sends text with a 1×1 PNG that the provider bills at ~1 token. The proxy counts the image by its
+    size (1 token, not 1,600), and A's samples are A's alone: B (capped at 3,000) and C (no cap, window 8,000)
+    are forwarded within their budgets as the provider counts them."""
+    upstream.anthropic_input = claude_count
+    proxy = await start_proxy(tenants_config(upstream))
+    pixel = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": mf.b64(mf.png(1, 1))}}
+    async with aiohttp.ClientSession() as s:
+        for i in range(3):
+            content = [{"type": "text", "text": words(750, seed=i)}, pixel]
+            assert await send(s, proxy, "sk-a", [{"role": "user", "content": content}], stream=stream) == 200
+        long = talk(50)
+        assert claude_count({"messages": long}) > 2 * CLAUDE_WINDOW  # far more than fits: trimming decides
+        assert await send(s, proxy, "sk-b", long, stream=stream) == 200
+        assert await send(s, proxy, "sk-c", long, stream=stream) == 200
+        forwarded_b, forwarded_c = upstream.anthropic_inputs[3:5]
+        assert forwarded_b <= CAP_B
+        assert forwarded_c <= CLAUDE_WINDOW - CLAUDE_OUTPUT
+        assert forwarded_c > CAP_B  # C's conversation did fill its budget
+        a = await claude_policy(s, proxy, "sk-a")
+        b, c = await claude_policy(s, proxy, "sk-b"), await claude_policy(s, proxy, "sk-c")
+    assert a["source"] == "learned" and a["tenant"] == "a"
+    assert a["factor"] >= 0.9  # text and the image counted as billed: a ratio near 1, not the 0.5 clamp
+    assert b["source"] in ("default", "shared") and b["factor"] >= b["family_default"]
+    assert c["factor"] >= c["family_default"]
+
+
+async def test_a_tenant_with_a_low_factor_of_its_own_never_moves_another(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A tenant whose traffic the provider bills at half the proxy's count learns 0.5 for itself only."""
+    upstream.anthropic_input = lambda body: claude_count(body) // 2
+    proxy = await start_proxy(tenants_config(upstream))
+    async with aiohttp.ClientSession() as s:
+        for i in range(4):
+            assert await send(s, proxy, "sk-a", [{"role": "user", "content": words(800, seed=i)}]) == 200
+        a, c = await claude_policy(s, proxy, "sk-a"), await claude_policy(s, proxy, "sk-c")
+    assert (a["factor"], a["source"]) == (0.5, "learned")
+    assert (c["factor"], c["source"], c["shared"]) == (c["family_default"], "default", 0.5)
+
+
+async def test_a_refusal_for_length_teaches_the_factor(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A provider that counts 1.8× the proxy refuses the first payload (the default 1.2 is too low); the refusal,
+    which states its count, is a sample: the next request is budgeted with 1.8 and fits."""
+    upstream.anthropic_input = lambda body: round(1.8 * claude_count(body))
+    upstream.anthropic_window = CLAUDE_WINDOW
+    proxy = await start_proxy(tenants_config(upstream))
+    long = talk(50)
+    async with aiohttp.ClientSession() as s:
+        assert await send(s, proxy, "sk-c", long) == 400
+        assert upstream.anthropic_inputs[-1] > CLAUDE_WINDOW
+        assert await send(s, proxy, "sk-c", long) == 200
+        assert upstream.anthropic_inputs[-1] <= CLAUDE_WINDOW
+        c = await claude_policy(s, proxy, "sk-c")
+    assert c["source"] == "learned" and c["factor"] == pytest.approx(1.8, abs=0.03)
+    text = await scrape(proxy, "sk-admin")
+    assert metric_total(text, "ctxproxy_calibration_samples_total", model=CLAUDE, result="refused") == 1

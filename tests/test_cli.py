@@ -117,6 +117,42 @@ def test_validate_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert code == 2 and "nope.yaml" in err
 
 
+UNWORKABLE = {
+    "cache_url": ("upstreams: {u: {base_url: 'http://127.0.0.1:9'}}\ncache: {backend: redis, url: 'http://cache:6379'}\n",
+                  "cache.url: "),
+    "summarizer_model": ("upstreams: {u: {base_url: 'http://127.0.0.1:9'}}\ncache: {backend: memory}\n"
+                         "models: [{name: big}]\nallow_unknown_models: false\nsummarizer_model: small\n",
+                         "summarizer_model: 'small' is not a configured model"),
+    "duplicate_key": ("upstreams: {u: {base_url: 'http://127.0.0.1:9'}}\ncache: {backend: memory}\n"
+                      "tenants:\n  - name: t\n    keys: [k-1]\n    max_context_tokens: 1000\n"
+                      "    max_context_tokens: 900000\n",
+                      "tenants[0].max_context_tokens: written twice (lines 6 and 7)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNWORKABLE))
+def test_validate_refuses_configs_that_load_but_cannot_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str) -> None:
+    """Each used to pass validate: the server then died at start, or every summary failed, or a value was lost."""
+    text, first = UNWORKABLE[case]
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    code, out, err = run(["validate", str(path)], capsys)
+    assert (code, out) == (2, "") and err.startswith(first), err
+
+
+def test_serve_and_report_refuse_a_cache_url_that_is_not_redis_in_one_line(tmp_path: Path) -> None:
+    """They used to open the cache with it and die with redis-py's traceback (exit 1)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(UNWORKABLE["cache_url"][0])
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    for argv in (["serve", "--config", str(path), "--port", "0"], ["report", "--config", str(path)]):
+        done = subprocess.run([str(CTXPROXY), *argv], capture_output=True, text=True, env=env, timeout=60)
+        assert done.returncode == 2, (argv, done.stderr)
+        assert done.stderr.startswith("cache.url: ") and "Traceback" not in done.stderr, done.stderr
+        assert len(done.stderr.splitlines()) == 1
+
+
 def _shipped_env(path: Path) -> dict[str, str]:
     import re
 

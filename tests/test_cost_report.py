@@ -84,7 +84,7 @@ async def test_admin_report_totals_equal_the_metrics(upstream: FakeUpstream, sta
     upstream.prompt_scale, upstream.report_cached = 1.0, True
     proxy = await start_proxy(report_config(upstream.base_url))
     await traffic(proxy)
-    text = await scrape(proxy)
+    text = await scrape(proxy, ADMIN)
     async with aiohttp.ClientSession() as s:
         async with s.get(proxy.url + "/admin/report?since=1h", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
             assert r.status == 200
@@ -111,7 +111,7 @@ async def test_cli_report_reads_the_ledger_after_the_server_is_gone(
     path.write_text(yaml.safe_dump(cfg))
     proxy = await start_proxy(cfg)
     await traffic(proxy)
-    text = await scrape(proxy)
+    text = await scrape(proxy, ADMIN)
     await proxy.runner.cleanup()  # the server stops: its last buckets are flushed on the way out
     capsys.readouterr()
     code = await asyncio.to_thread(main, ["report", "--config", str(path), "--since", "2h", "--json"])

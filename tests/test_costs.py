@@ -240,11 +240,11 @@ async def test_a_reload_swaps_prices_and_calibration_modes(upstream: FakeUpstrea
     proxy = await start_proxy(cfg, config_path=str(path))
     state = proxy.state
     route = state.runtime.route(ALIAS)
-    assert state.runtime.calibration.factor(route) == 1.0
+    assert state.runtime.calibration.factor(route, "default") == 1.0
     cfg["models"][0].update(calibration=1.25, input_cost_per_token=9e-6, output_cost_per_token=1e-5)
     path.write_text(yaml.safe_dump(cfg))
-    assert state.reload() == []
-    assert state.runtime.calibration.factor(route) == 1.25
+    assert state.reload().problems == []
+    assert state.runtime.calibration.factor(route, "default") == 1.25
     prices = state.shared.model_map.prices(UPSTREAM_MODEL)
     assert prices is not None and prices.input == 9e-6 and prices.source == "config+map"
 

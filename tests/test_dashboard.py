@@ -94,7 +94,7 @@ def exported() -> dict[str, set[str]]:
     for net in (0.5, -0.25):
         m.account("acme", "gpt-4o-mini", RequestCost(
             "gpt-4o-mini", 100, 1.0, 0.1, 0.2, 0.3, net, True, CacheEffect(True, True, 10, 2, 5, 1.0)))
-    m.calibration_factor("openai", "gpt-4o-mini", 1.2)
+    m.calibration_factor("acme", "openai", "gpt-4o-mini", 1.2)
     m.calibration_sample("gpt-4o-mini", Sample("used", 1.2), Usage(1200), 1000, 1.2)
     body, _ = m.render()
     names: dict[str, set[str]] = {}

@@ -88,7 +88,11 @@ def test_prometheus_scrapes_every_replica(tmp_path: Path) -> None:
     config = yaml.safe_load(path.read_text(encoding="utf-8"))
     job = next(j for j in config["scrape_configs"] if j["job_name"] == "ctxproxy")
     assert job["metrics_path"] == "/metrics"
-    assert sorted(t for sc in job["static_configs"] for t in sc["targets"]) == [f"{r}:8080" for r in REPLICAS]
+    # each replica's metrics port (no key; compose exposes it on its network, publishes only nginx)
+    assert sorted(t for sc in job["static_configs"] for t in sc["targets"]) == [f"{r}:9464" for r in REPLICAS]
+    replica = yaml.safe_load((ROOT / "deploy" / "compose" / "ctxproxy.yaml").read_text(encoding="utf-8"))
+    assert replica["server"]["metrics_port"] == 9464 and replica["server"]["metrics_host"] == "0.0.0.0"
+    assert all("9464" in compose()["services"][r]["expose"] for r in REPLICAS)
     promtool = shutil.which("promtool")
     if promtool:
         proc = subprocess.run([promtool, "check", "config", "--syntax-only", str(path)], capture_output=True,

@@ -32,6 +32,7 @@ MODEL = "gpt-4o-mini"  # configured with a small window so it summarises, and pr
 WINDOW = 8000
 TENANT_KEY = "sk-SECRET-canary-123"
 UPSTREAM_KEY = "sk-UPSTREAM-canary-456"
+ADMIN_KEY = "sk-admin-observability"
 PROMPT = "PROMPT-canary-789"
 CANARIES = (TENANT_KEY, UPSTREAM_KEY, PROMPT)
 VENV_BIN = Path(sys.executable).parent
@@ -55,6 +56,7 @@ def priced_config(upstream_url: str, **extra: Any) -> dict[str, Any]:
         summarizer_model=MODEL,
         context_manager={"type": "summarising", "params": {"keep_turns": 4}},
         summarizer={"retry_backoff_seconds": 0, "timeout_seconds": 5, "max_summary_tokens": 300},
+        admin={"keys": [ADMIN_KEY]},  # /metrics needs it when tenants are configured
     )
     cfg.update(extra)
     return cfg
@@ -97,7 +99,7 @@ async def call(
 
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> tuple[str, Samples]:
-    async with session.get(url + "/metrics") as r:
+    async with session.get(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as r:
         assert r.status == 200
         assert r.headers["Content-Type"].startswith("text/plain")
         text = await r.text()

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.fake_upstream import FakeUpstream
-from tests.test_observability import MODEL, TENANT_KEY, call, priced_config, scrape, value
+from tests.test_observability import ADMIN_KEY, MODEL, TENANT_KEY, call, priced_config, scrape, value
 from tests.test_summarisation import conversation
 
 PROMETHEUS = Path("/usr/bin/prometheus")
@@ -40,10 +40,15 @@ async def prometheus(tmp_path: Path) -> AsyncIterator[StartPrometheus]:
     log_file = tmp_path / "prometheus.log"
 
     async def start(target: str) -> str:
+        job: dict[str, Any] = {"job_name": "ctxproxy", "metrics_path": "/metrics",
+                               "static_configs": [{"targets": [target]}]}
+        # with tenants configured /metrics needs an admin key: Prometheus sends it from a file, as shipped
+        key_file = tmp_path / "ctxproxy-admin-key"
+        key_file.write_text(ADMIN_KEY + "\n")
+        job["authorization"] = {"type": "Bearer", "credentials_file": str(key_file)}
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": "ctxproxy", "metrics_path": "/metrics",
-                                "static_configs": [{"targets": [target]}]}],
+            "scrape_configs": [job],
         }
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
         port = free_port()

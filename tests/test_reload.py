@@ -25,7 +25,8 @@ import pytest
 import yaml
 
 from proxy.settings import load_config
-from tests.conftest import ROOT
+from tests import test_summarisation as travel
+from tests.conftest import ROOT, base_config
 from tests.fake_upstream import FakeUpstream
 from tests.test_policy import (
     ADMIN_KEY,
@@ -109,7 +110,7 @@ async def test_admin_reload_swaps_the_policy_for_new_requests(setup: Any) -> Non
     config["tenants"] = [t for t in config["tenants"] if t["name"] != "platform"]
     write(path, config)
     status, body = await admin_reload(env)
-    assert (status, body) == (200, {"reloaded": True})
+    assert (status, body) == (200, {"reloaded": True, "restart_required": []})
 
     # the rotated key works with the new policy; the old one and the removed tenant's are refused
     status, policy = await policy_of(env, NEW_SUPPORT_KEY)
@@ -425,3 +426,203 @@ async def test_sighup_reloads_a_running_ctxproxy_serve(upstream: FakeUpstream, s
     assert '"tenant":"support"' in log.replace(" ", "")  # per-request log lines name the tenant ...
     for secret in [*SECRETS, NEW_SUPPORT_KEY]:
         assert secret not in log  # ... never a key
+
+
+# --------------------------------------------------------------------------- what a reload applies
+
+RELOAD_ADMIN = "adm-reload-live-31f7"
+MB = 1024 * 1024
+
+
+async def reloadable(start_proxy: Any, tmp_path: Path, config: dict[str, Any]) -> tuple[Any, Path]:
+    path = tmp_path / "ctxproxy.yaml"
+    write(path, {**config, "admin": {"keys": [RELOAD_ADMIN]}})
+    return await start_proxy(load_config(path, env={}), config_path=str(path)), path
+
+
+async def rewrite_and_reload(proxy: Any, path: Path, config: dict[str, Any]) -> Any:
+    write(path, {**config, "admin": {"keys": [RELOAD_ADMIN]}})
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + "/admin/reload",
+                                                    headers={"Authorization": f"Bearer {RELOAD_ADMIN}"}) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+PADDED = {  # a body of ~3 MB on each managed wire and on the relay; the padding is forwarded untouched
+    "/v1/chat/completions": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/responses": {"model": "gpt-4o-mini", "input": "hi"},
+    "/v1/messages": {"model": "gpt-4o-mini", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/embeddings": {"model": "text-embedding-3-small", "input": "hi"},
+}
+
+
+async def post_padded(proxy: Any, path: str) -> tuple[int, Any]:
+    body = {**PADDED[path], "metadata": {"pad": "x" * (3 * MB)}}
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + path, json=body) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def test_reload_applies_max_body_mb_up_and_down(upstream: FakeUpstream, start_proxy: Any,
+                                                      tmp_path: Path) -> None:
+    """max_body_mb was fixed when the app was built: raised from 1 to 8 MB, a 3 MB body was still refused."""
+    config = base_config(upstream.base_url, server={"max_body_mb": 1})
+    proxy, path = await reloadable(start_proxy, tmp_path, config)
+    for url_path in PADDED:
+        status, body = await post_padded(proxy, url_path)
+        assert status == 413 and "1048576" in json.dumps(body), (url_path, status, body)
+    await rewrite_and_reload(proxy, path, {**config, "server": {"max_body_mb": 8}})
+    for url_path in PADDED:
+        assert (await post_padded(proxy, url_path))[0] == 200, url_path
+    await rewrite_and_reload(proxy, path, {**config, "server": {"max_body_mb": 2}})
+    status, body = await post_padded(proxy, "/v1/messages")
+    assert status == 413 and body["type"] == "error" and "2097152" in body["error"]["message"]  # Anthropic's shape
+
+
+async def test_reload_applies_the_first_byte_timeout(upstream: FakeUpstream, start_proxy: Any,
+                                                    tmp_path: Path) -> None:
+    upstream.mode, upstream.delay = "slow_first_byte", 1.0
+    config = base_config(upstream.base_url, server={"first_byte_timeout": 0.3})
+    proxy, path = await reloadable(start_proxy, tmp_path, config)
+    for stream in (False, True):
+        status, body = await post_chat(proxy, stream=stream)
+        assert status == 504 and body["error"]["code"] == "upstream_timeout"
+    await rewrite_and_reload(proxy, path, {**config, "server": {"first_byte_timeout": 10}})
+    for stream in (False, True):
+        assert (await post_chat(proxy, stream=stream))[0] == 200
+    await rewrite_and_reload(proxy, path, config)
+    assert (await post_chat(proxy))[0] == 504
+
+
+async def post_chat(proxy: Any, *, stream: bool = False) -> tuple[int, Any]:
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/chat/completions", json=body) as r:
+        raw = await r.read()
+    return r.status, json.loads(raw) if r.status != 200 else raw
+
+
+@contextlib.contextmanager
+def unanswered_port() -> Any:
+    """A port whose accept queue is full: a connection attempt to it waits until the client gives up."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        yield port
+    finally:
+        for sock in [*fillers, listener]:
+            sock.close()
+
+
+async def test_reload_applies_the_connect_timeout(start_proxy: Any, tmp_path: Path) -> None:
+    """The pooled session kept the connect timeout it was built with; a lowered one now applies at once."""
+    with unanswered_port() as port:
+        config = base_config(f"http://127.0.0.1:{port}/v1", server={"connect_timeout": 30, "first_byte_timeout": 1})
+        proxy, path = await reloadable(start_proxy, tmp_path, config)
+        status, body = await post_chat(proxy)
+        assert status == 504 and "did not answer in time" in body["error"]["message"]  # the first-byte bound
+        await rewrite_and_reload(proxy, path, {**config, "server": {"connect_timeout": 0.2, "first_byte_timeout": 1}})
+        status, body = await post_chat(proxy)
+        assert status == 504 and "Connecting to the upstream timed out" in body["error"]["message"]
+
+
+async def test_reload_applies_the_summariser_back_off_to_a_back_off_in_progress(
+        upstream: FakeUpstream, start_proxy: Any, tmp_path: Path) -> None:
+    """A failed summary backs its conversation off; an operator who shortens the back-off sees it retried."""
+    config = travel.config(upstream.base_url, summarizer={"retry_backoff_seconds": 300, "timeout_seconds": 2})
+    proxy, path = await reloadable(start_proxy, tmp_path, config)
+    upstream.summary_mode = "status"
+    messages = travel.conversation(40)
+    async with aiohttp.ClientSession() as s:
+        async def summary() -> str:
+            async with s.post(proxy.url + "/v1/chat/completions",
+                              json={"model": "small-model", "messages": messages}) as r:
+                assert r.status == 200
+                return r.headers["x-ctxproxy-summary"]
+
+        assert await summary() == "failed"
+        calls = len(upstream.summaries)
+        upstream.summary_mode = "ok"
+        assert await summary() == "failed" and len(upstream.summaries) == calls  # backing off: not asked
+        await rewrite_and_reload(proxy, path, {**config, "summarizer": {"retry_backoff_seconds": 0}})
+        assert await summary() == "created" and len(upstream.summaries) == calls + 1
+
+
+async def test_reload_applies_the_summary_ttl(upstream: FakeUpstream, start_proxy: Any, tmp_path: Path) -> None:
+    config = travel.config(upstream.base_url)
+    proxy, path = await reloadable(start_proxy, tmp_path, config)
+    await rewrite_and_reload(proxy, path, {**config, "cache": {"backend": "memory", "ttl_seconds": 0.5}})
+    async with aiohttp.ClientSession() as s:
+        async def summary() -> str:
+            async with s.post(proxy.url + "/v1/chat/completions",
+                              json={"model": "small-model", "messages": travel.conversation(40)}) as r:
+                return r.headers["x-ctxproxy-summary"]
+
+        assert await summary() == "created"
+        assert await summary() == "reused"
+        await asyncio.sleep(1.0)
+        assert await summary() == "created"  # expired after the reloaded TTL, not the week it started with
+
+
+async def test_reload_names_the_settings_that_need_a_restart(upstream: FakeUpstream, start_proxy: Any,
+                                                            tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A reload must not claim what it cannot apply: the cache and the listening socket stay as started."""
+    config = base_config(upstream.base_url)
+    proxy, path = await reloadable(start_proxy, tmp_path, config)
+    moved = {**config, "cache": {"backend": "disk", "path": str(tmp_path / "cache"), "breaker_timeouts": 5,
+                                 "local_summaries": 10, "budget_seconds": 2},
+             "server": {"port": 9, "workers": 3, "drain_timeout": 1, "max_body_mb": 2}}
+    with caplog.at_level(logging.INFO, logger="ctxproxy"):
+        answer = await rewrite_and_reload(proxy, path, moved)
+    needs = ["server.port", "server.workers", "server.drain_timeout", "cache.backend", "cache.path",
+             "cache.breaker_timeouts"]
+    assert answer == {"reloaded": True, "restart_required": needs}
+    assert any(r.levelno == logging.WARNING and "until a restart: " + ", ".join(needs) in r.getMessage()
+               for r in caplog.records)
+    assert proxy.state.shared.cache.name == "memory"  # really still the one it started with
+    # compared with what the process started with, not with the previous reload
+    tenants = {**moved, "tenants": [{"name": "t", "keys": ["sk-t-1"]}]}
+    assert (await rewrite_and_reload(proxy, path, tenants))["restart_required"] == needs
+    assert (await rewrite_and_reload(proxy, path, config))["restart_required"] == []
+
+
+@pytest.mark.timeout(120)
+async def test_reload_applies_the_log_level(upstream: FakeUpstream, tmp_path: Path) -> None:
+    """logging.level was set once at start: a reload to INFO showed no request lines, one to ERROR kept them."""
+    path = tmp_path / "ctxproxy.yaml"
+    config = {**base_config(upstream.base_url, logging={"level": "WARNING", "requests": True}),
+              "admin": {"keys": [RELOAD_ADMIN]}}
+    write(path, config)
+    async with serve(path) as served, aiohttp.ClientSession() as s:
+        async def request(rid: str) -> None:
+            body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+            async with s.post(served.url + "/v1/chat/completions", json=body, headers={"x-request-id": rid}) as r:
+                assert r.status == 200
+
+        async def reload_to(level: str) -> None:
+            write(path, {**config, "logging": {"level": level, "requests": True}})
+            async with s.post(served.url + "/admin/reload",
+                              headers={"Authorization": f"Bearer {RELOAD_ADMIN}"}) as r:
+                assert r.status == 200
+
+        await request("at-warning-1")
+        await reload_to("INFO")
+        await request("at-info-2")
+        await served.wait_for("at-info-2")
+        await reload_to("ERROR")
+        await request("at-error-3")
+        await request("at-error-4")
+        await reload_to("INFO")
+        await request("at-info-5")
+        await served.wait_for("at-info-5")
+    log = "\n".join(served.lines)
+    assert "at-warning-1" not in log and "at-error-3" not in log and "at-error-4" not in log

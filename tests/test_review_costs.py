@@ -52,7 +52,7 @@ async def test_a_request_the_upstream_failed_saved_nothing(upstream: FakeUpstrea
     assert priced_total(proxy, "ctxproxy_estimated_savings_usd_total") == 0
     assert priced_total(proxy, "ctxproxy_net_savings_usd_total") == 0
     await proxy.state.shared.ledger.flush()
-    total = (await cost_report(proxy.state.shared.cache, 3600))["total"]
+    total = (await cost_report(proxy.state.shared.ledger.store, 3600))["total"]
     assert total["gross_usd"] == 0 and total["net_usd"] == 0
 
 
@@ -74,5 +74,5 @@ async def test_a_summary_made_by_compact_is_paid_for_in_the_ledger(upstream: Fak
     assert paid > 0
     assert priced_total(proxy, "ctxproxy_net_loss_usd_total") == paid
     await proxy.state.shared.ledger.flush()
-    total = (await cost_report(proxy.state.shared.cache, 3600))["total"]
+    total = (await cost_report(proxy.state.shared.ledger.store, 3600))["total"]
     assert abs(total["summarizer_usd"] - paid) < 1e-12 and abs(total["net_usd"] + paid) < 1e-12

@@ -37,12 +37,14 @@ class Calibration:
     def __init__(self, factor: float) -> None:
         self.value = factor
         self.routes: list[ModelRoute] = []
+        self.tenants: list[str] = []
 
-    async def prime(self, route: ModelRoute) -> None:
+    async def prime(self, route: ModelRoute, tenant: str) -> None:
         """Nothing to load: the factor is fixed."""
 
-    def factor(self, route: ModelRoute) -> float:
+    def factor(self, route: ModelRoute, tenant: str) -> float:
         self.routes.append(route)
+        self.tenants.append(tenant)
         return self.value
 
 
@@ -129,6 +131,7 @@ async def test_assemble_divides_the_budget_by_the_routes_calibration(factor: flo
     assert assembly.report.calibration == factor
     assert assembly.report.hard_budget == int(window_budget / factor)
     assert calibration.routes == [route]
+    assert calibration.tenants == ["default"]  # the tenant's own factor (no tenants configured: "default")
 
 
 async def test_a_tenant_may_not_assemble_a_model_outside_its_list() -> None:

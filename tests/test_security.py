@@ -189,7 +189,11 @@ async def test_keys_never_leak_on_any_path(upstream: FakeUpstream, start_proxy: 
         assert (await call("reload invalid config", "POST", "/admin/reload", ADMIN_KEY))[0] == 400
         assert (await call("healthz", "GET", "/healthz", None))[0] == 200
         assert (await call("readyz", "GET", "/readyz", None))[0] == 200
-        assert (await call("metrics", "GET", "/metrics", None))[0] == 200
+        # with tenants, /metrics names each one with its traffic and cost: an admin key only
+        assert (await call("metrics no key", "GET", "/metrics", None))[0] == 401
+        assert (await call("metrics tenant key", "GET", "/metrics", TENANT_A_KEY))[0] == 401
+        assert (await call("metrics wrong key", "GET", "/metrics", WRONG_KEY))[0] == 401
+        assert (await call("metrics", "GET", "/metrics", ADMIN_KEY))[0] == 200
 
     assert len(seen) >= 35
     for what, status, text in seen:

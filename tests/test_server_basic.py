@@ -11,6 +11,7 @@ import openai
 import pytest
 from yarl import URL
 
+from tests import media_files as mf
 from tests.conftest import base_config
 from tests.fake_upstream import REPLY, USAGE, FakeUpstream
 
@@ -432,3 +433,32 @@ async def test_malformed_override_falls_back_to_default_policy(upstream: FakeUps
     assert "x-ctxproxy-warning" in raw.headers
     assert raw.headers["x-ctxproxy-summary"] == "created"
     assert len(upstream.summaries) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_media_are_counted_as_billed(upstream: FakeUpstream, start_proxy: Any, stream: bool) -> None:
+    """Chat Completions follows OpenAI's formulas: an image by its tiles, a PDF file by its text and pages (a
+    28-page PDF of ~27 KB is refused under a 3,000-token cap, not forwarded as one page)."""
+    from tests.helpers import words
+    from tests.outside import post
+
+    proxy = await start_proxy(base_config(upstream.base_url, tenants=[
+        {"name": "t", "keys": ["sk-client"], "max_context_tokens": 3000}]))
+    counts = []
+    for image in (None, mf.png(1, 1), mf.gif(4000, 3000)):
+        content: list[dict[str, Any]] = [{"type": "text", "text": "hi"}]
+        if image is not None:
+            content.append({"type": "image_url", "image_url": {"url": "data:image/png;base64," + mf.b64(image)}})
+        status, headers, _ = await post(proxy, {"model": "gpt-4o-mini", "messages": [
+            {"role": "user", "content": content}], "stream": stream})
+        assert status == 200
+        counts.append(int(headers["x-ctxproxy-tokens-in"]))
+    assert (counts[1] - counts[0], counts[2] - counts[0]) == (85 + 170, 765)
+    pdf = mf.pdf([words(330, seed=i) for i in range(28)])
+    assert len(pdf) < 30_000
+    part = {"type": "file", "file": {"filename": "r.pdf", "file_data": "data:application/pdf;base64," + mf.b64(pdf)}}
+    sent = len(upstream.chat)
+    status, _, body = await post(proxy, {"model": "gpt-4o-mini", "stream": stream, "messages": [
+        {"role": "user", "content": [part, {"type": "text", "text": "Summarise it."}]}]})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert len(upstream.chat) == sent

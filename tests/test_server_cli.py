@@ -255,3 +255,99 @@ async def test_a_malformed_request_is_logged_in_one_line_without_its_bytes(
     log = "\n".join(served.lines)
     assert "sk-LEAKED" not in log and "Traceback" not in log
     assert "LineTooLong" in log
+
+
+async def test_the_metrics_port_serves_metrics_without_a_key_on_loopback(
+        upstream: FakeUpstream, tmp_path: Path) -> None:
+    """`server.metrics_port`: a second listener, on 127.0.0.1 unless told otherwise, that serves GET /metrics with no
+    key (summed over the workers, which share it) and nothing else; the main port's /metrics then needs the admin
+    key, since tenants are configured."""
+    import aiohttp
+
+    port, metrics_port = free_port(), free_port()
+    path = write_config(tmp_path, upstream, metrics_port=metrics_port)
+    config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    config["tenants"] = [{"name": "acme", "keys": ["sk-acme"]}]
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    proc = await asyncio.create_subprocess_exec(
+        str(CTXPROXY), "serve", "--config", str(path), "--port", str(port), "--workers", "2",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    announced = 0
+    try:
+        assert proc.stderr is not None
+        while announced < 2:
+            line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+            assert line, "the workers did not start"
+            announced += f"ctxproxy metrics on http://127.0.0.1:{metrics_port}/metrics" in line
+        async with aiohttp.ClientSession() as s:
+            for _ in range(6):
+                async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", headers={
+                        "Authorization": "Bearer sk-acme"}, json={"model": MODEL, "messages": MESSAGES}) as r:
+                    assert r.status == 200
+            async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                assert r.status == 401
+            async with s.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+                assert r.status == 200
+                text = await r.text()
+            async with s.get(f"http://127.0.0.1:{metrics_port}/v1/models") as r:
+                assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+            async with s.post(f"http://127.0.0.1:{metrics_port}/v1/chat/completions", json={}) as r:
+                assert r.status == 404
+        total = sum(float(v) for v in re.findall(
+            r'^ctxproxy_requests_total\{[^}]*status="200"[^}]*tenant="acme"[^}]*\} (\S+)$', text, re.M))
+        assert total == 6
+        with pytest.raises(OSError):  # loopback only: not reachable on another address of the host
+            socket.create_connection(("127.0.0.2", metrics_port), timeout=2).close()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), DRAIN + 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_the_metrics_port_must_differ_from_the_port(upstream: FakeUpstream, tmp_path: Path) -> None:
+    rc, _out, err = await _run("validate", str(write_config(tmp_path, upstream, port=8123, metrics_port=8123)))
+    assert rc != 0 and "server.metrics_port: must differ from server.port" in err
+
+
+def sighup_held(pid: int) -> bool:
+    """Whether ``pid`` blocks SIGHUP (bit 0 of SigBlk in /proc/<pid>/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    match = re.search(r"^SigBlk:\s*([0-9a-f]+)$", status, re.M)
+    return bool(match and int(match.group(1), 16) & 1)
+
+
+async def test_a_sighup_before_the_server_listens_is_handled_once_it_does(upstream: FakeUpstream,
+                                                                         tmp_path: Path) -> None:
+    """SIGHUP's default action ends a process: one sent while `serve` was still loading killed it."""
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        str(CTXPROXY), "serve", "--config", str(write_config(tmp_path, upstream)), "--port", str(port),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    served = Served(proc, port)
+    try:
+        deadline = time.monotonic() + 10
+        while not sighup_held(proc.pid):  # held from the start, long before it listens
+            assert time.monotonic() < deadline and proc.returncode is None, "SIGHUP is never held while it starts"
+            await asyncio.sleep(0.002)
+        assert not served.ready.done()
+        proc.send_signal(signal.SIGHUP)
+        await asyncio.wait([served.ready, served.reader], timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        assert served.ready.done(), f"exited {proc.returncode}:\n" + "\n".join(served.lines)
+        for _ in range(100):
+            if any("config reloaded from" in line for line in served.lines):
+                break
+            await asyncio.sleep(0.05)
+        assert any("config reloaded from" in line for line in served.lines), served.lines
+        async with openai.AsyncOpenAI(base_url=served.base_url, api_key="sk-client", max_retries=0) as c:
+            await c.chat.completions.create(model=MODEL, messages=MESSAGES)
+        proc.send_signal(signal.SIGTERM)
+        assert await served.wait_exit(DRAIN + 5) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

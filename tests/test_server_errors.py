@@ -434,7 +434,7 @@ async def test_client_disconnect_cancels_upstream(upstream: FakeUpstream, start_
     assert await eventually(lambda: upstream.cancelled == 1 and upstream.active == 0, 1.0), \
         (upstream.cancelled, upstream.active)
     # and the proxy's pooled connection to the upstream was closed, not returned to the pool
-    session = proxy.state.shared.pool._sessions[upstream.base_url]
+    session = next(s for key, s in proxy.state.shared.pool._sessions.items() if key[0] == upstream.base_url)
     connector = session.connector
     assert await eventually(lambda: not connector._acquired, 1.0)
     assert sum(len(v) for v in connector._conns.values()) == 0

@@ -205,3 +205,104 @@ def test_every_shipped_config_loads(path: Path) -> None:
 def test_zero_in_compaction_sugar_is_rejected_like_in_params(compaction: dict[str, Any]) -> None:
     found = problems(with_(working_memory={"compaction": compaction}))
     assert found[0].startswith("working_memory.compaction"), found
+
+
+# --------------------------------------------------------------------------- configs that load but cannot work
+
+
+@pytest.mark.parametrize("url", ["http://cache:6379/0", "localhost:6379", "redis://cache:abc/0", "redis://cache/xyz",
+                                 "redis://cache:99999/0", "redis://", "tcp://:s3cret-pw@cache:6379/0"])
+def test_a_cache_url_that_is_not_a_redis_url_is_refused(url: str) -> None:
+    """redis-py refuses such a URL only when the server starts (a traceback, exit 1): validate names it first."""
+    found = problems(with_(cache={"backend": "redis", "url": url}))
+    assert len(found) == 1 and found[0].startswith("cache.url: "), found
+    assert "s3cret-pw" not in found[0]  # a URL's password is never echoed
+
+
+@pytest.mark.parametrize("url", ["redis://cache:6379/0", "redis://cache", "rediss://:pw@cache:6380/2",
+                                 "unix:///run/redis.sock", "redis://user:pw@[::1]:6379/1"])
+def test_redis_urls_redis_py_accepts_are_accepted(url: str) -> None:
+    assert load_config(with_(cache={"backend": "redis", "url": url}), env={}).settings.cache.url == url
+
+
+MODELS = [{"name": "big", "context_window": 8000}, {"name": "mini", "context_window": 8000}]
+CLOSED = with_(models=MODELS, allow_unknown_models=False)
+TENANT = {"name": "t", "keys": ["k-1"]}
+LLM_MODEL = {"type": "summarising", "params": {"summarizer": {"type": "llm", "params": {"model": "gone"}}}}
+
+
+@pytest.mark.parametrize(("extra", "path"), [
+    ({"summarizer_model": "gone"}, "summarizer_model"),
+    ({"tenants": [TENANT, {**TENANT, "name": "u", "keys": ["k-2"], "summarizer_model": "gone"}]},
+     "tenants[1].summarizer_model"),
+    ({"context_manager": LLM_MODEL}, "context_manager.params.summarizer.params.model"),
+    ({"tenants": [{**TENANT, "context_manager": LLM_MODEL}]},
+     "tenants[0].context_manager.params.summarizer.params.model"),
+])
+def test_a_summariser_model_without_a_route_is_refused(extra: dict[str, Any], path: str) -> None:
+    """With allow_unknown_models: false a summariser model must be a configured one, or every summary fails."""
+    found = problems({**CLOSED, **extra})
+    assert found == [f"{path}: 'gone' is not a configured model, and allow_unknown_models is false: "
+                     "every summary would fail"]
+    load_config({**CLOSED, **extra, "allow_unknown_models": True}, env={})  # any name routes then
+
+
+def test_a_configured_summariser_model_is_accepted() -> None:
+    binding = {"type": "summarising", "params": {"summarizer": {"type": "llm", "params": {"model": "mini"}}}}
+    config = load_config({**CLOSED, "summarizer_model": "mini", "context_manager": binding,
+                          "tenants": [{**TENANT, "summarizer_model": "big", "context_manager": binding}]}, env={})
+    assert config.settings.summarizer_model == "mini"
+
+
+DUPLICATED = """\
+upstreams:
+  u: {base_url: "http://127.0.0.1:9"}
+cache: {backend: memory}
+tenants:
+  - name: t
+    keys: [k-1]
+    max_context_tokens: 1000
+    models: [a]
+    max_context_tokens: 900000
+models:
+  - {name: a, context_window: 8000}
+cache: {backend: disk}
+"""
+
+
+def test_a_key_written_twice_is_refused_with_its_path_and_lines(tmp_path: Path) -> None:
+    """YAML keeps the last of two equal keys silently: 1000 then 900000 gave a cap of 900000."""
+    path = tmp_path / "c.yaml"
+    path.write_text(DUPLICATED)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert info.value.problems == [
+        "tenants[0].max_context_tokens: written twice (lines 7 and 9); YAML would silently keep the last",
+        "cache: written twice (lines 3 and 12); YAML would silently keep the last",
+    ]
+
+
+@pytest.mark.parametrize("text", [
+    # a merge key overrides what it merges: that is not a duplicate
+    "base: &b {base_url: 'http://127.0.0.1:9'}\nupstreams:\n  u:\n    <<: *b\n    base_url: 'http://127.0.0.1:8'\n",
+    # the same key in two different mappings, and one node reached twice through an alias
+    "upstreams:\n  u: &u {base_url: 'http://127.0.0.1:9'}\n  v: *u\nmodels: [{name: a}, {name: b}]\n",
+])
+def test_keys_that_only_look_repeated_are_not_duplicates(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    try:
+        load_config(path, env={})
+    except ConfigError as exc:  # `base` is not a config key; nothing else may be wrong
+        assert exc.problems == ["base: Extra inputs are not permitted"]
+
+
+@pytest.mark.parametrize("text", ["upstreams: {u: {base_url: 'http://127.0.0.1:9'}}\nx: &x {a: 1, self: *x}\n",
+                                  "x: " + "[" * 5000 + "]" * 5000 + "\n"], ids=["self-alias", "deep"])
+def test_a_config_nested_in_itself_or_too_deep_is_refused_in_one_line(tmp_path: Path, text: str) -> None:
+    """Both used to end ``validate`` and ``serve`` in a RecursionError traceback."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert len(info.value.problems) == 1 and "nested too deeply" in info.value.problems[0]

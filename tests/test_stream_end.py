@@ -1,4 +1,4 @@
-"""Issue 18: a stream's end is the wire's business.
+"""A stream's end is the wire's business.
 
 Chat Completions ends with ``data: [DONE]``; the Responses API with a terminal
 ``response.completed`` / ``response.incomplete`` / ``response.failed`` event and
@@ -6,7 +6,8 @@ no ``[DONE]``; Anthropic Messages with ``event: message_stop``; any other relaye
 SSE stream when the upstream closes cleanly. For relayed paths the proxy must pass
 the upstream's bytes through unchanged and add nothing after a clean end; only a
 truncated stream (connection lost, framing error, idle timeout) gets an error
-event, in the wire's own shape.
+event, in the wire's own shape. The end is the whole terminal event (its data line
+and the blank line that dispatches it), whatever the line ends (CR, LF, CRLF).
 
 Driven from the outside only: the official ``openai`` and ``anthropic`` clients
 (and raw aiohttp for byte-exact checks) against the proxy, with the fake upstream
@@ -96,7 +97,7 @@ ANTHROPIC_BODY: dict[str, Any] = {"model": CLAUDE, "max_tokens": 64, "messages":
 async def test_chat_completions_stream_still_ends_with_done_and_nothing_after(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
-    """Issue 18 control: the Chat Completions wire keeps ending with data: [DONE] and nothing after it."""
+    """Control: the Chat Completions wire keeps ending with data: [DONE] and nothing after it."""
     proxy = await proxy_for(upstream, start_proxy)
     status, raw, cut = await post_stream(proxy.base_url + "/chat/completions", {
         "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
@@ -112,7 +113,7 @@ async def test_chat_completions_stream_still_ends_with_done_and_nothing_after(
 async def test_responses_stream_with_the_openai_client_completes(
     upstream: FakeUpstream, start_proxy: StartProxy, end: str
 ) -> None:
-    """Issue 18: client.responses.create(stream=True) through the relay ends at the terminal event, no error."""
+    """client.responses.create(stream=True) through the relay ends at the terminal event, no error."""
     upstream.responses_end = end
     proxy = await proxy_for(upstream, start_proxy)
     async with openai_client(proxy) as client:
@@ -125,7 +126,7 @@ async def test_responses_stream_with_the_openai_client_completes(
 
 
 async def test_responses_stream_bytes_pass_through_unchanged(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
-    """Issue 18: a relayed Responses stream reaches the client byte for byte, with nothing after response.completed."""
+    """a relayed Responses stream reaches the client byte for byte, with nothing after response.completed."""
     proxy = await proxy_for(upstream, start_proxy)
     async with openai_client(proxy) as client, client.responses.with_streaming_response.create(
         model=MODEL, input="hi", stream=True
@@ -139,7 +140,7 @@ async def test_responses_stream_bytes_pass_through_unchanged(upstream: FakeUpstr
 async def test_truncated_responses_stream_surfaces_as_an_error_in_the_sdk(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
-    """Issue 18 (passes today): a Responses stream cut mid-way never looks complete to the openai SDK."""
+    """a Responses stream cut mid-way never looks complete to the openai SDK."""
     upstream.wire_mode = "break"
     proxy = await proxy_for(upstream, start_proxy)
     events: list[Any] = []
@@ -157,7 +158,7 @@ async def test_truncated_responses_stream_surfaces_as_an_error_in_the_sdk(
 async def test_truncated_responses_stream_ends_with_an_error_event_in_the_responses_shape(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
-    """Issue 18: after a cut, the client gets the upstream's bytes, then one named Responses error event."""
+    """after a cut, the client gets the upstream's bytes, then one named Responses error event."""
     upstream.wire_mode = "break"
     proxy = await proxy_for(upstream, start_proxy)
     status, raw, _cut = await post_stream(proxy.base_url + "/responses", {"model": MODEL, "input": "hi",
@@ -179,7 +180,7 @@ async def test_truncated_responses_stream_ends_with_an_error_event_in_the_respon
 async def test_anthropic_stream_with_the_anthropic_client_gets_the_whole_message(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
-    """Issue 18 (passes today: the SDK ignores the appended event): messages.stream through the relay."""
+    """messages.stream through the relay."""
     proxy = await proxy_for(upstream, start_proxy)
     async with anthropic_client(proxy) as client, client.messages.stream(**ANTHROPIC_BODY) as stream:
         message = await stream.get_final_message()
@@ -190,7 +191,7 @@ async def test_anthropic_stream_with_the_anthropic_client_gets_the_whole_message
 
 
 async def test_anthropic_stream_bytes_end_with_message_stop(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
-    """Issue 18: client.messages.create(stream=True) sees the upstream's bytes and nothing after message_stop."""
+    """client.messages.create(stream=True) sees the upstream's bytes and nothing after message_stop."""
     proxy = await proxy_for(upstream, start_proxy)
     async with anthropic_client(proxy) as client, client.messages.with_streaming_response.create(
         **ANTHROPIC_BODY, stream=True
@@ -204,7 +205,7 @@ async def test_anthropic_stream_bytes_end_with_message_stop(upstream: FakeUpstre
 async def test_truncated_anthropic_stream_raises_in_the_anthropic_client(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
-    """Issue 18: a cut Anthropic stream ends with event: error ({"type": "error", "error": {...}}); the SDK raises."""
+    """a cut Anthropic stream ends with event: error ({"type": "error", "error": {...}}); the SDK raises."""
     upstream.wire_mode = "break"
     proxy = await proxy_for(upstream, start_proxy)
     async with anthropic_client(proxy) as client:
@@ -224,7 +225,7 @@ async def test_truncated_anthropic_stream_raises_in_the_anthropic_client(
 
 
 async def test_unknown_relayed_sse_stream_ends_on_clean_close(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
-    """Issue 18: an unknown relayed SSE path ends when the upstream closes cleanly: bytes unchanged, nothing added."""
+    """an unknown relayed SSE path ends when the upstream closes cleanly: bytes unchanged, nothing added."""
     proxy = await proxy_for(upstream, start_proxy)
     status, raw, cut = await post_stream(proxy.base_url + "/sse-clean-close", {"job": 1})
     assert (status, cut) == (200, None)
@@ -234,7 +235,7 @@ async def test_unknown_relayed_sse_stream_ends_on_clean_close(upstream: FakeUpst
 async def test_truncated_unknown_relayed_sse_stream_still_surfaces_an_error(
     upstream: FakeUpstream, start_proxy: StartProxy
 ) -> None:
-    """Issue 18 (passes today): an unknown relayed SSE stream cut mid-way is never presented as complete."""
+    """an unknown relayed SSE stream cut mid-way is never presented as complete."""
     upstream.wire_mode = "break"
     proxy = await proxy_for(upstream, start_proxy)
     status, raw, cut = await post_stream(proxy.base_url + "/sse-clean-close", {"job": 1})
@@ -244,3 +245,131 @@ async def test_truncated_unknown_relayed_sse_stream_still_surfaces_an_error(
     # either an error event after the upstream's bytes, or the client's connection is cut too
     assert cut is not None or any(isinstance(d, dict) and ("error" in d or d.get("type") == "error")
                                   for _, d in added), added
+
+
+# --------------------------------------------------------------------------- the whole terminal event, any line end
+
+WIRES = ["chat", "responses", "messages"]
+TERMINAL_DATA = {"chat": b"data: [DONE]", "responses": b"data: {\"type\":\"response.completed\"",
+                 "messages": b"data: {\"type\":\"message_stop\""}
+
+
+async def stream_raw(proxy: RunningProxy, wire: str) -> tuple[int, bytes, BaseException | None]:
+    if wire == "chat":
+        return await post_stream(proxy.base_url + "/chat/completions", {
+            "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+    if wire == "responses":
+        return await post_stream(proxy.base_url + "/responses", {"model": MODEL, "input": "hi", "stream": True})
+    return await post_stream(proxy.url + "/v1/messages", {**ANTHROPIC_BODY, "stream": True},
+                             {"anthropic-version": "2023-06-01"})
+
+
+def cut_in_terminal(wire: str, where: str) -> Any:
+    """An edit that cuts a stream inside its terminal event: half its data line, or before its blank line."""
+    def edit(stream: bytes) -> bytes:
+        at = stream.rindex(TERMINAL_DATA[wire])
+        line_end = stream.index(b"\n", at)
+        return stream[:at + len(TERMINAL_DATA[wire]) - 4] if where == "half-line" else stream[:line_end + 1]
+    return edit
+
+
+def before_terminal(cut: bytes) -> bytes:
+    """A stream cut inside its terminal event, up to the start of that event (the end of the one before)."""
+    return cut[:cut.rindex(b"\n\n") + 2]
+
+
+@pytest.mark.parametrize("close", ["drop", "eof"])
+@pytest.mark.parametrize("where", ["half-line", "no-blank-line"])
+@pytest.mark.parametrize("wire", WIRES)
+async def test_a_stream_cut_inside_its_terminal_event_ends_with_the_wires_error_event(
+    upstream: FakeUpstream, start_proxy: StartProxy, wire: str, where: str, close: str
+) -> None:
+    """The terminal event's name (or half its data line) is not the end: cut inside the terminal event, by a
+    dropped connection or a clean close, the client gets the events before it, none of its bytes, and one error
+    event in the wire's shape."""
+    upstream.stream_edit, upstream.stream_close = cut_in_terminal(wire, where), close
+    proxy = await proxy_for(upstream, start_proxy)
+    status, raw, _cut = await stream_raw(proxy, wire)
+    assert status == 200
+    head = before_terminal(upstream.sent)
+    assert raw.startswith(head), raw[-300:]
+    added = parse_sse(raw[len(head):])
+    assert len(added) == 1, raw[len(head):]
+    name, data = added[0]
+    assert isinstance(data, dict)
+    if wire == "chat":
+        assert name is None and data["error"]["code"] == "upstream_unreachable"
+    else:
+        assert name == "error" and data["type"] == "error", data
+
+
+@pytest.mark.parametrize("wire", WIRES)
+async def test_a_break_after_the_whole_terminal_event_is_harmless(
+    upstream: FakeUpstream, start_proxy: StartProxy, wire: str
+) -> None:
+    """Once the terminal event was dispatched, a dropped connection adds nothing: the bytes as sent, no error."""
+    upstream.stream_edit, upstream.stream_close = (lambda stream: stream), "drop"
+    proxy = await proxy_for(upstream, start_proxy)
+    status, raw, _cut = await stream_raw(proxy, wire)
+    assert status == 200 and raw == upstream.sent
+
+
+async def test_the_openai_sdk_raises_on_a_responses_stream_cut_inside_response_completed(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """The official SDK used to end normally, without response.completed, when the upstream sent that event's
+    name and half its data line: now it raises."""
+    upstream.stream_edit, upstream.stream_close = cut_in_terminal("responses", "half-line"), "drop"
+    proxy = await proxy_for(upstream, start_proxy)
+    events: list[Any] = []
+    async with openai_client(proxy) as client:
+        with pytest.raises(openai.APIError):
+            stream = await client.responses.create(model=MODEL, input="hi", stream=True)
+            async for event in stream:
+                events.append(event)
+    assert "response.completed" not in [e.type for e in events]
+
+
+async def test_the_anthropic_sdk_raises_on_a_stream_cut_inside_message_stop(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """message_stop's event line and data line without the blank line that dispatches it: the SDK raises."""
+    upstream.stream_edit, upstream.stream_close = cut_in_terminal("messages", "no-blank-line"), "drop"
+    proxy = await proxy_for(upstream, start_proxy)
+    async with anthropic_client(proxy) as client:
+        with pytest.raises(anthropic.APIError):
+            stream = await client.messages.create(**ANTHROPIC_BODY, stream=True)
+            async for _event in stream:
+                pass
+
+
+@pytest.mark.parametrize("eol", [b"\r", b"\r\n"], ids=["cr", "crlf"])
+@pytest.mark.parametrize("wire", WIRES)
+async def test_a_stream_with_cr_or_crlf_line_ends_is_relayed_whole(
+    upstream: FakeUpstream, start_proxy: StartProxy, wire: str, eol: bytes
+) -> None:
+    """The SSE format allows CR, LF and CRLF line ends: a CR-only stream used to be withheld entirely and
+    replaced by an error event; it now reaches the client byte for byte, complete."""
+    upstream.stream_edit = lambda stream: stream.replace(b"\n", eol)
+    proxy = await proxy_for(upstream, start_proxy)
+    status, raw, cut = await stream_raw(proxy, wire)
+    assert (status, cut) == (200, None)
+    assert eol + eol in upstream.sent and raw == upstream.sent
+
+
+async def test_the_official_sdks_read_a_cr_only_stream_through_the_proxy(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """openai (chat and responses) and anthropic each get the whole answer of a CR-only stream."""
+    upstream.stream_edit = lambda stream: stream.replace(b"\n", b"\r")
+    proxy = await proxy_for(upstream, start_proxy)
+    async with openai_client(proxy) as client:
+        chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    stream=True)
+        assert "".join([c.choices[0].delta.content or "" async for c in chat if c.choices]) == REPLY
+        stream = await client.responses.create(model=MODEL, input="hi", stream=True)
+        events = [event async for event in stream]
+        assert events[-1].type == "response.completed"
+    async with anthropic_client(proxy) as aclient, aclient.messages.stream(**ANTHROPIC_BODY) as astream:
+        message = await astream.get_final_message()
+    assert message.content[0].text == REPLY  # type: ignore[union-attr]

@@ -69,9 +69,15 @@ async def test_redis_down_then_back(upstream, start_proxy):
             assert re.search(r'ctxproxy_cache_errors_total\{operation="get"\} [1-9]', text)
             redis.start()
             calls = len(upstream.summaries)
-            status, headers, _ = await post(s, proxy.url, conversation(40))
+            other = conversation(40)  # a conversation this process has not summarised (none in its memory)
+            other[1]["content"] += " (the other trip)"
+            status, headers, _ = await post(s, proxy.url, other)
             assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
-            status, headers, _ = await post(s, proxy.url, conversation(40))
+            status, headers, _ = await post(s, proxy.url, other)
+            assert (status, headers["x-ctxproxy-summary"]) == (200, "reused")
+            # it went to Redis: a replica with nothing in its own memory reuses it
+            replica = await start_proxy(config(upstream.base_url, cache={"backend": "redis", "url": redis.url}))
+            status, headers, _ = await post(s, replica.url, other)
             assert (status, headers["x-ctxproxy-summary"]) == (200, "reused")
             assert len(upstream.summaries) == calls + 1
             async with s.get(proxy.url + "/readyz") as r:

@@ -10,11 +10,13 @@
     │   └── OutputLimitExceeded        code=max_tokens_exceeded (tenant policy: refuse)
     ├── BodyTooLarge (413)             code=request_too_large
     ├── RequestTimeout (408)           code=request_timeout (a client too slow to send its body)
+    ├── UnsupportedEncoding (415)      code=unsupported_content_encoding (a body in br, zstd …)
     ├── AuthenticationError (401)      code=invalid_api_key
     ├── PermissionDenied (403)         code=not_allowed (a relayed path a tenant may not use)
     ├── ModelNotFound (404)            code=model_not_found
     ├── NotFound (404)                 code=not_found
     ├── RouteError (its status)        an HTTP-level refusal (405 method_not_allowed …)
+    ├── ReportUnavailable (503)        code=ledger_unavailable (the cost ledger cannot be read or written)
     └── UpstreamError                  the provider side
         ├── UpstreamUnreachable (502)  code=upstream_unreachable
         ├── UpstreamTimeout (504)      code=upstream_timeout
@@ -26,7 +28,8 @@
     ├── BindingError                   a plugin binding that cannot be resolved
     ├── OverrideRejected               a per-request override ignored (a warning header says why)
     ├── SummaryUnavailable             the summariser failed or is backing off (the trimmer serves)
-    └── CacheBackendError              a cache backend failed (SafeCache turns it into "no cache")
+    ├── CacheBackendError              a cache backend failed (SafeCache turns it into "no cache")
+    └── LedgerUnavailable              the cost ledger's store cannot be read or written (the report fails)
 
 ``to_openai`` gives an error's OpenAI-shaped body; a wire adapter renders it in its
 own shape (``proxy.wire``), so every body a client sees comes from this tree.
@@ -91,6 +94,19 @@ class RequestTimeout(CtxProxyError):
     code = "request_timeout"
 
 
+class UnsupportedEncoding(CtxProxyError):
+    """A request body in a content coding the proxy does not decode; the answer says which it does."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_content_encoding"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 accepted: str = "identity") -> None:
+        super().__init__(message, param=param, code=code)
+        self.headers = {"Accept-Encoding": accepted}  # RFC 9110 15.5.16: the codings it does accept
+
+
 class AuthenticationError(CtxProxyError):
     status = 401
     type = "authentication_error"
@@ -123,6 +139,14 @@ class RouteError(CtxProxyError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message, code={404: "not_found", 405: "method_not_allowed"}.get(status, "http_error"))
         self.status = status
+
+
+class ReportUnavailable(CtxProxyError):
+    """The cost report cannot be made: its ledger cannot be read (or this process's figures written)."""
+
+    status = 503
+    type = "server_error"
+    code = "ledger_unavailable"
 
 
 class UpstreamError(CtxProxyError):
@@ -195,6 +219,10 @@ class SummaryUnavailable(InternalError):
 
 class CacheBackendError(InternalError):
     """A cache backend could not complete an operation (I/O error, corrupt data, backend down)."""
+
+
+class LedgerUnavailable(InternalError):
+    """The cost ledger's store cannot be read or written; the message says why and where (never a secret)."""
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -10,7 +11,16 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.core.errors import AuthenticationError, BadRequest, CtxProxyError, ModelNotFound, NotFound
+from proxy.core.errors import (
+    AuthenticationError,
+    BadRequest,
+    ConfigError,
+    CtxProxyError,
+    LedgerUnavailable,
+    ModelNotFound,
+    NotFound,
+    ReportUnavailable,
+)
 from proxy.core.offload import run_step
 from proxy.runtime import Runtime
 from proxy.serve.explain import calibration_detail, explain
@@ -25,10 +35,13 @@ from proxy.serve.http import (
 )
 from proxy.serve.report import cost_report, parse_since, render
 from proxy.serve.requestlog import RequestRecord
-from proxy.settings import Config, Tenant
+from proxy.serve.workers import Supervised
+from proxy.settings import Config, Tenant, load_config
 from proxy.upstream.anthropic import anthropic_headers
 from proxy.upstream.http import open_request, upstream_headers
 from proxy.wire import WIRES
+
+WORKERS_RELOAD_WAIT = 10.0  # seconds POST /admin/reload waits for every worker to confirm
 
 
 async def explain_handler(request: web.Request) -> web.Response:
@@ -80,7 +93,8 @@ async def policy_handler(request: web.Request) -> web.Response:
     model = request.query.get("model") or None
     policy = runtime.policy(tenant, model, request.headers.get(OVERRIDE_HEADER))  # 404: a model it may not use
     out = policy.describe()
-    out["calibration"] = await _calibration(runtime, [model] if model else _usable(runtime.config, tenant))
+    out["calibration"] = await _calibration(runtime, [model] if model else _usable(runtime.config, tenant),
+                                            policy.tenant)
     if policy.warnings:
         out["warnings"] = policy.warnings
     return json_response(out)
@@ -91,8 +105,8 @@ def _usable(config: Config, tenant: Tenant | None) -> list[str]:
     return list(allowed) if allowed is not None else [m.name for m in config.settings.models]
 
 
-async def _calibration(runtime: Runtime, models: list[str]) -> dict[str, Any]:
-    """Per model name: the factor its budget uses, and where it comes from."""
+async def _calibration(runtime: Runtime, models: list[str], tenant: str) -> dict[str, Any]:
+    """Per model name: the factor the tenant's budget uses, and where it comes from."""
     out: dict[str, Any] = {}
     for name in models:
         try:
@@ -100,8 +114,8 @@ async def _calibration(runtime: Runtime, models: list[str]) -> dict[str, Any]:
         except ModelNotFound:
             continue
         if runtime.calibration is not None:
-            await runtime.calibration.prime(route)
-        out[name] = calibration_detail(runtime, route)
+            await runtime.calibration.prime(route, tenant)
+        out[name] = calibration_detail(runtime, route, tenant)
     return out
 
 
@@ -159,18 +173,60 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
+    """GET /metrics: open without tenants; with tenants it names each one with its traffic and cost, so only an
+    admin key reads it here (a scraper without one reads ``server.metrics_port``)."""
+    st = state(request)
+    if st.config.tenants and not any(st.config.is_admin_key(key) for key in client_keys(request)):
+        raise AuthenticationError("With tenants configured, /metrics needs an admin key (admin.keys); a scraper "
+                                  "without one reads the server.metrics_port listener.")
+    return await open_metrics_handler(request)
+
+
+async def open_metrics_handler(request: web.Request) -> web.Response:
+    """GET /metrics on the ``server.metrics_port`` listener: no key (bind it to loopback or a private network)."""
     payload, content_type = state(request).metrics.render()
     return web.Response(body=payload, headers={"Content-Type": content_type})
 
 
 async def admin_reload(request: web.Request) -> web.Response:
+    """POST /admin/reload (admin key): re-read the config file, in this process or in every worker."""
     st = state(request)
     if not any(st.config.is_admin_key(key) for key in client_keys(request)):
         raise AuthenticationError("An admin key is required for /admin/reload.")
-    problems = st.reload()
+    if st.supervised is not None and st.config_path is not None:
+        return await _reload_every_worker(st.supervised, st.config_path)
+    done = st.reload()
+    if done.problems:
+        return json_response({"reloaded": False, "problems": done.problems}, 400)
+    return json_response({"reloaded": True, "restart_required": done.restart_required})
+
+
+async def _reload_every_worker(supervised: Supervised, config_path: str) -> web.Response:
+    """Under ``--workers``: a new config is checked here first (an invalid one reaches no worker), then every
+    worker reloads (the supervisor relays SIGHUP) and the answer says what each did."""
+    try:
+        load_config(config_path)
+    except ConfigError as exc:
+        return json_response({"reloaded": False, "problems": exc.problems}, 400)
+    if not supervised.supervisor_alive():
+        return json_response({"reloaded": False, "problems": [
+            f"the supervisor (pid {supervised.supervisor}) is gone: restart the server"]}, 503)
+    outcomes = await supervised.reload_all(WORKERS_RELOAD_WAIT)
+    if outcomes is None:
+        return json_response({"reloaded": False, "problems": [
+            f"the workers' status files in {supervised.directory} cannot be read: restart the server"]}, 503)
+    states = {o.state for o in outcomes}
+    body: dict[str, Any] = {
+        "reloaded": states <= {"reloaded", "exited"},
+        "workers": [o.as_dict() for o in outcomes],
+        "restart_required": list(dict.fromkeys(p for o in outcomes for p in o.restart_required)),
+    }
+    problems = [f"worker {o.pid} did not confirm its reload within {WORKERS_RELOAD_WAIT:g}s"
+                for o in outcomes if o.state == "pending"]
+    problems += [f"worker {o.pid}: {problem}" for o in outcomes if o.state == "rejected" for problem in o.problems]
     if problems:
-        return json_response({"reloaded": False, "problems": problems}, 400)
-    return json_response({"reloaded": True})
+        body["problems"] = problems
+    return json_response(body, 504 if "pending" in states else 400 if "rejected" in states else 200)
 
 
 async def admin_report(request: web.Request) -> web.Response:
@@ -182,10 +238,21 @@ async def admin_report(request: web.Request) -> web.Response:
         since = parse_since(request.query.get("since", "24h"))
     except ValueError as exc:
         raise BadRequest(str(exc), param="since", code="invalid_since") from None
-    await st.shared.ledger.flush()  # this process's latest buckets first
-    report = await cost_report(st.shared.cache, since)
+    ledger = st.shared.ledger
+    try:
+        await ledger.flush()  # this process's latest buckets first
+        report = await cost_report(ledger.store, since)
+    except LedgerUnavailable as exc:
+        raise ReportUnavailable(f"The cost report cannot be made: the cost ledger is unavailable: {exc}") from None
+    if st.supervised is not None and st.shared.cache.name == "memory":
+        # each worker's ledger lives in its own memory: this one can only speak for itself
+        workers = max(1, len(st.supervised.statuses()))
+        report["scope"] = {"worker_pid": os.getpid(), "workers": workers}
+        report["warning"] = (f"cache.backend is memory and {workers} workers serve this port: this report counts "
+                             f"only worker {os.getpid()}'s requests; use the disk or redis backend for one report")
     if request.query.get("format") == "text":
-        return web.Response(text=render(report), content_type="text/plain")
+        text = render(report) + (f"warning: {report['warning']}\n" if "warning" in report else "")
+        return web.Response(text=text, content_type="text/plain")
     return json_response(report)
 
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from proxy.core.modelinfo import ModelMap
+from proxy.serve.admin import not_found, open_metrics_handler
 from proxy.serve.http import error_middleware
 from proxy.serve.metrics import Metrics
 from proxy.serve.routes import add_routes
@@ -22,10 +23,9 @@ from proxy.serve.state import (
     tenant_names,
     upstream_names,
 )
+from proxy.serve.workers import Supervised
 from proxy.settings import Config
 from proxy.store.cache import Cache
-
-MB = 1024 * 1024
 
 
 def create_app(config: Config, *, config_path: str | None = None, cache: Cache | None = None) -> web.Application:
@@ -34,9 +34,10 @@ def create_app(config: Config, *, config_path: str | None = None, cache: Cache |
     metrics = Metrics(tenant_names(config), model_names(config), model_map,
                       multiprocess_dir=os.environ.get("PROMETHEUS_MULTIPROC_DIR"), upstreams=upstream_names(config))
     shared = build_shared(config, metrics=metrics, cache=cache, model_map=model_map)
-    state = State(build_runtime(config, shared), shared, metrics, config_path)
-    max_body = int(config.settings.server.max_body_mb * MB) + 1
-    app = web.Application(client_max_size=max_body, middlewares=[error_middleware])
+    state = State(build_runtime(config, shared), shared, metrics, config_path,
+                  supervised=Supervised.from_env(os.environ))
+    # bodies are read by proxy.serve.http.read_body, which applies the running config's max_body_mb
+    app = web.Application(middlewares=[error_middleware])
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
     add_routes(app)
@@ -51,3 +52,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     with contextlib.suppress(asyncio.CancelledError):
         await flushing
     await shared.close()
+
+
+def create_metrics_app(app: web.Application) -> web.Application:
+    """The ``server.metrics_port`` listener's app: ``GET /metrics`` of ``app``, with no key, and nothing else."""
+    metrics = web.Application(middlewares=[error_middleware])
+    metrics[STATE] = app[STATE]  # the same state (a reload swaps its runtime); ``app`` opens and closes it
+    metrics.router.add_get("/metrics", open_metrics_handler)
+    metrics.router.add_route("*", "/{tail:.*}", not_found)
+    return metrics

@@ -93,7 +93,7 @@ async def compact_handler(request: web.Request) -> web.StreamResponse:
         conversation = await run_step(offload, WIRE.parse, body, counter)
         # the tenant's cap holds for a compaction too, relayed or emulated, on what ctxproxy can see
         check_visible(conversation.fixed_tokens + sum(item.tokens for item in conversation.items), policy,
-                      await runtime.calibration_factor(route), WIRE.field, conversation.unmanaged)
+                      await runtime.calibration_factor(route, policy.tenant), WIRE.field, conversation.unmanaged)
         mode = compact_mode(runtime, route)
         if mode != "emulate":
             try:

@@ -94,7 +94,7 @@ async def explain(
     report = assembly.report.as_dict()
     if exchange is not None:
         report["context_management"] = exchange.describe()
-    report["calibration_detail"] = calibration_detail(runtime, route)
+    report["calibration_detail"] = calibration_detail(runtime, route, _policy.tenant)
     report["cost"] = cost_figures(runtime, route, assembly.report)
     return {wire.field: assembly.messages, "report": report}
 
@@ -106,11 +106,12 @@ def hook_warnings(exchange: ExplainedExchange) -> list[str]:
     return [*exchange.warnings, "the proxy would answer this request itself: nothing would be forwarded"]
 
 
-def calibration_detail(runtime: Runtime, route: ModelRoute) -> dict[str, Any]:
+def calibration_detail(runtime: Runtime, route: ModelRoute, tenant: str) -> dict[str, Any]:
+    """The factor ``tenant``'s budget uses on ``route``, and where it comes from."""
     calibration = runtime.calibration
     if isinstance(calibration, ConfiguredCalibration):
-        return calibration.effective(route).describe()
-    factor = calibration.factor(route) if calibration is not None else 1.0
+        return calibration.effective(route, tenant).describe()
+    factor = calibration.factor(route, tenant) if calibration is not None else 1.0
     return {"factor": factor, "source": "runtime" if calibration is not None else "off"}
 
 

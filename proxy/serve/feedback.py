@@ -2,7 +2,8 @@
 
 ``settle`` runs in the managed handler's ``finally`` for every request the pipeline assembled (no
 await: nothing here can delay or fail the answer). It normalises the provider's usage
-(``proxy.core.usage``), gives the calibration store its sample (``proxy.store.calibration``), lets the
+(``proxy.core.usage``), gives the calibration store the tenant's sample (``proxy.store.calibration``; a
+refusal for length, ``proxy.core.refusal``, is one too), lets the
 prompt-cache tracker compare the answer with the conversation's previous one
 (``proxy.store.promptcache``), prices the request (``proxy.serve.costs``) and counts it in the
 metrics (and through them the cost ledger).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from proxy.core.refusal import Refusal
 from proxy.core.usage import Usage, normalise_usage
 from proxy.pipeline import Assembly
 from proxy.policy import ModelRoute
@@ -22,13 +24,19 @@ from proxy.store.calibration import hidden_input
 
 
 def settle(shared: Shared, metrics: Metrics, route: ModelRoute, assembly: Assembly, tenant: str, usage: Any,
-           status: int, wire: str) -> RequestCost:
-    """Calibrate from one answer, measure its prompt-cache effect, count its figures; returns them (for the log)."""
+           status: int, wire: str, *, refusal: Refusal | None = None) -> RequestCost:
+    """Calibrate from one answer (or a refusal for length), measure its prompt-cache effect, count its figures;
+    returns them (for the log)."""
     report = assembly.report
     answered: Usage | None = normalise_usage(usage, wire) if 200 <= status < 300 else None
-    sample = shared.calibration.observe(route.upstream, route.upstream_model,
-                                        answered.input_tokens if answered is not None else None,
-                                        report.tokens_after, hidden_input(assembly.body))
+    hidden = hidden_input(assembly.body)
+    if refusal is not None:  # the provider counted more than its window: the ratio is at least window / ours
+        sample = shared.calibration.refused(tenant, route.upstream, route.upstream_model, refusal.input_tokens,
+                                            refusal.limit or route.window, report.tokens_after, hidden)
+    else:
+        sample = shared.calibration.observe(tenant, route.upstream, route.upstream_model,
+                                            answered.input_tokens if answered is not None else None,
+                                            report.tokens_after, hidden)
     metrics.calibration_sample(route.upstream_model, sample, answered, report.tokens_after, report.calibration)
     # cached-token counts that do not add up (cached above the input ...) measure nothing
     cached = answered if answered is not None and answered.consistent else None

@@ -21,10 +21,13 @@ from proxy.core.errors import (
     InvalidJSON,
     RequestTimeout,
     RouteError,
+    UnsupportedEncoding,
     UpstreamStatus,
 )
 from proxy.pipeline import check_field_names
+from proxy.serve.decoding import content_codings, decode_body
 from proxy.serve.state import STATE, State
+from proxy.store.guard import cache_budget
 from proxy.wire.errors import anthropic_error_body
 
 log = logging.getLogger("ctxproxy")
@@ -54,7 +57,7 @@ def error_payload(error: CtxProxyError, shape: str) -> dict[str, Any]:
 def error_response(error: CtxProxyError, headers: Any = None, shape: str = "openai") -> web.Response:
     out: CIMultiDict[str] = CIMultiDict(headers or {})
     out.popall("Content-Type", None)  # the upstream's, when it failed after sending its headers
-    if isinstance(error, UpstreamStatus):
+    if isinstance(error, (UpstreamStatus, UnsupportedEncoding)):
         for name, value in error.headers.items():
             if name.lower() not in ("content-type",):
                 out[name] = value
@@ -69,10 +72,15 @@ def shape_for_path(path: str) -> str:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure becomes the wire's error shape; no traceback ever reaches a client."""
+    """Every failure becomes the wire's error shape; no traceback ever reaches a client.
+
+    Each request (and each task it starts) also gets its cache-time budget here (``proxy.store.guard``).
+    """
     shape = request.get(ERROR_SHAPE, shape_for_path(request.path))
+    st = request.app.get(STATE)
     try:
-        return await handler(request)
+        with cache_budget(st.config.settings.cache.budget_seconds if st is not None else None):
+            return await handler(request)
     except CtxProxyError as exc:
         return error_response(exc, request.get(RESPONSE_HEADERS), request.get(ERROR_SHAPE, shape))
     except web.HTTPRequestEntityTooLarge:
@@ -108,17 +116,31 @@ def client_keys(request: web.Request) -> tuple[str, ...]:
 
 
 async def read_body(request: web.Request) -> bytes:
+    """The request's body, its Content-Encoding undone (``proxy.serve.decoding``), within the size and time limits.
+
+    The limit is the running config's ``server.max_body_mb``, read per request, so a reload that raises or lowers
+    it applies at once (aiohttp's own ``client_max_size`` is fixed when the app is built: it limits nothing here).
+    """
     server = state(request).config.settings.server
     limit = int(server.max_body_mb * 1024 * 1024)
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"The request body is {request.content_length} bytes; the limit is {limit}.")
+    codings = content_codings(request.headers.getall("Content-Encoding", []))  # 415 before reading it
+    body = bytearray()
     try:
         async with deadline(server.body_timeout):
-            return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise BodyTooLarge(f"The request body is larger than the limit of {limit} bytes.") from None
+            while chunk := await request.content.readany():
+                body += chunk
+                if len(body) > limit:
+                    raise BodyTooLarge(f"The request body is larger than the limit of {limit} bytes.")
     except asyncio.TimeoutError:
         raise RequestTimeout(f"The request body did not arrive within {server.body_timeout:g}s.") from None
+    raw = bytes(body)
+    if not codings:
+        return raw
+    if len(raw) > server.offload_bytes:
+        return await asyncio.get_running_loop().run_in_executor(None, decode_body, raw, codings, limit)
+    return decode_body(raw, codings, limit)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

@@ -16,8 +16,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.core.conversation import WireAdapter
-from proxy.core.errors import CtxProxyError, PayloadError
+from proxy.core.errors import CtxProxyError, PayloadError, UpstreamStatus
 from proxy.core.offload import run_step
+from proxy.core.refusal import length_refusal
 from proxy.pipeline import Assembly
 from proxy.policy import ModelRoute
 from proxy.runtime import Runtime
@@ -176,6 +177,8 @@ async def _handle(request: web.Request, wire: ManagedWire, hook: RequestHook | N
         status = exc.status
         if isinstance(exc, PayloadError) or exc.code == "context_length_exceeded":
             st.metrics.payload_error(exc.code or "invalid_payload")
+        if isinstance(exc, UpstreamStatus):  # the provider's own words: a refusal for length is calibration evidence
+            record.refusal = length_refusal(exc.status, exc.raw if isinstance(exc.raw, dict) else exc.body)
         record.error = exc.code
         raise
     except (asyncio.CancelledError, ConnectionResetError):
@@ -197,7 +200,8 @@ async def _handle(request: web.Request, wire: ManagedWire, hook: RequestHook | N
 def _after_answer(st: State, route: ModelRoute, assembly: Assembly, record: RequestRecord, status: int,
                   wire: str) -> None:
     try:
-        record.cost = settle(st.shared, st.metrics, route, assembly, record.tenant, record.usage, status, wire)
+        record.cost = settle(st.shared, st.metrics, route, assembly, record.tenant, record.usage, status, wire,
+                             refusal=record.refusal)
     except Exception:  # a bug here must never touch the answer, nor silence the request log
         log.exception("usage feedback failed for request %s", record.request_id)
     if st.config.settings.logging.requests:

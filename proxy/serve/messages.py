@@ -1,11 +1,21 @@
 """The Messages wire's extras: its request hook, and ``POST /v1/messages/count_tokens``.
 
-``count_tokens`` counts what the proxy *would* forward for the body (after its context
-management), because a client that compacts on its own (Claude Code) must see the
-size that reaches the model. An upstream that serves the endpoint (``api: anthropic``)
-counts the managed body itself; otherwise the proxy answers ``{"input_tokens": N}``
-with its own count, scaled by the model's calibration factor. It never answers 404:
-Claude Code breaks on that.
+``count_tokens`` counts what ``/v1/messages`` *would* forward for the same body (after its
+context management), because a client that compacts on its own (Claude Code) must see the
+size that reaches the model. It runs the hook and the pipeline exactly as ``/v1/messages``
+would, but in dry-run: a summary or an emulated compaction is looked up in the cache, never
+made, so counting bills nobody; a summary that does not exist yet is counted at its largest
+(``summarizer.max_summary_tokens``). Its body usually has no ``max_tokens`` (Claude Code sends
+none): it is then budgeted with a reserve of one token (``COUNT_RESERVE``), the smallest
+``/v1/messages`` can be sent with, so the answer is the most ``/v1/messages`` would forward
+for this conversation, and exactly that whenever the real request's ``max_tokens`` (or a
+configured ``trimmer.reserve_tokens``, which both use) leaves it under its summary threshold.
+
+An upstream that serves the endpoint (``api: anthropic``) counts the managed body itself;
+otherwise the proxy answers ``{"input_tokens": N}`` with its own count, scaled by the model's
+calibration factor. With emulated ``context_management`` the answer also carries
+``context_management.original_input_tokens``: the body's count before the edits, as Anthropic
+reports it. It never answers 404: Claude Code breaks on that.
 """
 
 from __future__ import annotations
@@ -18,7 +28,6 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.core.budget import default_reserve
 from proxy.core.errors import BadRequest, ContextLengthExceeded
 from proxy.core.offload import run_step
 from proxy.core.tokens import TokenCounter
@@ -35,12 +44,15 @@ from proxy.serve.http import (
 )
 from proxy.serve.managed import report_headers
 from proxy.serve.streaming import relay_answer
-from proxy.upstream.base import Outgoing
+from proxy.upstream.base import Answer, Outgoing
 from proxy.wire.messages import WIRE
 from proxy.wire.messages.emulate import HOOK
 from proxy.wire.sse import StreamWatcher
 
-__all__ = ["HOOK", "count_tokens_handler"]
+__all__ = ["COUNT_RESERVE", "HOOK", "count_tokens_handler"]
+
+# the completion reserve a count_tokens body without max_tokens is budgeted with: the smallest a request can have
+COUNT_RESERVE = 1
 
 
 async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
@@ -59,31 +71,37 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
     if not isinstance(model, str) or not model:
         raise BadRequest("model: Field required", param="model", code="missing_model")
     route = runtime.route(model)
-    # count_tokens takes no max_tokens: budget the count as a request without one would be budgeted
     probe: dict[str, Any] = dict(body)
     added = body.get("max_tokens") is None  # a null one is none (and is never relayed)
-    override = request.headers.get(OVERRIDE_HEADER)
     if added:
-        # the reserve a request without an output limit gets, within this key's output cap (never refused by it)
-        reserve = max(1, default_reserve(route.window, route.max_output))
-        cap = runtime.policy(tenant, model, override).max_output_tokens
-        probe["max_tokens"] = min(reserve, cap) if cap is not None else reserve
-    exchange = await HOOK.begin(runtime, tenant, probe, override=override, request_id=rid, offload=offload)
+        probe["max_tokens"] = COUNT_RESERVE
+    override = request.headers.get(OVERRIDE_HEADER)
+    unedited = probe
+    exchange = await HOOK.begin(runtime, tenant, probe, override=override, request_id=rid, dry_run=True,
+                                offload=offload)
     if exchange is not None:
         probe = exchange.body
+    counter = runtime.tokenizers.get(route.encoding)
     headers: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
+    unmade = runtime.config.settings.summarizer.max_summary_tokens if exchange is not None and \
+        exchange.compaction == "would_create" else 0
     try:
         assembly, route, _policy = await runtime.assemble(WIRE, probe, tenant=tenant, override=override,
-                                                          offload=offload, request_id=rid)
+                                                          offload=offload, request_id=rid, dry_run=True)
     except ContextLengthExceeded:
         # too large to forward: still say how large, so the client can compact it itself
-        forwarded = probe
-        before = after = await run_step(offload, _visible_tokens, probe, runtime.tokenizers.get(route.encoding))
+        forwarded, after = probe, await run_step(offload, _count, probe, counter)
     else:
-        forwarded = assembly.body
-        before, after = assembly.report.tokens_before, assembly.report.tokens_after
+        forwarded, after = assembly.body, assembly.report.tokens_after
+        if assembly.report.summary == "would_create":  # counted at its largest, not as the placeholder
+            unmade += runtime.config.settings.summarizer.max_summary_tokens
         headers.update(report_headers(assembly, time.perf_counter() - started))
     request[RESPONSE_HEADERS] = headers
+    name = tenant.name if tenant else "default"
+    factor = runtime.calibration.factor(route, name) if runtime.calibration is not None else 1.0
+    # emulated context_management: Anthropic reports the body's size before its edits too
+    original = math.ceil(await run_step(offload, _count, unedited, counter) * factor) if exchange is not None \
+        and body.get("context_management") is not None else None
     provider = served.providers.for_route(route)
     upstream_count = getattr(provider, "count_tokens", None)
     if upstream_count is not None:
@@ -92,15 +110,37 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
                         request.headers, rid)
         answer = await upstream_count(route, call)
         if answer is not None:
-            return await relay_answer(request, answer, headers, idle_timeout=st.config.settings.server.idle_timeout,
-                                      watcher=StreamWatcher(time.perf_counter(), WIRE.stream_end))
-    factor = runtime.calibration.factor(route) if runtime.calibration is not None else 1.0
-    out: dict[str, Any] = {"input_tokens": math.ceil(after * factor)}
-    if body.get("context_management") is not None:
-        out["context_management"] = {"original_input_tokens": math.ceil(before * factor)}
+            idle = st.config.settings.server.idle_timeout
+            if not unmade and original is None:
+                return await relay_answer(request, answer, headers, idle_timeout=idle,
+                                          watcher=StreamWatcher(time.perf_counter(), WIRE.stream_end))
+            return await _amended(answer, headers, idle, math.ceil(unmade * factor), original)
+    out: dict[str, Any] = {"input_tokens": math.ceil((after + unmade) * factor)}
+    if original is not None:
+        out["context_management"] = {"original_input_tokens": original}
     return json_response(out, headers=headers)
 
 
-def _visible_tokens(body: dict[str, Any], counter: TokenCounter) -> int:
+def _count(body: dict[str, Any], counter: TokenCounter) -> int:
+    """The proxy's count of a Messages body as it stands."""
     conversation = WIRE.parse(body, counter)
     return conversation.fixed_tokens + sum(item.tokens for item in conversation.items)
+
+
+async def _amended(answer: Answer, headers: CIMultiDict[str], idle: float, unmade: int,
+                   original: int | None) -> web.Response:
+    """The upstream's count of the managed body, plus a summary not made yet, with the size before the edits."""
+    try:
+        raw = await answer.read(idle)
+    finally:
+        answer.close(True)
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        payload = None
+    if not isinstance(payload, dict) or not isinstance(payload.get("input_tokens"), int):
+        return web.Response(body=raw, status=answer.status, headers={**headers, "Content-Type": "application/json"})
+    payload["input_tokens"] += unmade
+    if original is not None:
+        payload["context_management"] = {"original_input_tokens": original}
+    return json_response(payload, headers=headers)

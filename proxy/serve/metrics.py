@@ -142,6 +142,9 @@ class Metrics:
         self.cached_tokens = counter(
             "ctxproxy_provider_cached_tokens", "Prompt tokens the provider served from its prompt cache.", TM)
         self.cache_errors = counter("ctxproxy_cache_errors", "Summary-cache errors, by operation.", ("operation",))
+        self.cache_breaker = counter(
+            "ctxproxy_cache_breaker_opened", "Times the cache's circuit breaker opened (its operations timed out: "
+            "the cache is bypassed until a probe answers).", ())
         self.prefix_stable = counter(
             "ctxproxy_prefix_stable", "Whether the forwarded prefix matched the previous request's.", (*TM, "result"))
         self.overhead = histogram(
@@ -168,11 +171,12 @@ class Metrics:
         self.net_loss = counter(
             "ctxproxy_net_loss_usd",
             "Net savings in USD of requests whose net was negative, as a positive amount.", TM)
-        # token-count calibration (proxy.store.calibration), per upstream model
+        # token-count calibration (proxy.store.calibration), per tenant and upstream model
         self.calibration = Gauge(
             "ctxproxy_token_calibration_factor",
-            "The provider's input-token count over ctxproxy's, learned from usage (or the family default).",
-            ("upstream", "model"), registry=self.registry, multiprocess_mode="mostrecent")
+            "The provider's input-token count over ctxproxy's that a tenant's budget uses, learned from usage "
+            "(or the family default).",
+            ("tenant", "upstream", "model"), registry=self.registry, multiprocess_mode="mostrecent")
         self.calibration_samples = counter(
             "ctxproxy_calibration_samples", "Answers considered for calibration, by result.", ("model", "result"))
         self.count_error = histogram(
@@ -258,6 +262,10 @@ class Metrics:
         """One summary-cache error (Observer); the exception is not recorded."""
         self.cache_errors.labels(operation if operation in CACHE_OPERATIONS else OTHER).inc()
 
+    def cache_breaker_opened(self) -> None:
+        """The cache backend timed out and is bypassed for a while (``proxy.store.guard``)."""
+        self.cache_breaker.inc()
+
     def assembled(self, tenant: str, model: str, report: Report, upstream_model: str | None = None) -> None:
         """What the pipeline did to one request; savings priced on the model the route sends upstream."""
         t, m = self.tenant_label(tenant), self.model_label(model)
@@ -311,9 +319,10 @@ class Metrics:
         self._ledger(t, m, gross_usd=max(0.0, cost.gross_usd or 0.0), cache_effect_usd=effect_usd,
                      net_usd=net or 0.0, unpriced=int(net is None))
 
-    def calibration_factor(self, upstream: str, model: str, factor: float) -> None:
-        """The factor in effect for an upstream model (the calibration store's hook)."""
-        self.calibration.labels(upstream if upstream in self._upstreams else OTHER, self.model_label(model)).set(factor)
+    def calibration_factor(self, tenant: str, upstream: str, model: str, factor: float) -> None:
+        """The factor in effect for a tenant on an upstream model (the calibration store's hook)."""
+        self.calibration.labels(self.tenant_label(tenant), upstream if upstream in self._upstreams else OTHER,
+                                self.model_label(model)).set(factor)
 
     def calibration_sample(self, model: str, sample: Sample, usage: Usage | None, proxy_tokens: int,
                            factor: float) -> None:

@@ -1,9 +1,13 @@
 """The cost report: per tenant and model, from the cost ledger (``proxy.store.ledger``).
 
-``ctxproxy report --since 24h`` reads the configured cache backend directly; ``GET /admin/report`` (admin
-key) flushes the serving process's buckets first, then reads the same. Both print, per tenant and model:
+``ctxproxy report --since 24h`` reads the ledger's store directly; ``GET /admin/report`` (admin key)
+flushes the serving process's buckets first, then reads the same. Both print, per tenant and model:
 requests, tokens received / forwarded / removed, summaries created / reused, the summariser's cost, the
 gross saving, the prompt-cache effect and the net saving, with a total line.
+
+A report that cannot read its ledger (the store is down or stalled, the path names no ledger) or cannot
+write the serving process's figures first fails, naming why (``LedgerUnavailable``: 503, exit 1); an
+all-zero report means that nothing was recorded in the period.
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ import re
 import time
 from typing import Any
 
-from proxy.store.cache import Cache, SafeCache
 from proxy.store.ledger import HOUR, RETENTION_SECONDS, Row, read
+from proxy.store.ledger_store import LedgerStore
 
 _SINCE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNITS = {"s": 1, "m": 60, "h": HOUR, "d": 24 * HOUR, "": HOUR}
@@ -30,16 +34,19 @@ def parse_since(text: str) -> float:
     return seconds
 
 
-async def cost_report(cache: Cache | SafeCache, since_seconds: float, now: float | None = None) -> dict[str, Any]:
+async def cost_report(store: LedgerStore, since_seconds: float, now: float | None = None) -> dict[str, Any]:
+    """The report of the last ``since_seconds``; raises ``LedgerUnavailable`` when the ledger cannot be read."""
     now = time.time() if now is None else now
     since = now - since_seconds
-    rows = await read(cache, since, now)
+    rows = await read(store, since, now)
     total = Row("*", "*")
     for row in rows:
         total.add(row.amounts)
     return {
         "since": since, "until": now, "resolution": "hour",
-        "note": "from the cost ledger (hourly buckets in the cache backend); the first hour is counted whole",
+        "note": "from the cost ledger (hourly buckets, kept 31 days outside the cache's eviction); "
+                "the first hour is counted whole",
+        "ledger": store.where,
         "rows": [row.as_dict() for row in rows],
         "total": total.as_dict(),
     }

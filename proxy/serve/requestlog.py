@@ -16,6 +16,7 @@ import orjson
 from proxy.pipeline import Report
 
 if TYPE_CHECKING:
+    from proxy.core.refusal import Refusal
     from proxy.serve.costs import RequestCost
 
 log = logging.getLogger("ctxproxy.requests")
@@ -36,6 +37,7 @@ class RequestRecord:
     upstream: float | None = None
     ttft: float | None = None
     usage: dict[str, Any] | None = None
+    refusal: Refusal | None = None  # the provider refused the payload for length (calibration evidence; not logged)
     cost: RequestCost | None = None
 
     def fields(self) -> dict[str, Any]:

@@ -6,16 +6,14 @@ import asyncio
 import gc
 import logging
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from proxy.serve.workers import HELD_UNTIL_READY, SUPERVISOR_ENV
 from proxy.settings import Config
 
 if TYPE_CHECKING:
@@ -53,8 +51,10 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None, w
     port = s.port if port is None else port
     workers = workers or s.workers
     setup_logging(config.settings.logging.level)
-    if workers > 1 and os.environ.get("CTXPROXY_WORKER") is None:
-        return _supervise(config, host, port, workers)
+    if workers > 1 and os.environ.get(SUPERVISOR_ENV) is None:
+        from proxy.serve.supervisor import supervise
+
+        return supervise(config, host, port, workers)
     main = _run(config, host, port, reuse_port=workers > 1)
     try:
         import uvloop
@@ -77,30 +77,57 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> Non
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=2048)
     await site.start()
     bound = _bound_port(site) or port
+    metrics_runner = await _metrics_listener(app, config, reuse_port=reuse_port)
     # load the default tokenizer and litellm's model map in the background: the first request
     # must not pay ~0.5 s for them
     warm = asyncio.get_running_loop().run_in_executor(None, _warm_up, state)
-    print(f"ctxproxy listening on http://{host}:{bound} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    state.announce()  # before the line below: a worker that says it listens is ready for its supervisor too
+    # one write: workers share stderr, and print() writes the line and its newline apart
+    sys.stderr.write(f"ctxproxy listening on http://{host}:{bound} (pid {os.getpid()})\n")
+    sys.stderr.flush()
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, state.reload)
+    # held until now (by `serve`, or inherited from the supervisor): one that came meanwhile is handled now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_UNTIL_READY)
     await stop.wait()
     await warm
     state.draining = True
     log.info("draining: no new connections; in-flight requests get up to %ss", drain)
+    if metrics_runner is not None:
+        await metrics_runner.cleanup()
     await runner.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout
     log.info("stopped")
 
 
+async def _metrics_listener(app: web.Application, config: Config, *, reuse_port: bool) -> web.AppRunner | None:
+    """The ``server.metrics_port`` listener (GET /metrics with no key), started; None when not configured."""
+    from proxy.serve.app import create_metrics_app
+
+    s = config.settings.server
+    if s.metrics_port is None:
+        return None
+    runner = web.AppRunner(create_metrics_app(app), access_log=None, keepalive_timeout=s.header_timeout,
+                           shutdown_timeout=1)
+    await runner.setup()
+    site = web.TCPSite(runner, s.metrics_host, s.metrics_port, reuse_port=reuse_port or None)
+    await site.start()
+    bound = _bound_port(site) or s.metrics_port
+    sys.stderr.write(f"ctxproxy metrics on http://{s.metrics_host}:{bound}/metrics (no key)\n")  # one write
+    sys.stderr.flush()
+    return runner
+
+
 def make_runner(app: web.Application, config: Config, *, shutdown_timeout: float | None = None) -> web.AppRunner:
-    """The app's runner: handlers cancelled with their client, idle and half-sent request heads timed out."""
+    """The app's runner: handlers cancelled with their client, idle and half-sent request heads timed out, request
+    bodies decoded by ``proxy.serve.http.read_body`` (aiohttp would refuse a coding it cannot decode in plain text)."""
     server = config.settings.server
     drain = server.drain_timeout if shutdown_timeout is None else shutdown_timeout
     return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain,
-                         keepalive_timeout=server.header_timeout)
+                         keepalive_timeout=server.header_timeout, auto_decompress=False)
 
 
 def _warm_up(state: State) -> None:
@@ -124,28 +151,3 @@ def _bound_port(site: web.TCPSite) -> int | None:
     for sock in sockets:
         return int(sock.getsockname()[1])
     return None
-
-
-def _supervise(config: Config, host: str, port: int, workers: int) -> int:
-    """Start N workers on one port (SO_REUSEPORT) with a shared metrics directory; relay signals."""
-    if port == 0:
-        print("--workers needs a fixed port", file=sys.stderr)
-        return 2
-    metrics_dir = tempfile.mkdtemp(prefix="ctxproxy-metrics-")
-    env = dict(os.environ, CTXPROXY_WORKER="1", PROMETHEUS_MULTIPROC_DIR=metrics_dir)
-    cmd = [sys.executable, "-m", "proxy.cli", "serve", "--config", config.source, "--host", host,
-           "--port", str(port), "--workers", str(workers)]
-    children = [subprocess.Popen(cmd, env=env) for _ in range(workers)]
-
-    def relay(signum: int, _frame: Any) -> None:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, relay)
-    try:
-        codes = [child.wait() for child in children]
-    finally:
-        shutil.rmtree(metrics_dir, ignore_errors=True)
-    return max(codes, default=0)

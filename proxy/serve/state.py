@@ -1,7 +1,8 @@
 """The application's state, typed, and the one way to build a runtime from a config.
 
 ``build_shared`` opens the objects that outlive a reload (token counters, model map,
-summary cache, summaries, calibration, the prompt-cache tracker, the cost ledger);
+summary cache and its breaker, summaries, calibration, the prompt-cache tracker, the cost ledger
+and its store);
 ``build_runtime`` wires a config to them (routes, providers, the summariser's engine,
 the config's calibration modes and prices). The server, ``ctxproxy assemble`` and
 explain all go through these two functions.
@@ -10,7 +11,10 @@ explain all go through these two functions.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass, field
+from typing import Any, TypedDict
 
 from aiohttp import web
 
@@ -19,8 +23,9 @@ from proxy.core.modelinfo import ModelMap, PriceOverride
 from proxy.core.tokens import Tokenizers
 from proxy.runtime import Runtime
 from proxy.serve.metrics import Metrics
+from proxy.serve.workers import Status, Supervised
 from proxy.settings import Config, load_config
-from proxy.store.backends import open_cache
+from proxy.store.backends import cache_guard, open_cache, open_ledger_store
 from proxy.store.cache import Cache, SafeCache
 from proxy.store.calibration import CalibrationStore, ConfiguredCalibration
 from proxy.store.ledger import Ledger
@@ -67,19 +72,15 @@ def build_shared(
         cache = open_cache(
             s.cache.backend, path=s.cache.path, url=s.cache.url, ttl=s.cache.ttl_seconds,
             size_limit_mb=s.cache.size_limit_mb, on_error=metrics.cache_error if metrics else None,
+            guard=cache_guard(s.cache, on_open=metrics.cache_breaker_opened if metrics else None),
         )
     summaries = SummaryService(
-        cache,
-        ttl=s.cache.ttl_seconds,
-        lock_wait=s.summarizer.lock_wait_seconds,
-        max_wait=s.summarizer.timeout_seconds * s.summarizer.max_calls_per_summary + LOCK_TTL,
-        backoff_first=s.summarizer.retry_backoff_seconds,
-        backoff_max=s.summarizer.max_backoff_seconds,
+        cache, **summary_settings(config),
         on_call=metrics.summary_call if metrics else None,
         on_failure=metrics.summary_failed if metrics else None,
     )
     calibration = CalibrationStore(cache, on_factor=metrics.calibration_factor if metrics else None)
-    ledger = Ledger(cache)
+    ledger = Ledger(open_ledger_store(s.cache, create=True))
     if metrics is not None:
         metrics.ledger = ledger
     return Shared(Tokenizers(), model_map or ModelMap(), cache, summaries, UpstreamPool(s.server), calibration, ledger)
@@ -93,8 +94,56 @@ class Served:
     providers: Providers
 
 
+class SummarySettings(TypedDict):
+    ttl: float | None
+    local_entries: int
+    lock_wait: float
+    max_wait: float
+    backoff_first: float
+    backoff_max: float
+
+
+def summary_settings(config: Config) -> SummarySettings:
+    s = config.settings
+    return SummarySettings(
+        ttl=s.cache.ttl_seconds,
+        local_entries=s.cache.local_summaries,
+        lock_wait=s.summarizer.lock_wait_seconds,
+        max_wait=s.summarizer.timeout_seconds * s.summarizer.max_calls_per_summary + LOCK_TTL,
+        backoff_first=s.summarizer.retry_backoff_seconds,
+        backoff_max=s.summarizer.max_backoff_seconds,
+    )
+
+
+# Settings read once, when the process starts: a reload that changes one names it, and it keeps its value.
+RESTART_ONLY = (
+    "server.host", "server.port", "server.workers",  # the listening socket and the worker processes
+    "server.metrics_host", "server.metrics_port",  # the keyless metrics listener
+    "server.header_timeout", "server.drain_timeout",  # given to aiohttp's runner when it is built
+    "cache.backend", "cache.path", "cache.url", "cache.size_limit_mb",  # the open cache holds summaries, locks, ledger
+    "cache.timeout_seconds", "cache.breaker_timeouts", "cache.breaker_cooldown_seconds",  # the backend's breaker
+)
+
+
+def restart_required(running: Config, new: Config) -> list[str]:
+    """The restart-only settings whose value differs between the config the process started with and ``new``."""
+    def value(config: Config, path: str) -> Any:
+        node: Any = config.settings
+        for part in path.split("."):
+            node = getattr(node, part)
+        return node
+
+    return [path for path in RESTART_ONLY if value(running, path) != value(new, path)]
+
+
 def build_runtime(config: Config, shared: Shared, *, engine: bool = True) -> Served:
-    """The runtime for ``config``; ``engine=False`` leaves it without a summariser (``assemble --offline``)."""
+    """The runtime for ``config``; ``engine=False`` leaves it without a summariser (``assemble --offline``).
+
+    The shared objects take the config's live settings here (upstream timeouts and pool sizes, the summary
+    cache's TTL, the summariser's back-off and lock waits), so a reload applies them.
+    """
+    shared.pool.configure(config.settings.server)
+    shared.summaries.configure(**summary_settings(config))
     providers = Providers(config, shared.pool)
     shared.model_map.set_price_overrides(price_overrides(config))
     runtime = Runtime(config, tokenizers=shared.tokenizers, model_map=shared.model_map, summaries=shared.summaries,
@@ -102,6 +151,15 @@ def build_runtime(config: Config, shared: Shared, *, engine: bool = True) -> Ser
     if engine:
         runtime.engine = UpstreamEngine(runtime.route, providers.for_route)
     return Served(runtime, providers)
+
+
+@dataclass
+class Reloaded:
+    """What a reload did: the problems that rejected it (the running config kept), or the settings that
+    changed but keep their running value until a restart."""
+
+    problems: list[str] = field(default_factory=list)
+    restart_required: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -114,6 +172,11 @@ class State:
     config_path: str | None
     prefix: PrefixTracker = field(default_factory=PrefixTracker)
     draining: bool = False
+    supervised: Supervised | None = None  # a worker of ``serve --workers N``
+    started_with: Config = field(init=False)  # the config the process was built with
+
+    def __post_init__(self) -> None:
+        self.started_with = self.served.runtime.config
 
     @property
     def runtime(self) -> Runtime:
@@ -123,20 +186,39 @@ class State:
     def config(self) -> Config:
         return self.served.runtime.config
 
-    def reload(self) -> list[str]:
+    def announce(self) -> None:
+        """A worker tells its supervisor (and the others) it is serving, with the config it started with."""
+        if self.supervised is not None:
+            self.supervised.write(Status(os.getpid(), self.started_with.read_at))
+
+    def reload(self) -> Reloaded:
         """Re-read the config file; on any problem keep the running config and return the problems."""
         if self.config_path is None:
-            return ["no config file to reload (the app was built from an in-memory config)"]
+            return Reloaded(["no config file to reload (the app was built from an in-memory config)"])
+        asked = time.monotonic()
+        done = self._reload(self.config_path)
+        if self.supervised is not None:
+            self.supervised.write(Status(os.getpid(), asked, done.problems, done.restart_required))
+        return done
+
+    def _reload(self, path: str) -> Reloaded:
         try:
-            config = load_config(self.config_path)
+            config = load_config(path)
         except ConfigError as exc:
             for problem in exc.problems:
                 log.error("reload rejected, keeping the running config: %s", problem)
-            return exc.problems
+            return Reloaded(exc.problems)
+        level = config.settings.logging.level
+        if level != self.config.settings.logging.level:
+            logging.getLogger().setLevel(level)
         self.served = build_runtime(config, self.shared)
         self.metrics.set_labels(tenant_names(config), model_names(config), upstream_names(config))
-        log.info("config reloaded from %s", self.config_path)
-        return []
+        pending = restart_required(self.started_with, config)
+        log.info("config reloaded from %s", path)
+        if pending:
+            log.warning("these settings changed but keep their running values until a restart: %s",
+                        ", ".join(pending))
+        return Reloaded(restart_required=pending)
 
 
 STATE = web.AppKey("state", State)

@@ -1,10 +1,11 @@
 """Relaying an upstream's answer to the client: a body, or an SSE stream chunk by chunk, never buffered.
 
-A stream is relayed byte for byte and nothing is added after a clean end. Only a
-stream that breaks off (connection lost, framing error, idle timeout, or a clean
-close before the wire's terminal event) ends with one error event in the wire's
-own shape (``proxy.wire.sse``), so a client never mistakes a truncated answer for
-a complete one.
+A stream is relayed byte for byte, whole events at a time, and nothing is added
+after a clean end. Only a stream that breaks off (connection lost, framing error,
+idle timeout, or a clean close before the wire's whole terminal event) ends with
+one error event in the wire's own shape (``proxy.wire.sse``), so a client never
+mistakes a truncated answer for a complete one: the event in progress when it
+broke is never relayed, so the error event stands on its own.
 """
 
 from __future__ import annotations
@@ -45,21 +46,20 @@ async def relay_answer(
     out_headers.update(SSE_HEADERS)
     response = web.StreamResponse(status=answer.status, headers=out_headers)
     clean = broken = False
-    lines = LineBuffer()
     try:
         await response.prepare(request)
         error: CtxProxyError | None = None
         try:
             async for chunk in answer.chunks(idle_timeout):
-                watcher.feed(chunk)
-                out = lines.feed(chunk)
+                out = watcher.feed(chunk)
                 if out:
                     await response.write(out)
         except CtxProxyError as exc:
             broken = True
-            # after the wire's terminal event the stream is complete: a lost connection adds nothing
-            # (without its traceback: the frame that holds it would otherwise form a cycle that keeps the
-            # request and the answer alive until the collector runs)
+            # after the wire's whole terminal event the stream is complete: a lost connection adds
+            # nothing, and a half event after it is not relayed (the error is kept without its traceback:
+            # the frame that holds it would otherwise form a cycle that keeps the request and the answer
+            # alive until the collector runs)
             error = None if watcher.done else exc.with_traceback(None)
         else:
             if not watcher.complete:
@@ -68,10 +68,10 @@ async def relay_answer(
             request[STREAM_ERROR] = "upstream_error"  # relayed as the upstream sent it; counted as a failure
         if error is not None:
             request[STREAM_ERROR] = error.code or "stream_error"
-            # a half-sent line is never relayed, and the error starts an event of its own
-            await response.write(lines.boundary() + watcher.end.error_event(error))
-        else:
-            tail = lines.flush()
+            # what was relayed ends between two events: the error is an event of its own
+            await response.write(watcher.end.error_event(error))
+        elif not broken:
+            tail = watcher.pending  # after a clean close: the upstream's last bytes as they came
             if tail:
                 await response.write(tail)
         clean = not broken and error is None
@@ -79,36 +79,6 @@ async def relay_answer(
         return response
     finally:
         answer.close(clean)  # not clean: drop the upstream connection, so the provider stops generating
-
-
-class LineBuffer:
-    """Relays whole lines only: a stream that breaks off mid-line never leaves half a line at the client.
-
-    A chunk's tail after its last newline is held until the next chunk (SSE upstreams send whole events,
-    so usually nothing is held).
-    """
-
-    def __init__(self) -> None:
-        self._held = b""
-        self._last = b"\n\n"  # the end of what was relayed so far
-
-    def feed(self, chunk: bytes) -> bytes:
-        data = self._held + chunk
-        cut = data.rfind(b"\n") + 1
-        self._held = data[cut:]
-        out = data[:cut]
-        if out:
-            self._last = (self._last + out)[-4:]
-        return out
-
-    def flush(self) -> bytes:
-        held, self._held = self._held, b""
-        return held
-
-    def boundary(self) -> bytes:
-        """What closes the event in progress, so that an error event that follows stands on its own."""
-        self._held = b""
-        return b"" if self._last.endswith((b"\n\n", b"\r\n\r\n")) else b"\n"
 
 
 def usage_of(raw: bytes) -> dict[str, Any] | None:

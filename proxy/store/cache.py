@@ -10,6 +10,10 @@ Cancellation: every backend operation runs to completion in its own task/thread 
 coroutine is cancelled (``asyncio.shield``). A Redis connection is therefore never returned to the
 pool with an unread reply (the redis-py #2624 class of bug), and a lock acquired by a call whose caller
 was cancelled is released in the background instead of being leaked until its TTL.
+
+A stalled backend: the disk and Redis backends run every I/O operation through their ``Guard``
+(``proxy.store.guard``): a circuit breaker that bypasses a backend whose operations time out, and the
+request's cache-time budget. A caller that stops waiting is treated as a cancelled one (above).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from typing import Any, Protocol, TypeVar
 
 import orjson
 
+from proxy.core.deadline import deadline
 from proxy.core.errors import CacheBackendError
+from proxy.store.guard import Guard
 
 __all__ = ["Cache", "CacheBackendError", "LockHandle", "SafeCache"]
 
@@ -120,9 +126,10 @@ class BaseCache:
 
     name: str
 
-    def __init__(self, ttl: float | None) -> None:
+    def __init__(self, ttl: float | None, guard: Guard | None = None) -> None:
         self._default_ttl = ttl
         self._inflight: set[asyncio.Future[Any]] = set()
+        self.guard = guard
 
     def _ttl(self, ttl: float | None) -> float | None:
         return self._default_ttl if ttl is None else ttl
@@ -156,9 +163,50 @@ class BaseCache:
                 fut.add_done_callback(_undo)
             raise
 
+    async def _io(self, start: Callable[[], Awaitable[T]], *, on_late: Callable[[T], None] | None = None,
+                  essential: bool = False) -> T:
+        """One backend I/O operation under the guard: refused at once while the breaker is open or the request's
+        cache budget is spent; otherwise waited for within the budget, and watched by the breaker.
+
+        ``on_late`` receives the result of an operation its caller stopped waiting for (to undo it);
+        ``essential`` operations (releasing a lock) are issued even when the budget is spent.
+        """
+        guard = self.guard
+        if guard is None:
+            return await self._guarded(start(), on_late)
+        wait = guard.admit(self._probe, essential)
+        fut = asyncio.ensure_future(start())
+        guard.watch(fut)
+        loop = asyncio.get_running_loop()
+        begun = loop.time()
+        try:
+            if wait is None:
+                return await self._guarded(fut, on_late)
+            async with deadline(wait):
+                return await self._guarded(fut, on_late)
+        except asyncio.TimeoutError:
+            raise CacheBackendError(f"{self.name} cache: no answer within this request's cache time budget "
+                                    "(the operation goes on in the background)") from None
+        finally:
+            guard.charge(loop.time() - begun)
+
+    async def _probe(self) -> None:
+        """The breaker's probe: one cheap operation, outside the guard."""
+        raise NotImplementedError
+
+    def _release_orphan(self, lock_key: str, token: str) -> Callable[[Any], None]:
+        """Undo a lock acquired for a caller that is no longer there (cancelled, or out of budget)."""
+        def undo(acquired: Any) -> None:
+            if acquired:
+                self._track(asyncio.ensure_future(self._release(lock_key, token)))
+
+        return undo
+
     async def _drain(self) -> None:
         if self._inflight:
             await asyncio.wait(set(self._inflight), timeout=_DRAIN_TIMEOUT)
+        if self.guard is not None:
+            await self.guard.close()
 
     async def get(self, key: str) -> dict[str, Any] | None:
         raise NotImplementedError
@@ -187,15 +235,12 @@ class BaseCache:
     async def _lock(self, lock_key: str, ttl: float, wait: float, ready: Ready | None) -> AsyncIterator[LockHandle]:
         token = secrets.token_hex(16)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(0.0, wait)
-
-        def release_orphan(acquired: bool) -> None:
-            if acquired:
-                self._track(asyncio.ensure_future(self._release(lock_key, token)))
+        give_up = loop.time() + max(0.0, wait)
+        release_orphan = self._release_orphan(lock_key, token)
 
         while True:
             acquired = await self._guarded(self._try_acquire(lock_key, token, ttl), release_orphan)
-            remaining = deadline - loop.time()
+            remaining = give_up - loop.time()
             if acquired or remaining <= 0 or (ready is not None and await ready()):
                 break
             await asyncio.sleep(min(_POLL_INTERVAL, remaining))

@@ -1,4 +1,4 @@
-"""Token-count calibration: the provider's input count over ctxproxy's, learned per (upstream, upstream model).
+"""Token-count calibration: the provider's input count over ctxproxy's, learned per tenant and (upstream, model).
 
 ctxproxy counts with tiktoken: exact for OpenAI's models, an estimate for every other tokenizer. Each
 answer that reports usage says how many input tokens the *provider* counted for the payload ctxproxy
@@ -18,7 +18,7 @@ How the factor is kept (the design choices, each for a reason):
   ``PLAUSIBLE`` (no tokenizer is 3x another on the same text: the provider counted something else).
   A plausible ratio is clamped to [``MIN_FACTOR``, ``MAX_FACTOR``].
 - **Learned only after ``MIN_SAMPLES`` samples**; until then the family default applies
-  (``family_default``).
+  (``family_default``), or the pooled factor where it is higher (below).
 - **A published factor with a dead band**: the factor in use moves only when the median differs from it
   by ``DEADBAND`` or more, and is rounded to 0.01. Budgets (and the trimmer's prefix-stable grid, which
   is a function of B) do not jitter from request to request, and every replica publishes the same value.
@@ -30,6 +30,17 @@ How the factor is kept (the design choices, each for a reason):
   first time is loaded once (``load``, awaited), and an entry older than ``REFRESH_SECONDS`` is refreshed
   in the background while the current value keeps serving. The table is a bounded LRU (model names can
   come from clients).
+- **Per tenant, and shared evidence only tightens.** A tenant's traffic (images, documents, languages)
+  moves the ratio, so each tenant learns its own factor (the key includes the tenant; without tenants
+  configured it is ``default``). Every sample also joins a pooled record of all tenants (``POOLED``),
+  which a tenant without a learned factor of its own uses only above the family default: evidence from
+  other tenants can make a budget smaller, never larger. A factor below the default comes only from the
+  tenant's own samples, so no tenant can widen another's budget or cap.
+- **A refusal for length is evidence** (``proxy.core.refusal``): the provider counted more than its
+  window, so the ratio is at least window / ctxproxy's count of the payload (exactly the provider's stated
+  count / ctxproxy's, when the message states it). The samples below that value are dropped (the provider
+  has just shown that a factor that low overflows) and it is recorded as ``MIN_SAMPLES`` samples, so the
+  factor is at least that value from the next request on.
 
 Per model, the config may pin the factor or switch calibration off (``models[].calibration``); the
 config's view is ``ConfiguredCalibration``, which the runtime uses.
@@ -70,6 +81,8 @@ REFRESH_SECONDS = 30.0
 TTL_SECONDS = 30 * 24 * 3600.0
 LOCAL_ENTRIES = 1024
 KEY_PREFIX = "calib:v1:"
+TENANT_KEY_PREFIX = "calib:v1:t:"
+POOLED = "*"  # the tenant of the pooled record (tenant names are [A-Za-z0-9_.-]+: no collision)
 
 # The default of a model never seen, by family (matched on the upstream model name, provider prefix
 # dropped). OpenAI's own models are counted with their exact encoding: 1.0. The others are set a little
@@ -154,7 +167,7 @@ class Sample:
     ratio: float | None = None
 
 
-SAMPLE_RESULTS = frozenset({"used", "no_usage", "zero", "small", "hidden_input", "implausible"})
+SAMPLE_RESULTS = frozenset({"used", "refused", "no_usage", "zero", "small", "hidden_input", "implausible"})
 
 
 def sample_of(provider_tokens: int | None, proxy_tokens: int, hidden: str | None = None) -> Sample:
@@ -173,6 +186,19 @@ def sample_of(provider_tokens: int | None, proxy_tokens: int, hidden: str | None
     return Sample("used", min(MAX_FACTOR, max(MIN_FACTOR, ratio)))
 
 
+def refusal_sample(provider_tokens: int | None, limit: int, proxy_tokens: int, hidden: str | None = None) -> Sample:
+    """A refusal for length as a sample: the provider's stated count over ctxproxy's, or the bound limit / ctxproxy's."""
+    if hidden is not None:
+        return Sample("hidden_input")
+    if proxy_tokens < MIN_SAMPLE_TOKENS:
+        return Sample("small")
+    ratio = (provider_tokens if provider_tokens is not None else limit) / proxy_tokens
+    if not PLAUSIBLE[0] <= ratio <= PLAUSIBLE[1]:
+        return Sample("implausible", ratio)
+    ratio = math.ceil(round(ratio / QUANTUM, 6)) * QUANTUM  # a lower bound: rounded up, never below it
+    return Sample("refused", round(min(MAX_FACTOR, max(MIN_FACTOR, ratio)), 2))
+
+
 def publish(median: float, current: float | None) -> float:
     """The factor to use: ``current`` while the median stays within the dead band of it."""
     median = min(MAX_FACTOR, max(MIN_FACTOR, median))
@@ -183,18 +209,24 @@ def publish(median: float, current: float | None) -> float:
 
 @dataclass(frozen=True)
 class Calibrated:
-    """A factor and where it comes from (``learned`` or ``default``), for explain, policy and the gauge."""
+    """A tenant's factor and where it comes from, for explain, policy and the gauge: ``learned`` (its own
+    samples), ``shared`` (the pooled factor of all tenants, above the default) or ``default``."""
 
     factor: float
     source: str
-    samples: int
+    samples: int  # the tenant's own
     family: str
     default: float
-    learned: float | None  # the published learned factor (None: fewer than MIN_SAMPLES samples)
+    learned: float | None  # the tenant's published learned factor (None: fewer than MIN_SAMPLES samples)
+    shared: float | None = None  # the pooled learned factor of all tenants (None: not enough samples)
+
+
+Key = tuple[str, str, str]  # (tenant, upstream, upstream model)
 
 
 @dataclass
 class _Entry:
+    tenant: str
     upstream: str
     model: str
     family: str
@@ -204,11 +236,9 @@ class _Entry:
     loaded: float = -math.inf  # monotonic time of the last read from the cache
     dirty: bool = False
 
-    def calibrated(self) -> Calibrated:
-        learned = self.published if len(self.samples) >= MIN_SAMPLES else None
-        if learned is None:
-            return Calibrated(self.default, "default", len(self.samples), self.family, self.default, None)
-        return Calibrated(learned, "learned", len(self.samples), self.family, self.default, learned)
+    @property
+    def learned(self) -> float | None:
+        return self.published if len(self.samples) >= MIN_SAMPLES else None
 
     def recompute(self, stored: float | None = None) -> None:
         if len(self.samples) < MIN_SAMPLES:
@@ -220,7 +250,7 @@ class _Entry:
         self.published = publish(median, stored if stored is not None else self.published)
 
 
-FactorHook = Callable[[str, str, float], None]  # (upstream, upstream model, factor in effect)
+FactorHook = Callable[[str, str, str, float], None]  # (tenant, upstream, upstream model, factor in effect)
 
 
 class CalibrationStore:
@@ -245,64 +275,89 @@ class CalibrationStore:
         self.monotonic = monotonic
         self.max_entries = max_entries
         self.origin = uuid.uuid4().hex[:12]  # this process, in the samples it contributes
-        self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
-        self._loads: dict[tuple[str, str], asyncio.Task[None]] = {}
-        self._writes: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._entries: OrderedDict[Key, _Entry] = OrderedDict()
+        self._loads: dict[Key, asyncio.Task[None]] = {}
+        self._writes: dict[Key, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- the request path ------------------------------------------------------------------------
 
-    def get(self, upstream: str, model: str) -> Calibrated:
-        """The factor in effect for (upstream, model): one dict lookup."""
-        entry = self._entries.get((upstream, model))
-        if entry is None:
-            family, default = family_default(model)
-            return Calibrated(default, "default", 0, family, default, None)
-        return entry.calibrated()
+    def get(self, tenant: str, upstream: str, model: str) -> Calibrated:
+        """The factor in effect for a tenant on (upstream, model), and why: two dict lookups."""
+        own = self._entries.get((tenant, upstream, model))
+        pooled = self._entries.get((POOLED, upstream, model))
+        family, default = (own.family, own.default) if own is not None else family_default(model)
+        learned = own.learned if own is not None else None
+        shared = pooled.learned if pooled is not None else None
+        samples = len(own.samples) if own is not None else 0
+        if learned is not None:
+            return Calibrated(learned, "learned", samples, family, default, learned, shared)
+        if shared is not None and shared > default:
+            return Calibrated(shared, "shared", samples, family, default, None, shared)
+        return Calibrated(default, "default", samples, family, default, None, shared)
 
-    def factor(self, upstream: str, model: str) -> float:
-        entry = self._entries.get((upstream, model))
-        if entry is not None:
-            if entry.published is not None and len(entry.samples) >= MIN_SAMPLES:
-                return entry.published
-            return entry.default
-        return family_default(model)[1]
+    def factor(self, tenant: str, upstream: str, model: str) -> float:
+        return self.get(tenant, upstream, model).factor
 
-    async def load(self, upstream: str, model: str) -> None:
-        """Make sure (upstream, model) is known: awaited the first time, refreshed in the background after."""
-        key = (upstream, model)
+    async def load(self, tenant: str, upstream: str, model: str) -> None:
+        """Make sure the tenant's and the pooled record are known: awaited the first time, refreshed in the
+        background after."""
+        waits = [task for key in ((tenant, upstream, model), (POOLED, upstream, model))
+                 if (task := self._load_key(key)) is not None]
+        if waits:
+            await asyncio.shield(asyncio.gather(*waits))
+
+    def _load_key(self, key: Key) -> asyncio.Task[None] | None:
+        """Start loading ``key`` if it is unknown or stale; the task to await if it is unknown."""
         entry = self._entries.get(key)
         if entry is not None and self.monotonic() - entry.loaded < self.refresh:
-            return
+            return None
         task = self._loads.get(key)
         if task is None:
             task = asyncio.ensure_future(self._load(key))
             self._loads[key] = task
             self._track(task)
             task.add_done_callback(lambda _t: self._loads.pop(key, None))
-        if entry is None:
-            await asyncio.shield(task)
+        return task if entry is None else None
 
     # -- after an answer ---------------------------------------------------------------------------
 
-    def observe(self, upstream: str, model: str, provider_tokens: int | None, proxy_tokens: int,
+    def observe(self, tenant: str, upstream: str, model: str, provider_tokens: int | None, proxy_tokens: int,
                 hidden: str | None = None) -> Sample:
-        """Record one answer's counts; the shared record is updated in the background."""
+        """Record one answer's counts for the tenant and the pool; the shared records are updated in the background."""
         sample = sample_of(provider_tokens, proxy_tokens, hidden)
-        if sample.result != "used" or sample.ratio is None:
-            return sample
-        entry = self._entry((upstream, model))
-        before = entry.calibrated().factor
-        entry.samples.append((sample.ratio, self.clock(), self.origin))
-        del entry.samples[:-WINDOW]
-        entry.recompute()
-        entry.dirty = True
-        self._changed(entry, before)
-        self._schedule_write((upstream, model))
+        if sample.result == "used" and sample.ratio is not None:
+            self._record(tenant, upstream, model, sample.ratio, floor=False)
         return sample
 
-    def entries(self) -> list[tuple[str, str, Calibrated]]:
-        return [(e.upstream, e.model, e.calibrated()) for e in self._entries.values()]
+    def refused(self, tenant: str, upstream: str, model: str, provider_tokens: int | None, limit: int,
+                proxy_tokens: int, hidden: str | None = None) -> Sample:
+        """Record a refusal for length: the samples below its ratio dropped, the ratio weighing MIN_SAMPLES samples."""
+        sample = refusal_sample(provider_tokens, limit, proxy_tokens, hidden)
+        if sample.result == "refused" and sample.ratio is not None:
+            self._record(tenant, upstream, model, sample.ratio, floor=True)
+        return sample
+
+    def _record(self, tenant: str, upstream: str, model: str, ratio: float, *, floor: bool) -> None:
+        before = self._before(upstream, model)
+        for key in ((tenant, upstream, model), (POOLED, upstream, model)):
+            entry = self._entry(key)
+            now = self.clock()
+            if floor:
+                entry.samples = [s for s in entry.samples if s[0] >= ratio]
+                # weighs MIN_SAMPLES samples (distinct times: a merge tells samples apart by origin and time)
+                entry.samples.extend((ratio, now + i * 1e-6, self.origin) for i in range(MIN_SAMPLES - 1))
+            entry.samples.append((ratio, now, self.origin))
+            del entry.samples[:-WINDOW]
+            entry.recompute()
+            entry.dirty = True
+            self._schedule_write(key)
+        self._changed(upstream, model, before)
+
+    def entries(self) -> list[tuple[str, str, str, Calibrated]]:
+        """Every tenant's factor known here (the pooled records aside)."""
+        return [(e.tenant, e.upstream, e.model, self.get(e.tenant, e.upstream, e.model))
+                for e in list(self._entries.values()) if e.tenant != POOLED]
 
     async def flush(self) -> None:
         """Wait for pending loads and writes (tests, shutdown)."""
@@ -317,11 +372,11 @@ class CalibrationStore:
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _entry(self, key: tuple[str, str]) -> _Entry:
+    def _entry(self, key: Key) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
-            family, default = family_default(key[1])
-            entry = self._entries[key] = _Entry(key[0], key[1], family, default)
+            family, default = family_default(key[2])
+            entry = self._entries[key] = _Entry(*key, family, default)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
         self._entries.move_to_end(key)
@@ -331,29 +386,40 @@ class CalibrationStore:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _changed(self, entry: _Entry, before: float | None) -> None:
-        after = entry.calibrated().factor
-        if self.on_factor is not None and after != before:
-            try:
-                self.on_factor(entry.upstream, entry.model, after)
-            except Exception:
-                log.exception("calibration factor hook failed")
+    def _tenants_of(self, upstream: str, model: str) -> set[str]:
+        """The tenants known here for (upstream, model): the factors a change of the pooled record can move."""
+        return {t for t, u, m in list(self._entries) if u == upstream and m == model and t != POOLED}
 
-    async def _load(self, key: tuple[str, str]) -> None:
+    def _changed(self, upstream: str, model: str, before: dict[str, float]) -> None:
+        """Tell the hook of every tenant factor that moved (a new tenant's first factor included)."""
+        if self.on_factor is None:
+            return
+        for tenant in self._tenants_of(upstream, model):
+            after = self.get(tenant, upstream, model).factor
+            if before.get(tenant) != after:
+                try:
+                    self.on_factor(tenant, upstream, model, after)
+                except Exception:
+                    log.exception("calibration factor hook failed")
+
+    def _before(self, upstream: str, model: str) -> dict[str, float]:
+        return {t: self.get(t, upstream, model).factor for t in self._tenants_of(upstream, model)}
+
+    async def _load(self, key: Key) -> None:
         try:
             stored = await self.cache.get(cache_key(*key))
         except (CacheBackendError, OSError) as exc:  # a bare backend (SafeCache already swallows): serve what is known
             log.debug("calibration read failed: %s", exc)
             stored = None
-        existed = key in self._entries
+        before = self._before(key[1], key[2])
         entry = self._entry(key)
-        before = entry.calibrated().factor if existed else None
         entry.loaded = self.monotonic()
         self._merge(entry, stored)
-        self._changed(entry, before)
+        self._changed(key[1], key[2], before)
 
     def _merge(self, entry: _Entry, stored: dict[str, Any] | None) -> None:
-        if not isinstance(stored, dict) or stored.get("upstream") != entry.upstream or stored.get("model") != entry.model:
+        if not isinstance(stored, dict) or stored.get("upstream") != entry.upstream or stored.get("model") != entry.model \
+                or stored.get("tenant", POOLED) != entry.tenant:
             return  # missing, unreadable, or (a hash collision) another key's record
         theirs = _samples(stored.get("samples"))
         seen = {(origin, t) for _, t, origin in entry.samples}
@@ -365,7 +431,7 @@ class CalibrationStore:
             and MIN_FACTOR <= factor <= MAX_FACTOR else None
         entry.recompute(current)
 
-    def _schedule_write(self, key: tuple[str, str]) -> None:
+    def _schedule_write(self, key: Key) -> None:
         if key in self._writes:
             return  # the pending write will carry this sample too (it reads the entry when it runs)
         task = asyncio.ensure_future(self._write(key))
@@ -373,30 +439,40 @@ class CalibrationStore:
         self._track(task)
         task.add_done_callback(lambda _t: self._writes.pop(key, None))
 
-    async def _write(self, key: tuple[str, str]) -> None:
+    async def _write(self, key: Key) -> None:
         try:
-            await self._store(key)
+            # a sample that arrives while the record is on its way (after it was built) finds this write still
+            # pending and does not start another: this one writes again for it
+            while True:
+                await self._store(key)
+                entry = self._entries.get(key)
+                if entry is None or not entry.dirty:
+                    break
         except (CacheBackendError, OSError) as exc:  # a bare backend (SafeCache already swallows): the samples stay local
             log.debug("calibration write failed: %s", exc)
 
-    async def _store(self, key: tuple[str, str]) -> None:
+    async def _store(self, key: Key) -> None:
         await asyncio.sleep(0)  # let the samples of this loop iteration join the write
         stored = await self.cache.get(cache_key(*key))
+        before = self._before(key[1], key[2])
         entry = self._entry(key)
-        before = entry.calibrated().factor
         self._merge(entry, stored)
         entry.loaded = self.monotonic()
         entry.dirty = False
-        record = {"upstream": entry.upstream, "model": entry.model, "factor": entry.published,
-                  "samples": [[r, t, o] for r, t, o in entry.samples],
-                  "updated": self.clock()}
+        record: dict[str, Any] = {"upstream": entry.upstream, "model": entry.model, "factor": entry.published,
+                                  "samples": [[r, t, o] for r, t, o in entry.samples], "updated": self.clock()}
+        if entry.tenant != POOLED:
+            record["tenant"] = entry.tenant
         await self.cache.set(cache_key(*key), record, self.ttl)
-        self._changed(entry, before)
+        self._changed(key[1], key[2], before)
 
 
-def cache_key(upstream: str, model: str) -> str:
-    digest = hashlib.sha256(f"{upstream}\x00{model}".encode()).hexdigest()[:40]
-    return KEY_PREFIX + digest
+def cache_key(tenant: str, upstream: str, model: str) -> str:
+    """The shared record of a tenant's samples; the pooled record keeps the key of the per-model records of
+    earlier versions (they were pooled over all tenants too, so they serve as such)."""
+    if tenant == POOLED:
+        return KEY_PREFIX + hashlib.sha256(f"{upstream}\x00{model}".encode()).hexdigest()[:40]
+    return TENANT_KEY_PREFIX + hashlib.sha256(f"{tenant}\x00{upstream}\x00{model}".encode()).hexdigest()[:40]
 
 
 def _samples(raw: Any) -> list[tuple[float, float, str]]:
@@ -420,19 +496,21 @@ def _samples(raw: Any) -> list[tuple[float, float, str]]:
 
 @dataclass(frozen=True)
 class Effective:
-    """The factor a route's budget uses, and why: ``learned``, ``default``, ``pinned`` or ``off``."""
+    """The factor a tenant's budget uses on a route, and why: ``learned``, ``shared``, ``default``, ``pinned``
+    or ``off``."""
 
     factor: float
     source: str
     calibrated: Calibrated
+    tenant: str
     upstream: str
     upstream_model: str
 
     def describe(self) -> dict[str, Any]:
         c = self.calibrated
-        return {"factor": self.factor, "source": self.source, "upstream": self.upstream,
+        return {"factor": self.factor, "source": self.source, "tenant": self.tenant, "upstream": self.upstream,
                 "upstream_model": self.upstream_model, "family": c.family, "family_default": c.default,
-                "learned": c.learned, "samples": c.samples}
+                "learned": c.learned, "samples": c.samples, "shared": c.shared}
 
 
 class ConfiguredCalibration:
@@ -445,23 +523,23 @@ class ConfiguredCalibration:
     def mode(self, route: ModelRoute) -> str | float:
         return self._modes.get(route.name, "auto")
 
-    def factor(self, route: ModelRoute) -> float:
+    def factor(self, route: ModelRoute, tenant: str) -> float:
         mode = self._modes.get(route.name, "auto")
         if mode == "auto":
-            return self.store.factor(route.upstream, route.upstream_model)
+            return self.store.factor(tenant, route.upstream, route.upstream_model)
         return 1.0 if mode == "off" else float(mode)
 
-    async def prime(self, route: ModelRoute) -> None:
+    async def prime(self, route: ModelRoute, tenant: str) -> None:
         if self._modes.get(route.name, "auto") == "auto":
-            await self.store.load(route.upstream, route.upstream_model)
+            await self.store.load(tenant, route.upstream, route.upstream_model)
 
-    def effective(self, route: ModelRoute) -> Effective:
+    def effective(self, route: ModelRoute, tenant: str) -> Effective:
         mode = self.mode(route)
-        calibrated = self.store.get(route.upstream, route.upstream_model)
+        calibrated = self.store.get(tenant, route.upstream, route.upstream_model)
         if mode == "auto":
             factor, source = calibrated.factor, calibrated.source
         elif mode == "off":
             factor, source = 1.0, "off"
         else:
             factor, source = float(mode), "pinned"
-        return Effective(factor, source, calibrated, route.upstream, route.upstream_model)
+        return Effective(factor, source, calibrated, tenant, route.upstream, route.upstream_model)

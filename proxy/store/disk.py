@@ -15,6 +15,7 @@ import diskcache
 
 from proxy.core.errors import CacheBackendError
 from proxy.store.cache import LOCK_PREFIX, BaseCache, dumps, loads, loads_or_none
+from proxy.store.guard import Guard
 
 T = TypeVar("T")
 
@@ -63,8 +64,9 @@ class DiskCache(BaseCache):
 
     name = "disk"
 
-    def __init__(self, path: str, ttl: float | None, size_limit_mb: int, *, timeout: float = 1.0) -> None:
-        super().__init__(ttl)
+    def __init__(self, path: str, ttl: float | None, size_limit_mb: int, *, timeout: float = 1.0,
+                 guard: Guard | None = None) -> None:
+        super().__init__(ttl, guard)
         self.path = os.path.abspath(os.path.expanduser(path))
         self._size_limit = max(1, size_limit_mb) * 1024 * 1024
         self._timeout = timeout  # sqlite busy timeout: a contended write fails after this instead of hanging
@@ -119,11 +121,17 @@ class DiskCache(BaseCache):
             raise CacheBackendError(f"disk cache {self.path}: {type(exc).__name__}: {exc}") from exc
 
     # -- loop side ----------------------------------------------------------------------------
-    async def _run(self, fn: Callable[[Any], T]) -> T:
+    async def _run(self, fn: Callable[[Any], T], *, on_late: Callable[[T], None] | None = None,
+                   essential: bool = False) -> T:
         if self._closed:
             raise CacheBackendError("disk cache is closed")
         loop = asyncio.get_running_loop()
-        return await self._guarded(loop.run_in_executor(self._executor, self._call, fn))
+        return await self._io(lambda: loop.run_in_executor(self._executor, self._call, fn), on_late=on_late,
+                              essential=essential)
+
+    async def _probe(self) -> None:
+        loop = asyncio.get_running_loop()
+        await self._guarded(loop.run_in_executor(self._executor, self._call, lambda dc: dc.get(LOCK_PREFIX + "ping")))
 
     async def get(self, key: str) -> dict[str, Any] | None:
         def op(dc: Any) -> dict[str, Any] | None:
@@ -143,7 +151,7 @@ class DiskCache(BaseCache):
             except diskcache.Timeout:  # database busy: not acquired this round
                 return False
 
-        return await self._run(op)
+        return await self._run(op, on_late=self._release_orphan(lock_key, token))
 
     async def get_many(self, keys: list[str], first_hit: bool = False) -> list[dict[str, Any] | None]:
         def op(dc: Any) -> list[dict[str, Any] | None]:
@@ -164,7 +172,7 @@ class DiskCache(BaseCache):
                 if dc.get(lock_key) == token.encode():
                     dc.set(lock_key, token.encode(), expire=ttl)
 
-        await self._run(op)
+        await self._run(op, essential=True)
 
     async def _release(self, lock_key: str, token: str) -> None:
         def op(dc: Any) -> None:
@@ -172,7 +180,7 @@ class DiskCache(BaseCache):
                 if dc.get(lock_key) == token.encode():
                     dc.delete(lock_key)
 
-        await self._run(op)
+        await self._run(op, essential=True)
 
     async def ping(self) -> bool:
         try:

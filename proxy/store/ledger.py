@@ -1,4 +1,4 @@
-"""The cost ledger: hourly totals per tenant and model, kept in the cache backend (``ctxproxy report``).
+"""The cost ledger: hourly totals per tenant and model, kept in a store of its own (``ctxproxy report``).
 
 Why a ledger and not the metrics: Prometheus counters live in one process and start again from zero
 with it; a report "since 24h" from them needs a Prometheus server with its retention, and its
@@ -8,20 +8,21 @@ life of a process, and it outlives restarts and sums replicas.
 
 How it is kept, and why so:
 
-- **Hourly buckets**: a report's resolution is the hour (``--since`` rounds down to one); 31 days of
-  buckets are kept (``RETENTION_SECONDS``, the keys' TTL).
-- **One key per replica per hour** (``ledger:v1:<hour>:<replica>``): a replica is the only writer of
-  its keys, so it writes its whole bucket (no read-modify-write, no lost increments between replicas,
-  which ``Cache.get/set`` could not make atomic). An index per hour lists the replicas that wrote it;
-  it is updated once per replica and hour, under the cache's cross-process lock.
+- **Its own store** (``proxy.store.ledger_store``), never the summary cache: a cache evicts, and the
+  summaries it counts would push the ledger out. Nothing expires there; the ledger prunes the hours
+  older than 31 days (``RETENTION_HOURS``) itself.
+- **Hourly buckets**: a report's resolution is the hour (``--since`` rounds down to one).
+- **One bucket per replica per hour**: a replica is the only writer of its buckets, so it writes each
+  whole (no read-modify-write, no increment lost between replicas).
 - **Written every ``FLUSH_SECONDS``** in the background and at shutdown, never on a request's path:
-  a crash loses at most that much. The admin endpoint flushes before it reads.
+  a crash loses at most that much. A bucket stays dirty until the store confirms the write; one that
+  fails is written again (with everything added meanwhile) by the next flush, so a store that refuses
+  writes for a while loses nothing that finished. The admin endpoint flushes before it reads.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -30,7 +31,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.store.cache import Cache, SafeCache
+from proxy.core.errors import LedgerUnavailable
+from proxy.store.ledger_store import LedgerStore
 
 log = logging.getLogger("ctxproxy.ledger")
 
@@ -39,9 +41,10 @@ FIELDS = (
     "summarizer_usd", "gross_usd", "cache_effect_usd", "net_usd", "unpriced",
 )
 FLUSH_SECONDS = 10.0
+CLOSE_SECONDS = 5.0  # how long shutdown waits for the last flush
 HOUR = 3600
-RETENTION_SECONDS = 31 * 24 * HOUR
-PREFIX = "ledger:v1:"
+RETENTION_HOURS = 31 * 24
+RETENTION_SECONDS = RETENTION_HOURS * HOUR
 
 
 def hour_of(t: float) -> int:
@@ -68,17 +71,19 @@ class Row:
 
 
 class Ledger:
-    """This process's buckets and the shared store they are flushed to (one per app: ``Shared.ledger``)."""
+    """This process's buckets and the store they are flushed to (one per app: ``Shared.ledger``)."""
 
-    def __init__(self, cache: Cache | SafeCache, *, flush_every: float = FLUSH_SECONDS,
+    def __init__(self, store: LedgerStore, *, flush_every: float = FLUSH_SECONDS,
                  clock: Callable[[], float] = time.time) -> None:
-        self.cache = cache
+        self.store = store
         self.flush_every = flush_every
         self.clock = clock
         self.replica = uuid.uuid4().hex[:16]
         self._hours: dict[int, dict[tuple[str, str], Row]] = {}
         self._dirty: set[int] = set()
-        self._indexed: set[int] = set()
+        self._created = False
+        self._pruned = -1  # the hour of the last prune
+        self._failing: str | None = None  # why the last flush failed, while it keeps failing
         self._lock = asyncio.Lock()
 
     def add(self, tenant: str, model: str, **amounts: float) -> None:
@@ -91,54 +96,84 @@ class Ledger:
         row.add(amounts)
         self._dirty.add(hour)
 
+    @property
+    def unwritten(self) -> int:
+        """Hours whose latest figures the store has not confirmed."""
+        return len(self._dirty)
+
     async def flush(self) -> None:
-        """Write every bucket changed since the last flush (its whole content: this replica owns the key)."""
+        """Write every bucket changed since its last confirmed write (its whole content: this replica owns it).
+
+        Raises ``LedgerUnavailable`` when the store refuses; what was not written stays dirty for the next flush.
+        """
         async with self._lock:
+            if not self._created:
+                await self.store.create()
+                self._created = True
             for hour in sorted(self._dirty):
-                rows = [row.as_dict() for row in self._hours.get(hour, {}).values()]
-                await self._index(hour)
-                await self.cache.set(f"{PREFIX}{hour}:{self.replica}", {"hour": hour, "replica": self.replica,
-                                                                         "rows": rows}, RETENTION_SECONDS)
-                # clean only once written: a flush cancelled half-way (shutdown) loses no hour
+                # clean before the snapshot, with no await between: a row added while the write is under way
+                # marks the hour dirty again, and the next flush writes it
                 self._dirty.discard(hour)
+                rows = [row.as_dict() for row in self._hours.get(hour, {}).values()]
+                try:
+                    await self.store.write(hour, self.replica, rows)
+                except BaseException:  # refused, or cancelled half-way (shutdown): not written
+                    self._dirty.add(hour)
+                    raise
             current = hour_of(self.clock())
+            if self._pruned != current:
+                await self.store.prune(current - RETENTION_HOURS)
+                self._pruned = current
             for hour in [h for h in self._hours if h < current - 1 and h not in self._dirty]:
                 del self._hours[hour]  # written, and no request adds to it any more
-
-    async def _index(self, hour: int) -> None:
-        if hour in self._indexed:
-            return
-        key = f"{PREFIX}index:{hour}"
-        async with self.cache.lock(key, ttl=10.0, wait=10.0):
-            index = await self.cache.get(key) or {}
-            replicas = [r for r in index.get("replicas", []) if isinstance(r, str)]
-            if self.replica not in replicas:
-                await self.cache.set(key, {"replicas": [*replicas, self.replica]}, RETENTION_SECONDS)
-        self._indexed.add(hour)
+            for hour in [h for h in self._hours if h < current - RETENTION_HOURS]:
+                del self._hours[hour]  # never written, and past what a report may ask for
+                self._dirty.discard(hour)
 
     async def run(self) -> None:
-        """Flush every ``flush_every`` seconds until cancelled (the app's background task)."""
+        """Flush at once (the ledger then exists, empty or not), then every ``flush_every`` seconds until cancelled
+        (the server's background task)."""
         while True:
+            await self._flush_logged()
             await asyncio.sleep(self.flush_every)
-            try:
-                await self.flush()
-            except Exception:  # a bug must not stop the ledger for good; the cache's own errors are swallowed
-                log.exception("ledger flush failed")
+
+    async def _flush_logged(self) -> None:
+        try:
+            await self.flush()
+        except LedgerUnavailable as exc:
+            if self._failing is None:
+                log.warning("cost ledger: cannot write (%s); this process keeps its figures (%d hour(s)) "
+                            "and tries again every %.0f s", exc, self.unwritten, self.flush_every)
+            self._failing = str(exc)
+        except Exception:  # a bug must not stop the ledger for good
+            log.exception("ledger flush failed")
+        else:
+            if self._failing is not None:
+                log.info("cost ledger: written to %s again", self.store.where)
+                self._failing = None
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.flush(), timeout=5.0)
+        """The last flush (bounded; none when nothing is unwritten, so ``ctxproxy assemble`` creates no ledger),
+        then the store."""
+        try:
+            if self._dirty:
+                await asyncio.wait_for(self.flush(), timeout=CLOSE_SECONDS)
+        except (LedgerUnavailable, asyncio.TimeoutError) as exc:
+            log.error("cost ledger: the last figures of this process (%d hour(s)) could not be written (%s)",
+                      self.unwritten, str(exc) or f"{self.store.where}: timed out")
+        except Exception:
+            log.exception("ledger flush failed")
+        finally:
+            await self.store.close()
 
 
-async def read(cache: Cache | SafeCache, since: float, until: float) -> list[Row]:
-    """Every replica's rows of the hours from ``since`` (rounded down to its hour) to ``until``, summed."""
-    hours = list(range(hour_of(since), hour_of(until) + 1))
-    indexes = await cache.get_many([f"{PREFIX}index:{h}" for h in hours])
-    keys = [f"{PREFIX}{h}:{replica}" for h, index in zip(hours, indexes) if isinstance(index, dict)
-            for replica in index.get("replicas", []) if isinstance(replica, str)]
-    buckets = await cache.get_many(keys) if keys else []
-    return merge(row for bucket in buckets if isinstance(bucket, dict)
-                 for row in bucket.get("rows", []) if isinstance(row, dict))
+async def read(store: LedgerStore, since: float, until: float) -> list[Row]:
+    """Every replica's rows of the hours from ``since`` (rounded down to its hour) to ``until``, summed.
+
+    Raises ``LedgerUnavailable`` when the store cannot be read: never an empty report for a ledger it cannot see.
+    """
+    buckets = await store.read(hour_of(since), hour_of(until))
+    return merge(row for rows in buckets for row in rows)
 
 
 def merge(rows: Iterable[dict[str, Any]]) -> list[Row]:

@@ -8,9 +8,11 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from proxy.core.errors import CacheBackendError
 from proxy.store.cache import BaseCache, dumps, loads, loads_or_none
+from proxy.store.guard import Guard
 
 # compare-and-delete / compare-and-extend, so a holder whose lock expired cannot touch someone else's lock
 _RELEASE_LUA = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
@@ -22,9 +24,10 @@ class RedisCache(BaseCache):
     """Redis-backed cache shared by replicas; values are JSON strings under ``prefix``.
 
     Socket timeouts are short so a down Redis fails fast; the pool reconnects on the next call once
-    Redis is back.  Commands run shielded to completion, so cancelling a caller never leaves a pooled
-    connection with an unread reply.  ``max_connections`` bounds the pool (callers then wait for a
-    free connection instead of failing).
+    Redis is back. A broken pooled connection is retried once at once; a timeout is not (a stalled
+    Redis would only be waited for twice): it goes to the guard's breaker instead. Commands run shielded
+    to completion, so cancelling a caller never leaves a pooled connection with an unread reply.
+    ``max_connections`` bounds the pool (callers then wait for a free connection instead of failing).
     """
 
     name = "redis"
@@ -38,13 +41,15 @@ class RedisCache(BaseCache):
         max_connections: int | None = None,
         socket_timeout: float = 1.5,
         socket_connect_timeout: float = 1.0,
+        guard: Guard | None = None,
     ) -> None:
-        super().__init__(ttl)
+        super().__init__(ttl, guard)
         self._prefix = prefix
         options: dict[str, Any] = {
             "socket_timeout": socket_timeout,
-            "socket_connect_timeout": socket_connect_timeout,
-            "retry": Retry(NoBackoff(), 1),  # one immediate retry: replaces a stale pooled connection
+            "socket_connect_timeout": min(socket_connect_timeout, socket_timeout),
+            # one immediate retry of a broken connection: replaces a stale pooled one
+            "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             "protocol": 2,  # RESP2: no HELLO, works with any Redis-compatible server or proxy
         }
         pool: aioredis.ConnectionPool
@@ -57,11 +62,16 @@ class RedisCache(BaseCache):
         self._client = aioredis.Redis.from_pool(pool)
         self._execute: Callable[..., Awaitable[Any]] = self._client.execute_command
 
-    async def _cmd(self, *args: Any) -> Any:
+    async def _cmd(self, *args: Any, on_late: Callable[[Any], None] | None = None, essential: bool = False) -> Any:
         try:
-            return await self._guarded(self._execute(*args))
+            return await self._io(lambda: self._execute(*args), on_late=on_late, essential=essential)
+        except CacheBackendError:
+            raise
         except Exception as exc:
             raise CacheBackendError(f"redis {args[0]}: {type(exc).__name__}: {exc}") from exc
+
+    async def _probe(self) -> None:
+        await self._guarded(self._execute("PING"))
 
     @staticmethod
     def _ms(ttl: float) -> int:
@@ -79,7 +89,8 @@ class RedisCache(BaseCache):
         await self._cmd(*args)
 
     async def _try_acquire(self, lock_key: str, token: str, ttl: float) -> bool:
-        return bool(await self._cmd("SET", self._prefix + lock_key, token, "NX", "PX", self._ms(ttl)))
+        return bool(await self._cmd("SET", self._prefix + lock_key, token, "NX", "PX", self._ms(ttl),
+                                    on_late=self._release_orphan(lock_key, token)))
 
     async def get_many(self, keys: list[str], first_hit: bool = False) -> list[dict[str, Any] | None]:
         if not keys:
@@ -88,10 +99,10 @@ class RedisCache(BaseCache):
         return [None if raw is None else loads_or_none(raw) for raw in raws]
 
     async def _renew(self, lock_key: str, token: str, ttl: float) -> None:
-        await self._cmd("EVAL", _RENEW_LUA, 1, self._prefix + lock_key, token, self._ms(ttl))
+        await self._cmd("EVAL", _RENEW_LUA, 1, self._prefix + lock_key, token, self._ms(ttl), essential=True)
 
     async def _release(self, lock_key: str, token: str) -> None:
-        await self._cmd("EVAL", _RELEASE_LUA, 1, self._prefix + lock_key, token)
+        await self._cmd("EVAL", _RELEASE_LUA, 1, self._prefix + lock_key, token, essential=True)
 
     async def ping(self) -> bool:
         try:

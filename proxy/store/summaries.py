@@ -11,6 +11,11 @@ first record it finds), and takes the longest usable one, so there is no
 per-conversation index to lose updates or overflow: each summary is its own
 entry, bounded by the cache's TTL and size.
 
+A small LRU of the summaries this process made or read last (``local_entries``) sits in front of the
+shared cache: a lookup it answers with the longest prefix costs no cache operation, and while the
+shared cache is slow or down (its breaker open, the request's cache budget spent) the summaries this
+process made are still reused instead of being made again on every request.
+
 Concurrent requests needing the same summary wait for one summariser call: in
 one process through a shared task, across processes and replicas through the
 cache's lock, which its holder renews while it works. Waiters keep waiting while
@@ -73,43 +78,99 @@ class SummaryService:
         backoff_max: float,
         lock_ttl: float = LOCK_TTL,
         max_wait: float = 600.0,
+        local_entries: int = 0,
         on_call: SummaryCall | None = None,
         on_failure: SummaryFailure | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cache = cache
-        self.ttl = ttl
-        self.lock_wait = lock_wait
         self.lock_ttl = lock_ttl
-        self.max_wait = max_wait
-        self.backoff_first = backoff_first
-        self.backoff_max = backoff_max
         self.on_call = on_call
         self.on_failure = on_failure
         self.clock = clock
         self._flights: dict[str, _Flight] = {}
-        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # conversation -> (failures, last at)
+        self._local: OrderedDict[str, tuple[dict[str, Any], float | None]] = OrderedDict()  # key -> record, expiry
+        self.configure(ttl=ttl, local_entries=local_entries, lock_wait=lock_wait, max_wait=max_wait,
+                       backoff_first=backoff_first, backoff_max=backoff_max)
+
+    def configure(self, *, ttl: float | None, local_entries: int, lock_wait: float, max_wait: float,
+                  backoff_first: float, backoff_max: float) -> None:
+        """Set the settings a reload may change; a back-off in progress is measured with the new ones."""
+        self.ttl = ttl
+        self.local_entries = local_entries
+        while len(self._local) > max(0, local_entries):
+            self._local.popitem(last=False)
+        self.lock_wait = lock_wait
+        self.max_wait = max_wait
+        self.backoff_first = backoff_first
+        self.backoff_max = backoff_max
+
+    def _backoff_until(self, conversation: str) -> float | None:
+        failing = self._failures.get(conversation)
+        if failing is None or not self.backoff_first:
+            return None
+        count, at = failing
+        return at + min(self.backoff_max, self.backoff_first * 2.0 ** min(count - 1, 62))
+
+    def _local_get(self, key: str) -> dict[str, Any] | None:
+        item = self._local.get(key)
+        if item is None:
+            return None
+        record, expires = item
+        if expires is not None and self.clock() >= expires:
+            del self._local[key]
+            return None
+        self._local.move_to_end(key)
+        return record
+
+    def _remember(self, key: str, record: dict[str, Any]) -> None:
+        if self.local_entries <= 0:
+            return
+        self._local[key] = (record, None if self.ttl is None else self.clock() + self.ttl)
+        self._local.move_to_end(key)
+        while len(self._local) > self.local_entries:
+            self._local.popitem(last=False)
+
+    async def _get(self, key: str) -> dict[str, Any] | None:
+        """One summary record: this process's copy, else the shared cache's (then kept here too)."""
+        record = self._local_get(key)
+        if record is None:
+            record = await self.cache.get(key)
+            if record is not None:
+                self._remember(key, record)
+        return record
 
     async def lookup(self, scope: SummaryScope, chain: Sequence[str]) -> CachedSummary | None:
         if not chain:
             return None
         # longest prefix first; a backend that reads key by key (disk) may stop at the first record found
         keys = [summary_key(scope, link) for link in reversed(chain)]
+        local: CachedSummary | None = None
+        limit = len(keys)
+        for i, key in enumerate(keys):
+            record = self._local_get(key) if self._local else None
+            if record is not None:
+                local = _summary(record, len(chain) - i, chain[len(chain) - i - 1])
+                if local is not None:
+                    limit = i  # only a longer prefix is worth asking the shared cache for
+                    break
         start = 0
-        while start < len(keys):
-            records = await self.cache.get_many(keys[start:], first_hit=True)
+        while start < limit:
+            records = await self.cache.get_many(keys[start:limit], first_hit=True)
             for offset, record in enumerate(records):
                 if record is None:
                     continue
                 k = len(chain) - start - offset
                 summary = _summary(record, k, chain[k - 1])
                 if summary is not None:
+                    self._remember(keys[start + offset], record)
                     return summary
                 start += offset + 1  # a record that is not a summary of this prefix: read on past it
                 break
             else:
-                return None
-        return None
+                break
+        return local
 
     async def obtain(
         self,
@@ -123,9 +184,9 @@ class SummaryService:
         model: str = "",
     ) -> tuple[CachedSummary, bool]:
         conversation = summary_key(scope, "conversation:" + chain[0])
-        failing = self._failures.get(conversation)
-        if failing is not None and self.clock() < failing[1]:
-            raise SummaryUnavailable(f"summariser backing off for {failing[1] - self.clock():.0f}s after a failure",
+        until = self._backoff_until(conversation)
+        if until is not None and self.clock() < until:
+            raise SummaryUnavailable(f"summariser backing off for {until - self.clock():.0f}s after a failure",
                                      reason="backoff")
         key = summary_key(scope, chain[cut - 1])
         flight = self._flights.get(key)
@@ -170,14 +231,14 @@ class SummaryService:
         (it renews its lock); when the holder dies its lock expires and a waiter takes over. Past
         ``max_wait`` (the longest a live holder can take) the request is served without the summary.
         """
-        record = await self.cache.get(job.key)
+        record = await self._get(job.key)
         if record is not None:
             return record, False
         give_up = self.clock() + self.max_wait
         while True:
             async with self.cache.lock("lock:" + job.key, ttl=self.lock_ttl, wait=max(self.lock_wait, MIN_WAIT),
                                        ready=lambda: self._ready(job.key)) as held:
-                record = await self.cache.get(job.key)  # another replica may have made it meanwhile
+                record = await self._get(job.key)  # another replica may have made it meanwhile
                 if record is not None:
                     return record, False
                 if held.acquired:
@@ -187,7 +248,7 @@ class SummaryService:
                                          reason="pending")
 
     async def _ready(self, key: str) -> bool:
-        return await self.cache.get(key) is not None
+        return await self._get(key) is not None
 
     async def _summarise(self, job: _Job, held: LockHandle) -> dict[str, Any]:
         previous, cut = job.previous, job.cut
@@ -211,6 +272,7 @@ class SummaryService:
                   "usage": {"model": completion.model, "upstream_model": completion.upstream_model,
                             "prompt_tokens": completion.prompt_tokens,
                             "completion_tokens": completion.completion_tokens}}
+        self._remember(job.key, record)  # first: reused here even if the shared cache cannot take it now
         await self.cache.set(job.key, record, self.ttl)
         return record
 
@@ -222,8 +284,7 @@ class SummaryService:
     def _failed(self, job: _Job, exc: SummaryUnavailable) -> None:
         if exc.reason != "backoff":
             count = self._failures.get(job.conversation, (0, 0.0))[0] + 1
-            delay = min(self.backoff_max, self.backoff_first * 2 ** (count - 1)) if self.backoff_first else 0.0
-            self._failures[job.conversation] = (count, self.clock() + delay)
+            self._failures[job.conversation] = (count, self.clock())
             self._failures.move_to_end(job.conversation)
             while len(self._failures) > FAILURES_TRACKED:
                 self._failures.popitem(last=False)

@@ -47,14 +47,24 @@ RESPONSE_DROP = HOP_BY_HOP | {"date", "server", "set-cookie", "x-request-id"}
 
 
 class UpstreamPool:
-    """One pooled client session per upstream base URL (the app owns one pool)."""
+    """One pooled client session per upstream base URL and pool settings (the app owns one pool).
+
+    ``server`` is replaced on a reload (``configure``): the timeouts read from it apply to the next request.
+    A session is keyed by the settings it was built with, so a reload that changes an upstream's
+    ``max_connections`` / ``keepalive_seconds`` or ``server.connect_timeout`` opens a new session for new
+    requests; the old one finishes its requests in flight and is closed with the pool.
+    """
 
     def __init__(self, server: ServerSettings) -> None:
         self.server = server
-        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._sessions: dict[tuple[str, int, float, float], aiohttp.ClientSession] = {}
+
+    def configure(self, server: ServerSettings) -> None:
+        self.server = server
 
     def session(self, upstream: UpstreamSettings) -> aiohttp.ClientSession:
-        session = self._sessions.get(upstream.base_url)
+        key = (upstream.base_url, upstream.max_connections, upstream.keepalive_seconds, self.server.connect_timeout)
+        session = self._sessions.get(key)
         if session is None or session.closed:
             connector = aiohttp.TCPConnector(limit=upstream.max_connections, ttl_dns_cache=300,
                                              enable_cleanup_closed=True, keepalive_timeout=upstream.keepalive_seconds)
@@ -63,7 +73,7 @@ class UpstreamPool:
                 connector=connector, timeout=timeout, auto_decompress=True, skip_auto_headers=("User-Agent",),
                 json_serialize=lambda obj: orjson.dumps(obj).decode(),
             )
-            self._sessions[upstream.base_url] = session
+            self._sessions[key] = session
         return session
 
     async def close(self) -> None:
@@ -127,10 +137,10 @@ async def open_request(
     try:
         async with deadline(first_byte_timeout):
             return await session.request(method, url, data=data, headers=headers, allow_redirects=False)
+    except aiohttp.ConnectionTimeoutError:  # before TimeoutError, which it is too
+        raise UpstreamTimeout("Connecting to the upstream timed out.") from None
     except asyncio.TimeoutError:
         raise UpstreamTimeout("The upstream did not answer in time.") from None
-    except aiohttp.ServerTimeoutError:
-        raise UpstreamTimeout("Connecting to the upstream timed out.") from None
     except (aiohttp.ClientConnectionError, OSError) as exc:
         raise UpstreamUnreachable(f"The upstream is unreachable ({type(exc).__name__}).") from None
     except aiohttp.ClientError as exc:  # not HTTP: a garbage status line, oversized headers, bad chunking

@@ -93,7 +93,9 @@ def _count_parts(counter: TokenCounter, parts: list[Any]) -> int:
             n += counter.text(part["text"])
         elif kind == "image_url":
             image = part.get("image_url")
-            n += media.image_tokens(image.get("detail") if isinstance(image, dict) else None)
+            url = image.get("url") if isinstance(image, dict) else None
+            n += media.image_tokens(url if isinstance(url, str) else None,
+                                    image.get("detail") if isinstance(image, dict) else None)
         elif kind == "input_audio":
             audio = part.get("input_audio")
             if isinstance(audio, dict) and isinstance(audio.get("data"), str):
@@ -103,7 +105,7 @@ def _count_parts(counter: TokenCounter, parts: list[Any]) -> int:
         elif kind == "file":
             file = part.get("file")
             data = file.get("file_data") if isinstance(file, dict) else None
-            n += media.file_tokens(data if isinstance(data, str) else None)
+            n += media.file_tokens(counter, data if isinstance(data, str) else None)
         else:
             n += counter.json(part)
     return n

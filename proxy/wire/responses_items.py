@@ -211,10 +211,11 @@ def count_parts(counter: TokenCounter, content: Any) -> int:
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             n += counter.text(part["refusal"])
         elif kind == "input_image":
-            n += media.image_tokens(part.get("detail"))
+            url = part.get("image_url")
+            n += media.image_tokens(url if isinstance(url, str) else None, part.get("detail"))
         elif kind == "input_file":
             data = part.get("file_data")
-            n += media.file_tokens(data if isinstance(data, str) else None)
+            n += media.file_tokens(counter, data if isinstance(data, str) else None, media.OPENAI, part.get("detail"))
         elif kind == "input_audio":
             audio = part.get("input_audio")
             data = audio.get("data") if isinstance(audio, dict) else part.get("data")
@@ -261,7 +262,8 @@ def count_element(counter: TokenCounter, element: Any) -> int:
     if kind in RESULTS:
         body = element.get("output", element.get("result"))
         if kind == "computer_call_output" and isinstance(body, dict):
-            return ITEM_TOKENS + media.image_tokens(body.get("detail"))
+            url = body.get("image_url")
+            return ITEM_TOKENS + media.image_tokens(url if isinstance(url, str) else None, body.get("detail"))
         if kind == "mcp_approval_response":
             return ITEM_TOKENS + 1 + _value(counter, element.get("reason"))
         if kind == "tool_search_output":
@@ -274,7 +276,7 @@ def count_element(counter: TokenCounter, element: Any) -> int:
         return ITEM_TOKENS + counter.json(element)
     if kind == "image_generation_call":
         result = element.get("result")
-        return ITEM_TOKENS + (media.IMAGE_TOKENS if isinstance(result, str) and result else 0) \
+        return ITEM_TOKENS + (media.image_tokens(result) if isinstance(result, str) and result else 0) \
             + _value(counter, element.get("revised_prompt"))
     return ITEM_TOKENS + counter.json(element)
 

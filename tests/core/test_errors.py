@@ -20,16 +20,19 @@ from proxy.core.errors import (
     CtxProxyError,
     InternalError,
     InvalidJSON,
+    LedgerUnavailable,
     ModelNotFound,
     NotFound,
     OutputLimitExceeded,
     OverrideRejected,
     PayloadError,
     PermissionDenied,
+    ReportUnavailable,
     RequestTimeout,
     RouteError,
     SummarizerFailed,
     SummaryUnavailable,
+    UnsupportedEncoding,
     UpstreamError,
     UpstreamStatus,
     UpstreamTimeout,
@@ -47,16 +50,18 @@ TREE: list[tuple[type[CtxProxyError], type[Exception], int, str, str]] = [
     (OutputLimitExceeded, BadRequest, 400, "invalid_request_error", "max_tokens_exceeded"),
     (BodyTooLarge, CtxProxyError, 413, "invalid_request_error", "request_too_large"),
     (RequestTimeout, CtxProxyError, 408, "invalid_request_error", "request_timeout"),
+    (UnsupportedEncoding, CtxProxyError, 415, "invalid_request_error", "unsupported_content_encoding"),
     (AuthenticationError, CtxProxyError, 401, "authentication_error", "invalid_api_key"),
     (PermissionDenied, CtxProxyError, 403, "permission_error", "not_allowed"),
     (ModelNotFound, CtxProxyError, 404, "invalid_request_error", "model_not_found"),
     (NotFound, CtxProxyError, 404, "invalid_request_error", "not_found"),
+    (ReportUnavailable, CtxProxyError, 503, "server_error", "ledger_unavailable"),
     (UpstreamError, CtxProxyError, 502, "upstream_error", "upstream_error"),
     (UpstreamUnreachable, UpstreamError, 502, "upstream_error", "upstream_unreachable"),
     (UpstreamTimeout, UpstreamError, 504, "upstream_error", "upstream_timeout"),
     (SummarizerFailed, UpstreamError, 502, "upstream_error", "summarizer_failed"),
 ]
-INTERNAL = [ConfigError, BindingError, OverrideRejected, SummaryUnavailable, CacheBackendError]
+INTERNAL = [ConfigError, BindingError, OverrideRejected, SummaryUnavailable, CacheBackendError, LedgerUnavailable]
 
 
 @pytest.mark.parametrize(("cls", "parent", "status", "type_", "code"), TREE, ids=[t[0].__name__ for t in TREE])

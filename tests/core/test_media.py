@@ -1,4 +1,4 @@
-"""proxy.core.media: billed-token estimates for images, audio and files (never their base64 text)."""
+"""proxy.core.media: billed-token estimates for images (by size), audio and files (PDFs by page), never base64 text."""
 
 from __future__ import annotations
 
@@ -9,6 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.core import media
+from proxy.core.tokens import TokenCounter
+from tests import media_files as mf
+
+
+@pytest.fixture(scope="module")
+def counter() -> TokenCounter:
+    return TokenCounter("o200k_base")
 
 
 def b64(n: int) -> str:
@@ -37,8 +44,44 @@ def test_decoded_size_matches_real_decoding_within_padding(raw: bytes) -> None:
 @pytest.mark.parametrize(("detail", "tokens"), [
     ("low", 85), ("high", 765), ("auto", 765), (None, 765), ("LOW", 765), (0, 765), (["low"], 765),
 ])
-def test_image_tokens(detail: object, tokens: int) -> None:
-    assert media.image_tokens(detail) == tokens
+def test_an_image_of_unknown_size(detail: object, tokens: int) -> None:
+    """An image by URL or file id: OpenAI's documented default (1024² at high detail), 85 at low detail."""
+    assert media.image_tokens(None, detail) == tokens
+    assert media.image_tokens("https://example.com/cat.png", detail) == tokens
+
+
+@pytest.mark.parametrize(("size", "tokens"), [
+    ((1, 1), 85 + 170),  # one tile
+    ((512, 512), 85 + 170),
+    ((513, 512), 85 + 170 * 2),
+    ((1024, 1024), 765),  # scaled to 768²: 2×2 tiles (OpenAI's worked example)
+    ((2048, 4096), 85 + 170 * 6),  # fit in 2048² (1024×2048), short side to 768 (768×1536): 2×3 tiles
+    ((4000, 3000), 765),  # 1024×768 after scaling: 2×2
+    ((100, 5000), 85 + 170 * 4),  # 41×2048: the short side stays, 1×4 tiles
+])
+def test_openai_images_by_their_tiles(size: tuple[int, int], tokens: int) -> None:
+    data = "data:image/png;base64," + mf.b64(mf.png(*size))
+    assert media.image_tokens(data) == media.image_tokens(data, "high") == tokens
+    assert media.image_tokens(data, "low") == 85
+
+
+@pytest.mark.parametrize(("size", "tokens"), [
+    ((1, 1), 1),  # no longer 1,600
+    ((200, 200), 54),  # 40,000 / 750
+    ((1000, 1000), 1334),
+    ((1092, 1092), 1590),  # Anthropic's table: 1:1 at the largest unresized size
+    ((4000, 4000), 1600),  # scaled down: at most 1,600
+    ((3136, 1568), 1600),
+    ((100, 5000), 66),  # long side to 1568: 31×1568
+])
+def test_claude_images_by_their_pixels(size: tuple[int, int], tokens: int) -> None:
+    assert media.claude_image_tokens(mf.b64(mf.png(*size))) == tokens
+
+
+@pytest.mark.parametrize("data", [None, "", "garbage", "iVBORw0KGgo=", "data:image/png;base64,"])
+def test_an_image_whose_size_cannot_be_read_keeps_the_default(data: str | None) -> None:
+    assert media.image_tokens(data) == media.IMAGE_TOKENS
+    assert media.claude_image_tokens(data) == media.CLAUDE_IMAGE_TOKENS
 
 
 @pytest.mark.parametrize(("size", "fmt", "tokens"), [
@@ -64,16 +107,36 @@ def test_audio_is_billed_by_duration_not_by_its_base64_text() -> None:
 @pytest.mark.parametrize(("data", "tokens"), [
     (None, media.FILE_UNKNOWN_TOKENS),
     ("", media.FILE_UNKNOWN_TOKENS),
-    (b64(10), 1_500),
+    (b64(10), 1_500),  # not a PDF, not text: by size
     (b64(30_000), 1_500),
     (b64(30_003), 3_000),
     ("data:application/pdf;base64," + b64(90_000), 4_500),
+    ("data:application/pdf;base64," + mf.b64(b"%PDF-1.7\n garbage without pages"), 1_500),
 ])
-def test_file_tokens(data: str | None, tokens: int) -> None:
-    assert media.file_tokens(data) == tokens
+def test_files_that_are_not_readable_pdfs_count_by_size(counter: TokenCounter, data: str | None, tokens: int) -> None:
+    assert media.file_tokens(counter, data) == tokens
+
+
+def test_a_text_file_counts_as_its_text(counter: TokenCounter) -> None:
+    text = mf.prose(400)
+    assert media.file_tokens(counter, "data:text/plain;base64," + mf.b64(text.encode())) == counter.text(text)
+
+
+@pytest.mark.parametrize("options", [{}, {"compress": False}, {"object_streams": True}])
+def test_a_pdf_counts_its_text_and_a_page_image_per_page(counter: TokenCounter, options: dict[str, bool]) -> None:
+    """28 pages of ~330 words: text plus 765 per page (OpenAI, high), 85 (low), 1,600 (Anthropic)."""
+    pages = [mf.prose(330, i) for i in range(28)]
+    data = "data:application/pdf;base64," + mf.b64(mf.pdf(pages, **options))
+    text = counter.text("\n".join(pages) + "\n")
+    assert media.file_tokens(counter, data) == text + 28 * 765
+    assert media.file_tokens(counter, data, media.OPENAI, "low") == text + 28 * 85
+    assert media.file_tokens(counter, data.split(",", 1)[1], media.ANTHROPIC) == text + 28 * 1_600
+    # the reviewer's 28-page, 27 KB PDF counted 1,512: by its size, one page
+    assert media.file_tokens(counter, data) > 10 * 1_512
 
 
 def test_constants_are_the_documented_ones() -> None:
-    assert (media.IMAGE_TOKENS, media.IMAGE_TOKENS_LOW) == (765, 85)
+    assert (media.IMAGE_TOKENS, media.IMAGE_TOKENS_LOW, media.CLAUDE_IMAGE_TOKENS) == (765, 85, 1_600)
+    assert (media.OPENAI_PAGE_TOKENS, media.OPENAI_PAGE_TOKENS_LOW, media.CLAUDE_PAGE_TOKENS) == (765, 85, 1_600)
     assert media.AUDIO_TOKENS_PER_SECOND == 10
     assert media.FILE_UNKNOWN_TOKENS == 4 * media.FILE_PAGE_TOKENS == 6_000

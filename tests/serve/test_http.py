@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import uuid
+import zlib
 from typing import Any
 
 import pytest
@@ -31,6 +33,9 @@ from proxy.serve.http import (
     parse_body,
     request_id,
 )
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.outside import request
 
 
 def req(headers: dict[str, str] | list[tuple[str, str]] | None = None, method: str = "POST",
@@ -226,3 +231,59 @@ async def test_middleware_lets_redirects_and_successes_through() -> None:
 
     with pytest.raises(web.HTTPFound):
         await call(redirect, req())
+
+
+# --------------------------------------------------------------------------- Content-Encoding, over HTTP
+
+ENCODED_ROUTES = [
+    ("/v1/chat/completions", "openai", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", "openai", {"model": "gpt-4o-mini", "input": "hi"}),
+    ("/v1/messages", "anthropic", {"model": "gpt-4o-mini", "max_tokens": 64,
+                                   "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/messages/count_tokens", "anthropic", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/ctxproxy/explain", "openai", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/embeddings", "openai", {"model": "gpt-4o-mini", "input": "hi"}),  # relayed
+]
+
+
+@pytest.mark.parametrize("coding", ["br", "zstd", "gzip, br", "compress"])
+@pytest.mark.parametrize(("path", "shape", "body"), ENCODED_ROUTES, ids=[r[0] for r in ENCODED_ROUTES])
+async def test_a_body_in_a_coding_the_proxy_does_not_decode_is_415_in_the_wires_shape(
+        upstream: FakeUpstream, start_proxy: StartProxy, path: str, shape: str, body: dict[str, Any],
+        coding: str) -> None:
+    """A br or zstd body used to get aiohttp's plain-text 400 (whether the optional decoders were installed
+    decided it): now 415 in the wire's own error shape, with the codings it accepts, and nothing forwarded."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    status, headers, raw = await request(proxy, "POST", path, data=json.dumps(body).encode(),
+                                         headers={"Content-Encoding": coding, "Content-Type": "application/json"})
+    assert status == 415, raw[:300]
+    assert headers["content-type"].startswith("application/json")
+    assert headers["accept-encoding"] == "gzip, deflate"
+    payload = json.loads(raw)
+    if shape == "anthropic":
+        assert payload["type"] == "error" and payload["error"]["type"] == "invalid_request_error"
+        assert "Content-Encoding" in payload["error"]["message"]
+    else:
+        assert payload["error"]["code"] == "unsupported_content_encoding"
+        assert payload["error"]["type"] == "invalid_request_error"
+    assert not upstream.chat and not upstream.other
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "deflate, gzip", "identity"])
+@pytest.mark.parametrize(("path", "shape", "body"), ENCODED_ROUTES, ids=[r[0] for r in ENCODED_ROUTES])
+async def test_gzip_and_deflate_bodies_keep_working(upstream: FakeUpstream, start_proxy: StartProxy, path: str,
+                                                    shape: str, body: dict[str, Any], coding: str) -> None:
+    """The proxy decodes gzip and deflate itself now (aiohttp's decoding is off): the request is served as if sent
+    plain, and what goes upstream is the decoded body."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    data = json.dumps(body).encode()
+    for name in [c.strip() for c in coding.split(",")]:  # in the order they were applied
+        data = data if name == "identity" else gzip.compress(data) if name == "gzip" else zlib.compress(data)
+    status, _headers, raw = await request(proxy, "POST", path, data=data,
+                                          headers={"Content-Encoding": coding, "Content-Type": "application/json"})
+    assert status == 200, raw[:300]
+    forwarded = [r.body for r in (upstream.chat or upstream.other)]
+    if path == "/v1/embeddings":
+        assert json.loads(forwarded[0] or upstream.other[0].raw) == body
+    elif path not in ("/v1/ctxproxy/explain", "/v1/messages/count_tokens"):
+        assert forwarded and forwarded[0]["model"] == "gpt-4o-mini"

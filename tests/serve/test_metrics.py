@@ -289,7 +289,7 @@ def test_after_answer_metrics_keep_labels_bounded(metrics: Metrics) -> None:
 
     metrics.account(KEY, KEY, RequestCost(KEY, 10, 1.0, 0.5, 0.1, 0.2, 0.2, True, CacheEffect(True, True, 5, 0, 3)))
     metrics.account("acme", MODEL, RequestCost(MODEL, 10, 0.1, 0.5, 0.0, 0.0, -0.4))
-    metrics.calibration_factor(KEY, KEY, 1.3)
+    metrics.calibration_factor(KEY, KEY, KEY, 1.3)
     metrics.calibration_sample(KEY, Sample(KEY, 1.3), Usage(1300), 1000, 1.3)
     metrics.calibration_sample(MODEL, Sample("used", 1.3), Usage(1300), 1000, 1.3)
     body = metrics.render()[0].decode()
@@ -298,7 +298,7 @@ def test_after_answer_metrics_keep_labels_bounded(metrics: Metrics) -> None:
     assert value(metrics, "ctxproxy_net_savings_usd_total", tenant="other", model="other") == pytest.approx(0.7)
     assert value(metrics, "ctxproxy_net_savings_usd_total", tenant="acme", model=MODEL) == pytest.approx(0.1)
     assert value(metrics, "ctxproxy_prompt_cache_effect_tokens_total", tenant="other", model="other", kind="break") == 5
-    assert value(metrics, "ctxproxy_token_calibration_factor", upstream="other", model="other") == 1.3
+    assert value(metrics, "ctxproxy_token_calibration_factor", tenant="other", upstream="other", model="other") == 1.3
     assert value(metrics, "ctxproxy_calibration_samples_total", model="other", result="other") == 1
     assert value(metrics, "ctxproxy_token_count_error_ratio_count", model=MODEL, count="raw") == 1
     # (1000 - 1300) / 1300 raw; 1000 x 1.3 calibrated is exact

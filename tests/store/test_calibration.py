@@ -1,7 +1,8 @@
-"""The calibration store: samples, the windowed median, family defaults, sharing through the cache, modes."""
+"""The calibration store: samples, the windowed median, family defaults, tenants, refusals, sharing, modes."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from proxy.store.calibration import (
     MIN_FACTOR,
     MIN_SAMPLE_TOKENS,
     MIN_SAMPLES,
+    POOLED,
     WINDOW,
     CalibrationStore,
     ConfiguredCalibration,
@@ -22,11 +24,13 @@ from proxy.store.calibration import (
     family_default,
     hidden_input,
     publish,
+    refusal_sample,
     sample_of,
 )
 from proxy.store.memory import MemoryCache
 
 UP, MODEL = "fake", "SmolLM2-135M-Instruct"
+T = "default"  # the tenant of a proxy without tenants
 BIG = 4000  # a forwarded payload well above MIN_SAMPLE_TOKENS
 
 
@@ -59,9 +63,9 @@ def store(cache: Any = None, **kw: Any) -> CalibrationStore:
     return CalibrationStore(SafeCache(cache if cache is not None else MemoryCache()), **kw)
 
 
-def feed(s: CalibrationStore, ratios: list[float], model: str = MODEL) -> None:
+def feed(s: CalibrationStore, ratios: list[float], model: str = MODEL, tenant: str = T) -> None:
     for r in ratios:
-        assert s.observe(UP, model, round(BIG * r), BIG).result == "used"
+        assert s.observe(tenant, UP, model, round(BIG * r), BIG).result == "used"
 
 
 @pytest.mark.parametrize(("model", "family", "factor"), [
@@ -111,13 +115,13 @@ def test_hidden_input() -> None:
 
 async def test_default_until_enough_samples_then_the_median() -> None:
     s = store()
-    assert s.factor(UP, MODEL) == 1.20  # the family default before any answer
+    assert s.factor(T, UP, MODEL) == 1.20  # the family default before any answer
     feed(s, [1.3] * (MIN_SAMPLES - 1))
-    assert s.get(UP, MODEL).source == "default"
+    assert s.get(T, UP, MODEL).source == "default"
     feed(s, [1.3])
-    got = s.get(UP, MODEL)
+    got = s.get(T, UP, MODEL)
     assert (got.factor, got.source, got.samples) == (1.3, "learned", MIN_SAMPLES)
-    assert s.factor(UP, MODEL) == 1.3
+    assert s.factor(T, UP, MODEL) == 1.3
     await s.flush()
 
 
@@ -125,9 +129,9 @@ async def test_outliers_do_not_move_it_and_a_real_change_takes_over() -> None:
     s = store()
     feed(s, [1.3] * 20)
     feed(s, [2.5, 0.6, 2.9])  # odd requests (clamped): the median does not move
-    assert s.factor(UP, MODEL) == 1.3
+    assert s.factor(T, UP, MODEL) == 1.3
     feed(s, [1.1] * (WINDOW // 2 + 1))  # a new tokenizer behind the same name
-    assert s.factor(UP, MODEL) == 1.1
+    assert s.factor(T, UP, MODEL) == 1.1
     await s.flush()
 
 
@@ -144,39 +148,39 @@ async def test_shared_through_the_cache_and_merged_without_duplicates() -> None:
     a, b = store(cache), store(cache)
     feed(a, [1.3] * 4)
     await a.flush()
-    await b.load(UP, MODEL)  # a new replica (or a restart): the first request of a model awaits the read
-    assert b.get(UP, MODEL).factor == 1.3
+    await b.load(T, UP, MODEL)  # a new replica (or a restart): the first request of a model awaits the read
+    assert b.get(T, UP, MODEL).factor == 1.3
     feed(b, [1.3] * 2)
     await b.flush()
-    await a.load(UP, MODEL)  # fresh: not re-read (a dict hit)
-    a._entries[(UP, MODEL)].loaded = float("-inf")  # stale: refreshed in the background
-    await a.load(UP, MODEL)
+    await a.load(T, UP, MODEL)  # fresh: not re-read (a dict hit)
+    a._entries[(T, UP, MODEL)].loaded = float("-inf")  # stale: refreshed in the background
+    await a.load(T, UP, MODEL)
     await a.flush()
-    record = await cache.get(cache_key(UP, MODEL))
+    record = await cache.get(cache_key(T, UP, MODEL))
     assert record is not None and len(record["samples"]) == 6  # 4 from a, 2 from b, none twice
     assert {o for _, _, o in record["samples"]} == {a.origin, b.origin}
-    assert a.get(UP, MODEL).samples == 6
+    assert a.get(T, UP, MODEL).samples == 6
 
 
 async def test_the_request_path_reads_no_cache() -> None:
     cache = CountingCache()
     s = store(cache)
-    await s.load(UP, MODEL)
-    assert cache.gets == 1
+    await s.load(T, UP, MODEL)
+    assert cache.gets == 2  # the tenant's record and the pooled one
     for _ in range(1000):
-        await s.load(UP, MODEL)
-        s.factor(UP, MODEL)
-    assert cache.gets == 1
+        await s.load(T, UP, MODEL)
+        s.factor(T, UP, MODEL)
+    assert cache.gets == 2
 
 
 async def test_a_stale_entry_is_refreshed_in_the_background() -> None:
     cache, clock = CountingCache(), Clock()
     s = store(cache, monotonic=clock, refresh=30.0)
-    await s.load(UP, MODEL)
+    await s.load(T, UP, MODEL)
     clock.now += 31
-    await s.load(UP, MODEL)  # returns at once, the refresh runs in the background
+    await s.load(T, UP, MODEL)  # returns at once, the refresh runs in the background
     await s.flush()
-    assert cache.gets == 2
+    assert cache.gets == 4
 
 
 @pytest.mark.parametrize("stored", [
@@ -185,16 +189,18 @@ async def test_a_stale_entry_is_refreshed_in_the_background() -> None:
     {"upstream": UP, "model": MODEL, "factor": True,
      "samples": [[1.3, 1.0], ["1.3", 1.0, "x"], [7.0, 1.0, "x"], [1.3, "t", "x"], [1.3, 1.0, 5], [True, 1.0, "x"]]},
     {"upstream": "other", "model": MODEL, "factor": 1.9, "samples": [[1.9, 1.0, "x"]] * 5},  # another key's record
+    {"tenant": "other", "upstream": UP, "model": MODEL, "factor": 1.9, "samples": [[1.9, 1.0, "x"]] * 5},
 ])
 async def test_a_corrupt_or_foreign_record_is_ignored(stored: Any) -> None:
     cache = MemoryCache()
-    if isinstance(stored, dict):
-        await cache.set(cache_key(UP, MODEL), stored)
-    else:
-        cache._data[cache_key(UP, MODEL)] = (b"[1, 2", None)  # not JSON: SafeCache turns it into a miss
+    for key in (cache_key(T, UP, MODEL), cache_key(POOLED, UP, MODEL)):
+        if isinstance(stored, dict):
+            await cache.set(key, stored)
+        else:
+            cache._data[key] = (b"[1, 2", None)  # not JSON: SafeCache turns it into a miss
     s = store(cache)
-    await s.load(UP, MODEL)
-    got = s.get(UP, MODEL)
+    await s.load(T, UP, MODEL)
+    got = s.get(T, UP, MODEL)
     assert (got.factor, got.source) == (1.20, "default")
 
 
@@ -207,17 +213,17 @@ async def test_a_failing_backend_never_fails_a_request() -> None:
             raise OSError("down")
 
     for s in (store(Down()), CalibrationStore(Down())):  # behind SafeCache, and bare
-        await s.load(UP, MODEL)
+        await s.load(T, UP, MODEL)
         feed(s, [1.4] * 3)
         await s.flush()
-        assert s.factor(UP, MODEL) == 1.4  # learned locally all the same
+        assert s.factor(T, UP, MODEL) == 1.4  # learned locally all the same
 
 
 async def test_the_local_table_is_bounded() -> None:
     s = store(max_entries=5)
     for i in range(20):
-        s.observe(UP, f"model-{i}", 1300, 1000)
-    assert len(s.entries()) == 5
+        s.observe(T, UP, f"model-{i}", 1300, 1000)
+    assert len(s._entries) == 5 and len(s.entries()) <= 5
     await s.flush()
 
 
@@ -231,14 +237,115 @@ async def test_config_modes() -> None:
     def route(name: str) -> ModelRoute:
         return ModelRoute(name, "u", MODEL, "openai", 8000, None, "o200k_base")
 
-    s.observe("u", MODEL, 1300, 1000)
-    s.observe("u", MODEL, 1300, 1000)
-    s.observe("u", MODEL, 1300, 1000)
-    assert view.factor(route("auto")) == 1.3
-    assert view.factor(route("alias")) == 1.3  # keyed by the upstream model, not the alias
-    assert view.factor(route("unlisted")) == 1.3
-    assert view.factor(route("off")) == 1.0
-    assert view.factor(route("pinned")) == 1.5
-    assert view.effective(route("pinned")).describe()["learned"] == 1.3  # still learned, shown beside
-    assert view.effective(route("off")).source == "off"
+    s.observe(T, "u", MODEL, 1300, 1000)
+    s.observe(T, "u", MODEL, 1300, 1000)
+    s.observe(T, "u", MODEL, 1300, 1000)
+    assert view.factor(route("auto"), T) == 1.3
+    assert view.factor(route("alias"), T) == 1.3  # keyed by the upstream model, not the alias
+    assert view.factor(route("unlisted"), T) == 1.3
+    assert view.factor(route("off"), T) == 1.0
+    assert view.factor(route("pinned"), T) == 1.5
+    assert view.effective(route("pinned"), T).describe()["learned"] == 1.3  # still learned, shown beside
+    assert view.effective(route("off"), T).source == "off"
     await s.flush()
+
+
+# -- tenants ---------------------------------------------------------------------------------------------
+
+
+async def test_one_tenants_samples_never_loosen_another_tenants_factor() -> None:
+    """A tenant whose traffic the proxy overcounts (ratio at the 0.5 clamp) learns 0.5 for itself; the others
+    keep the family default: a factor below the default only ever comes from a tenant's own samples."""
+    s = store()
+    feed(s, [0.5] * 5, tenant="a")
+    a, b = s.get("a", UP, MODEL), s.get("b", UP, MODEL)
+    assert (a.factor, a.source) == (0.5, "learned")
+    assert (b.factor, b.source, b.shared) == (1.20, "default", 0.5)
+    await s.flush()
+
+
+async def test_evidence_of_other_tenants_only_tightens() -> None:
+    """Pooled samples above the default tighten a tenant without samples of its own; its own samples then rule."""
+    s = store()
+    feed(s, [1.5] * 3, tenant="a")
+    b = s.get("b", UP, MODEL)
+    assert (b.factor, b.source, b.learned) == (1.5, "shared", None)
+    feed(s, [1.25] * 3, tenant="b")
+    assert s.get("b", UP, MODEL).factor == 1.25 and s.get("b", UP, MODEL).source == "learned"
+    assert s.get("c", UP, MODEL).source == "shared"  # the pool (1.5, 1.25: median above the default)
+    await s.flush()
+
+
+async def test_tenant_records_are_shared_apart_and_an_old_model_record_serves_as_the_pool() -> None:
+    """Each tenant's record has its own key; the per-model record of earlier versions is the pooled one."""
+    cache = MemoryCache()
+    assert cache_key(POOLED, UP, MODEL) == "calib:v1:" + __import__("hashlib").sha256(
+        f"{UP}\x00{MODEL}".encode()).hexdigest()[:40]
+    assert len({cache_key("a", UP, MODEL), cache_key("b", UP, MODEL), cache_key(POOLED, UP, MODEL)}) == 3
+    for ratio, shown in ((1.4, (1.4, "shared")), (0.6, (1.20, "default"))):
+        await cache.set(cache_key(POOLED, UP, MODEL), {"upstream": UP, "model": MODEL, "factor": ratio,
+                                                       "samples": [[ratio, float(i), "old"] for i in range(5)]})
+        s = store(cache)
+        await s.load("b", UP, MODEL)
+        got = s.get("b", UP, MODEL)
+        assert (got.factor, got.source) == shown
+    a = store(cache)
+    feed(a, [1.3] * 3, tenant="a")
+    await a.flush()
+    record = await cache.get(cache_key("a", UP, MODEL))
+    assert record is not None and record["tenant"] == "a" and len(record["samples"]) == 3
+
+
+async def test_the_hook_reports_each_tenants_factor() -> None:
+    seen: list[tuple[str, str, str, float]] = []
+    s = store(on_factor=lambda *args: seen.append(args))
+    feed(s, [1.5] * 3, tenant="a")
+    assert seen[-1] == ("a", UP, MODEL, 1.5)
+    feed(s, [1.0], tenant="b")  # b is new: its factor (the pooled 1.5, above the default) is reported
+    assert ("b", UP, MODEL, 1.5) in seen
+    await s.flush()
+
+
+# -- refusals for length ---------------------------------------------------------------------------------
+
+
+def test_what_a_refusal_teaches() -> None:
+    assert refusal_sample(None, 8000, 5000).ratio == pytest.approx(1.6)  # at least window / our count
+    assert refusal_sample(11_059, 8000, 5000).ratio == pytest.approx(2.0)  # the stated count, clamped
+    assert refusal_sample(None, 8000, 5000).result == "refused"
+    assert refusal_sample(None, 8000, 5000, hidden="previous_response_id").result == "hidden_input"
+    assert refusal_sample(None, 8000, MIN_SAMPLE_TOKENS - 1).result == "small"
+    assert refusal_sample(None, 128_000, 1000).result == "implausible"  # counted something else entirely
+
+
+async def test_a_refusal_lifts_the_factor_at_once() -> None:
+    """A tenant whose learned factor let a payload overflow the window gets a factor of at least the refusal's
+    bound from the next request on: the samples below it go, and the refusal weighs MIN_SAMPLES samples."""
+    s = store()
+    feed(s, [0.5] * 10, tenant="a")
+    assert s.factor("a", UP, MODEL) == 0.5
+    assert s.refused("a", UP, MODEL, None, 8000, 5500).result == "refused"
+    assert s.factor("a", UP, MODEL) >= 8000 / 5500
+    assert s.get("a", UP, MODEL).samples == MIN_SAMPLES
+    assert s.factor("b", UP, MODEL) >= 8000 / 5500  # the pool learned it too: it tightens the others
+    feed(s, [1.3] * 3, tenant="a")  # ordinary samples after it count as before
+    assert s.get("a", UP, MODEL).samples == MIN_SAMPLES + 3
+    await s.flush()
+
+
+async def test_a_sample_that_arrives_while_the_record_is_being_written_is_written_too() -> None:
+    """The pending write does not start another; the sample must still reach the shared record, not wait for
+    shutdown (two replicas under load lost such samples)."""
+    class Slow(MemoryCache):
+        async def set(self, key: str, value: dict[str, Any], ttl: float | None = None) -> None:
+            await asyncio.sleep(0.01)
+            await super().set(key, value, ttl)
+
+    cache = Slow()
+    s = store(cache)
+    feed(s, [1.3])
+    await asyncio.sleep(0.005)  # the first write has built its record and waits on the backend
+    feed(s, [1.31])
+    await s.flush()
+    record = await cache.get(cache_key(T, UP, MODEL))
+    assert record is not None and len(record["samples"]) == 2

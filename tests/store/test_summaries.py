@@ -436,3 +436,81 @@ async def test_the_renewal_stops_when_the_summary_is_made() -> None:
     renewals = cache.ops.count("renew")
     await asyncio.sleep(0.1)
     assert cache.ops.count("renew") == renewals
+
+
+# --------------------------------------------------------------------------- this process's own copies
+
+
+class DroppingCache(CountingCache):
+    """A shared cache that is there for reads but keeps nothing (down, full, or its breaker open)."""
+
+    async def set(self, key: str, value: dict[str, Any], ttl: float | None = None) -> None:
+        self.ops.append("set")
+
+
+async def test_a_summary_made_here_is_reused_when_the_shared_cache_cannot_keep_it() -> None:
+    """A stalled cache used to cost every request a new summariser call: the summary it made was lost."""
+    fn = Summarizer()
+    svc = service(DroppingCache(), local_entries=10)
+    made, created = await obtain(svc, fn)
+    assert created is True
+    assert await svc.lookup(SCOPE, CHAIN) == made
+    again, created = await obtain(svc, fn)
+    assert (again, created) == (made, False)
+    assert len(fn.calls) == 1
+    without = service(DroppingCache())  # local_entries 0: every request makes it again
+    await obtain(without, fn)
+    await obtain(without, fn)
+    assert len(fn.calls) == 3
+
+
+async def test_a_local_hit_asks_the_shared_cache_only_for_longer_prefixes() -> None:
+    cache = CountingCache()
+    svc = service(cache, local_entries=10)
+    await obtain(svc, Summarizer(), cut=4)
+    cache.ops.clear()
+    assert (await svc.lookup(SCOPE, CHAIN[:4])).covered_turns == 4  # type: ignore[union-attr]
+    assert cache.ops == []  # the longest prefix is known here: no round trip at all
+    await cache.set(summary_key(SCOPE, CHAIN[5]), {"text": "made by another replica", "chain": CHAIN[5]})
+    cache.ops.clear()
+    assert await svc.lookup(SCOPE, CHAIN) == CachedSummary(6, CHAIN[5], "made by another replica")
+    assert cache.ops == [f"get_many:{len(CHAIN) - 4}"]  # only the prefixes longer than the one known here
+    assert await svc.lookup(SummaryScope("globex", SCOPE.settings_id), CHAIN[:4]) is None  # never another tenant's
+
+
+async def test_the_local_copies_are_bounded_and_expire_with_the_caches_ttl() -> None:
+    clock = Clock()
+    svc = service(DroppingCache(), local_entries=2, ttl=60, clock=clock)
+    for cut in (2, 3, 4):
+        await obtain(svc, Summarizer(f"summary of {cut}"), cut=cut)
+    assert len(svc._local) == 2
+    assert await svc.lookup(SCOPE, CHAIN[:2]) is None  # the least recently used went
+    assert (await svc.lookup(SCOPE, CHAIN[:4])).covered_turns == 4  # type: ignore[union-attr]
+    clock.now += 61
+    assert await svc.lookup(SCOPE, CHAIN[:4]) is None
+
+
+async def test_a_reload_that_shrinks_the_local_copies_drops_the_oldest_at_once() -> None:
+    svc = service(DroppingCache(), local_entries=3)
+    for cut in (2, 3, 4):
+        await obtain(svc, Summarizer(f"summary of {cut}"), cut=cut)
+    svc.configure(ttl=None, local_entries=1, lock_wait=0.05, max_wait=600, backoff_first=0, backoff_max=0)
+    assert len(svc._local) == 1
+    assert (await svc.lookup(SCOPE, CHAIN[:4])).covered_turns == 4  # type: ignore[union-attr]
+    assert await svc.lookup(SCOPE, CHAIN[:3]) is None
+    svc.configure(ttl=None, local_entries=0, lock_wait=0.05, max_wait=600, backoff_first=0, backoff_max=0)
+    assert await svc.lookup(SCOPE, CHAIN[:4]) is None
+
+
+async def test_a_reload_measures_a_back_off_in_progress_with_the_new_settings() -> None:
+    clock = Clock()
+    svc = service(backoff_first=300, backoff_max=600, clock=clock)
+    failing = Summarizer()
+    failing.fail = SummaryUnavailable("down", reason="status")
+    with pytest.raises(SummaryUnavailable):
+        await obtain(svc, failing)
+    clock.now += 20
+    with pytest.raises(SummaryUnavailable, match="backing off"):
+        await obtain(svc, Summarizer())
+    svc.configure(ttl=None, local_entries=0, lock_wait=0.05, max_wait=600, backoff_first=10, backoff_max=600)
+    assert (await obtain(svc, Summarizer()))[1] is True  # 20 s after the failure: past a 10 s back-off

@@ -31,6 +31,7 @@ from proxy.wire.chat import (
     repair_messages,
     scan,
 )
+from tests import media_files as mf
 from tests.helpers import assistant, call, legacy_call, legacy_result, system, tool, user
 
 Message = dict[str, Any]
@@ -414,6 +415,27 @@ def test_count_message_formula(counter: TokenCounter) -> None:
 def test_media_parts_are_billed_estimates_not_base64(counter: TokenCounter, part: dict[str, Any], tokens: int) -> None:
     message = {"role": "user", "content": [part]}
     assert count_message(counter, message) == 3 + counter.text("user") + tokens
+
+
+PAGES = [mf.prose(120, i) for i in range(5)]
+PDF = mf.b64(mf.pdf(PAGES))
+
+
+@pytest.mark.parametrize(("part", "tokens"), [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64," + mf.b64(mf.png(1, 1))}}, 85 + 170),
+    ({"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + mf.b64(mf.jpeg(2048, 4096))}},
+     85 + 170 * 6),
+    ({"type": "image_url", "image_url": {"url": "data:image/gif;base64," + mf.b64(mf.gif(4000, 3000)),
+                                         "detail": "low"}}, 85),
+    ({"type": "file", "file": {"filename": "r.pdf", "file_data": "data:application/pdf;base64," + PDF}},
+     "pdf"),
+])
+def test_images_count_by_their_size_and_pdfs_by_their_pages(
+        counter: TokenCounter, part: dict[str, Any], tokens: int | str) -> None:
+    """OpenAI's formulas: an image's 512-px tiles after scaling; a PDF's text plus a 765-token image per page."""
+    expected = counter.text("\n".join(PAGES) + "\n") + 5 * 765 if tokens == "pdf" else tokens
+    message = {"role": "user", "content": [part]}
+    assert count_message(counter, message) == 3 + counter.text("user") + expected
 
 
 def test_malformed_audio_part_is_counted_as_its_json(counter: TokenCounter) -> None:

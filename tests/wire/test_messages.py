@@ -25,6 +25,7 @@ from proxy.policy import Routes, policy_for
 from proxy.wire import WIRES
 from proxy.wire.chat import WIRE as CHAT
 from proxy.wire.messages import WIRE
+from tests import media_files as mf
 from tests.helpers import (
     LINEAR,
     AgentSim,
@@ -538,3 +539,38 @@ def test_a_user_message_with_thousands_of_results_renders_in_linear_time() -> No
 
     growth = per_item_growth(setup, 1_000)
     assert growth < LINEAR, f"time per result grew {growth:.1f}x from 1,000 to 8,000 calls"
+
+
+# --------------------------------------------------------------------------- media, as Anthropic bills them
+
+
+def _block_cost(block: dict[str, Any]) -> int:
+    """What one content block adds to a user message's count."""
+    def total(content: list[dict[str, Any]]) -> int:
+        conversation = WIRE.parse({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": [
+            {"role": "user", "content": content}]}, COUNTER)
+        return sum(i.tokens for i in conversation.items)
+
+    text = {"type": "text", "text": "Look at this."}
+    return total([text, block]) - total([text])
+
+
+@pytest.mark.parametrize(("size", "tokens"), [((1, 1), 1), ((1092, 1092), 1590), ((4000, 3000), 1600)])
+def test_images_count_by_their_pixels(size: tuple[int, int], tokens: int) -> None:
+    """About width×height/750 after Claude's resizing: a 1×1 image is 1 token, not 1,600."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": mf.b64(mf.png(*size))}}
+    assert _block_cost(image) == tokens
+    result = {"type": "tool_result", "tool_use_id": "t", "content": [image]}  # inside a tool result too
+    assert _block_cost(result) == 3 + 3 + tokens  # the result is an item of its own (3 + tool overhead 3)
+
+
+def test_an_image_by_url_or_file_keeps_the_documented_default() -> None:
+    assert _block_cost({"type": "image", "source": {"type": "url", "url": "https://x/cat.png"}}) == 1600
+    assert _block_cost({"type": "image", "source": {"type": "file", "file_id": "file_1"}}) == 1600
+
+
+def test_a_pdf_document_counts_its_text_and_a_page_image_per_page() -> None:
+    pages = [mf.prose(120, i) for i in range(6)]
+    document = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                               "data": mf.b64(mf.pdf(pages))}}
+    assert _block_cost(document) == COUNTER.text("\n".join(pages) + "\n") + 6 * 1600

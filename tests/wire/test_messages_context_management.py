@@ -43,7 +43,7 @@ def config(upstream: FakeUpstream, emulate: bool = True, **extra: Any) -> dict[s
 def factor_of(proxy: RunningProxy) -> float:
     """The calibration factor the proxy applies to Claude counts (issue 15; a family default until it learns)."""
     runtime = proxy.state.runtime
-    return float(runtime.calibration.factor(runtime.route(CLAUDE))) if runtime.calibration is not None else 1.0
+    return float(runtime.calibration.factor(runtime.route(CLAUDE), "default")) if runtime.calibration is not None else 1.0
 
 
 def client(proxy: RunningProxy) -> anthropic.AsyncAnthropic:

@@ -83,7 +83,7 @@ async def test_a_growing_60_turn_conversation_on_a_16k_budget(
         "logging": {"level": "WARNING", "requests": False},
     })
     runtime = proxy.state.runtime
-    factor = runtime.calibration.factor(runtime.route(CLAUDE)) if runtime.calibration is not None else 1.0
+    factor = runtime.calibration.factor(runtime.route(CLAUDE), "default") if runtime.calibration is not None else 1.0
     stats = await grow(proxy.url, manager)
     sent = [r.body for r in upstream.messages]
     assert len(sent) == len(stats)

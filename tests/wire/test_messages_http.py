@@ -11,6 +11,7 @@ import aiohttp
 import anthropic
 import pytest
 
+from tests import media_files as mf
 from tests.conftest import RunningProxy, StartProxy
 from tests.fake_upstream import REPLY, FakeUpstream
 from tests.helpers import words
@@ -44,7 +45,7 @@ def config(upstream: FakeUpstream, *, key: str | None = UPSTREAM_KEY, api: str =
 def factor_of(proxy: RunningProxy) -> float:
     """The calibration factor the proxy applies to Claude counts (issue 15; a family default until it learns)."""
     runtime = proxy.state.runtime
-    return float(runtime.calibration.factor(runtime.route(CLAUDE))) if runtime.calibration is not None else 1.0
+    return float(runtime.calibration.factor(runtime.route(CLAUDE), "default")) if runtime.calibration is not None else 1.0
 
 
 def client(proxy: RunningProxy, key: str = "sk-ant-client", **kwargs: Any) -> anthropic.AsyncAnthropic:
@@ -455,3 +456,53 @@ async def test_models_are_listed_from_an_anthropic_default_upstream(
         listed = await r.json()
     # the configured model, and the upstream's own list read from {API root}/v1/models
     assert {m["id"] for m in listed["data"]} == {CLAUDE, "upstream-model"}
+
+
+# --------------------------------------------------------------------------- documents and images, as billed
+
+PDF_PAGES = [words(330, seed=i) for i in range(28)]
+
+
+def capped(upstream: FakeUpstream) -> dict[str, Any]:
+    return config(upstream, tenants=[{"name": "t", "keys": ["sk-ant-client"], "max_context_tokens": 3000}],
+                  context_manager={"type": "sliding-window", "params": {"keep_turns": 1000}})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_28_page_pdf_is_counted_by_its_pages_and_never_forwarded_under_a_3000_cap(
+        upstream: FakeUpstream, start_proxy: StartProxy, stream: bool) -> None:
+    """A 28-page text PDF of ~27 KB bills ~12k tokens of text plus a page image per page: under a 3,000-token
+    cap it is refused in the current turn, and trimmed away from history, never forwarded."""
+    raw = mf.pdf(PDF_PAGES)
+    assert len(raw) < 30_000  # the size the byte estimate counted as one page
+    document = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": mf.b64(raw)}}
+    proxy = await start_proxy(capped(upstream))
+    async with client(proxy) as c:
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await c.messages.create(model=CLAUDE, max_tokens=100, stream=stream, messages=[
+                {"role": "user", "content": [document, {"type": "text", "text": "Summarise it."}]}])
+        assert caught.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+        assert upstream.messages == []
+        history = [{"role": "user", "content": [document, {"type": "text", "text": "Summarise it."}]},
+                   {"role": "assistant", "content": "It is a quarterly report."},
+                   {"role": "user", "content": "Thanks. What is 2 + 2?"}]
+        answer = await c.messages.with_raw_response.create(model=CLAUDE, max_tokens=100, messages=history)
+    assert int(answer.headers["x-ctxproxy-tokens-in"]) > 28 * 1600  # text plus a page image per page
+    assert int(answer.headers["x-ctxproxy-tokens-out"]) <= 3000
+    assert "document" not in json.dumps(upstream.messages[-1].body)
+
+
+async def test_a_tiny_image_is_counted_by_its_size(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A 1×1 PNG is one token on Claude (width×height/750), not the 1,600 of an image of unknown size."""
+    pixel = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": mf.b64(mf.png(1, 1))}}
+    by_url = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
+    proxy = await start_proxy(config(upstream))
+    counts = []
+    async with client(proxy) as c:
+        for content in ([{"type": "text", "text": "hi"}], [pixel, {"type": "text", "text": "hi"}],
+                        [by_url, {"type": "text", "text": "hi"}]):
+            raw = await c.messages.with_raw_response.create(model=CLAUDE, max_tokens=16,
+                                                            messages=[{"role": "user", "content": content}])
+            counts.append(int(raw.headers["x-ctxproxy-tokens-in"]))
+    assert counts[1] - counts[0] == 1
+    assert counts[2] - counts[0] == 1600

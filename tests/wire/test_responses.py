@@ -28,6 +28,7 @@ from proxy.wire import WIRES
 from proxy.wire.chat import WIRE as CHAT
 from proxy.wire.responses import WIRE as RESPONSES
 from proxy.wire.responses_items import COMPACT_PREFIX
+from tests import media_files as mf
 from tests.helpers import (
     MANAGERS,
     MODEL,
@@ -541,3 +542,44 @@ def test_a_conversation_repaired_to_nothing_is_refused_not_forwarded_empty(body:
     with pytest.raises(PayloadError) as info:
         asyncio.run(Setup().run(body, wire=wire))
     assert info.value.code == "empty_after_repair" and info.value.param == wire.field
+
+
+# --------------------------------------------------------------------------- media, as OpenAI bills them
+
+
+def _media_cost(part: dict[str, Any]) -> int:
+    """What one content part adds to a user message's count."""
+    def total(content: list[dict[str, Any]]) -> int:
+        conversation = RESPONSES.parse({"model": "gpt-4o", "input": [
+            {"role": "user", "content": content}]}, COUNTER)
+        return sum(i.tokens for i in conversation.items)
+
+    text = {"type": "input_text", "text": "Look at this."}
+    return total([text, part]) - total([text])
+
+
+def test_images_count_by_their_size_and_pdfs_by_their_pages_on_responses() -> None:
+    """input_image by its tiles (file ids keep 765), input_file PDFs by text plus a page image per page."""
+    pages = [mf.prose(120, i) for i in range(4)]
+    pdf = "data:application/pdf;base64," + mf.b64(mf.pdf(pages, object_streams=True))
+    text = COUNTER.text("\n".join(pages) + "\n")
+    assert _media_cost({"type": "input_image", "image_url": "data:image/png;base64," + mf.b64(mf.png(1, 1))}) == 255
+    assert _media_cost({"type": "input_image", "image_url": "data:image/webp;base64," + mf.b64(mf.webp(1024, 1024)),
+                        "detail": "high"}) == 765
+    assert _media_cost({"type": "input_image", "file_id": "file-1"}) == 765
+    assert _media_cost({"type": "input_file", "filename": "r.pdf", "file_data": pdf}) == text + 4 * 765
+    assert _media_cost({"type": "input_file", "filename": "r.pdf", "file_data": pdf, "detail": "low"}) == text + 4 * 85
+    assert _media_cost({"type": "input_file", "file_id": "file-1"}) == 6_000
+
+
+def test_a_screenshot_and_a_generated_image_count_by_their_size() -> None:
+    shot = {"type": "computer_call_output", "call_id": "c1",
+            "output": {"type": "computer_screenshot", "image_url": "data:image/png;base64," + mf.b64(mf.png(512, 512))}}
+    generated = {"type": "image_generation_call", "id": "ig_1", "status": "completed",
+                 "result": mf.b64(mf.png(1, 1))}
+    call = {"type": "computer_call", "call_id": "c1", "action": {"type": "screenshot"}}
+    conversation = RESPONSES.parse({"model": "gpt-4o", "input": [
+        {"role": "user", "content": "go"}, call, shot, generated]}, COUNTER)
+    by_kind = {i.raw.get("type") if isinstance(i.raw, dict) else "pair": i.tokens for i in conversation.items}
+    assert by_kind["computer_call_output"] == 3 + 255  # one tile
+    assert by_kind["image_generation_call"] == 3 + 255

@@ -14,6 +14,7 @@ import aiohttp
 import openai
 import pytest
 
+from tests import media_files as mf
 from tests.conftest import RunningProxy, StartProxy, base_config
 from tests.fake_upstream import REPLY, FakeUpstream
 from tests.helpers import words
@@ -393,3 +394,43 @@ async def test_a_tenants_context_cap_holds_for_compact(upstream: FakeUpstream, s
                                     path="/v1/responses/compact", key=CAPPED_KEY)
     assert status == 200 and payload["object"] == "response.compaction", payload
     assert len(upstream.compactions if mode == "relay" else upstream.summaries) == 1
+
+
+# --------------------------------------------------------------------------- files and images, as billed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_28_page_pdf_is_counted_by_its_pages_and_never_forwarded_under_a_3000_cap(
+        upstream: FakeUpstream, start_proxy: StartProxy, stream: bool) -> None:
+    """input_file: a 28-page text PDF of ~27 KB is its text plus a 765-token page image per page (OpenAI's file
+    inputs), not one page by its size: refused in the current turn under a 3,000 cap, trimmed from history."""
+    raw = mf.pdf([words(330, seed=i) for i in range(28)])
+    assert len(raw) < 30_000
+    part = {"type": "input_file", "filename": "report.pdf", "file_data": "data:application/pdf;base64," + mf.b64(raw)}
+    proxy = await start(upstream, start_proxy, tenants=[{"name": "t", "keys": ["sk-client"], "max_context_tokens": 3000}],
+                        context_manager={"type": "sliding-window", "params": {"keep_turns": 1000}})
+    first = {"role": "user", "content": [part, {"type": "input_text", "text": "Summarise it."}]}
+    status, _, body = await post(proxy, {"model": MODEL, "input": [first], "stream": stream}, path="/v1/responses")
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert upstream.responses == []
+    history = [first, {"role": "assistant", "content": "It is a quarterly report."},
+               {"role": "user", "content": "Thanks. What is 2 + 2?"}]
+    status, headers, _ = await post(proxy, {"model": MODEL, "input": history}, path="/v1/responses")
+    assert status == 200
+    assert int(headers["x-ctxproxy-tokens-in"]) > 28 * 765
+    assert int(headers["x-ctxproxy-tokens-out"]) <= 3000
+    assert "input_file" not in json.dumps(upstream.responses[-1].body)
+
+
+async def test_images_are_counted_by_their_tiles(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    proxy = await start(upstream, start_proxy)
+    counts = []
+    for image in (None, mf.png(1, 1), mf.jpeg(2048, 4096)):
+        content: list[dict[str, Any]] = [{"type": "input_text", "text": "hi"}]
+        if image is not None:
+            content.append({"type": "input_image", "image_url": "data:image/png;base64," + mf.b64(image)})
+        status, headers, _ = await post(proxy, {"model": MODEL, "input": [{"role": "user", "content": content}]},
+                                        path="/v1/responses")
+        assert status == 200
+        counts.append(int(headers["x-ctxproxy-tokens-in"]))
+    assert (counts[1] - counts[0], counts[2] - counts[0]) == (85 + 170, 85 + 170 * 6)

@@ -78,6 +78,9 @@ STREAMS = [
 ]
 
 
+EOLS = [b"\n", b"\r\n", b"\r"]
+
+
 def watch(end: StreamEnd, chunks: list[bytes]) -> StreamWatcher:
     watcher = StreamWatcher(0.0, end, clock=lambda: 1.5)
     for chunk in chunks:
@@ -121,14 +124,46 @@ def test_byte_by_byte(name: str, end: StreamEnd, stream: bytes, usage: dict[str,
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from(STREAMS), st.lists(st.integers(0, 10_000), max_size=12), st.booleans())
+@given(st.sampled_from(STREAMS), st.lists(st.integers(0, 10_000), max_size=12), st.sampled_from(EOLS))
 def test_any_chunking_and_line_ending(case: tuple[str, StreamEnd, bytes, dict[str, Any]], cuts: list[int],
-                                      crlf: bool) -> None:
+                                      eol: bytes) -> None:
+    """Whatever the chunking and the line ends (the SSE format allows CR, LF and CRLF), the same events; and the
+    blocks the watcher lets through, joined, are the stream's bytes exactly."""
     _, end, stream, usage = case
-    if crlf:
-        stream = stream.replace(b"\n", b"\r\n")
-    w = watch(end, split(stream, cuts))
+    stream = stream.replace(b"\n", eol)
+    w = StreamWatcher(0.0, end)
+    relayed = b"".join(w.feed(chunk) for chunk in split(stream, cuts))
     assert (w.done, w.usage) == (True, usage)
+    assert relayed == stream and w.pending == b""
+
+
+@pytest.mark.parametrize("eol", EOLS, ids=["lf", "crlf", "cr"])
+@pytest.mark.parametrize(("name", "end", "stream", "usage"), STREAMS, ids=[s[0] for s in STREAMS])
+def test_every_single_cut_with_each_line_end(name: str, end: StreamEnd, stream: bytes, usage: dict[str, Any],
+                                             eol: bytes) -> None:
+    """A CR that ends one chunk and the LF that starts the next are one line end, never a blank line."""
+    stream = stream.replace(b"\n", eol)
+    for cut in range(len(stream) + 1):
+        w = StreamWatcher(0.0, end)
+        relayed = w.feed(stream[:cut]) + w.feed(stream[cut:])
+        assert (w.done, w.usage, relayed) == (True, usage, stream), cut
+
+
+@pytest.mark.parametrize("eol", EOLS, ids=["lf", "crlf", "cr"])
+@pytest.mark.parametrize(("name", "end", "stream", "usage"), STREAMS, ids=[s[0] for s in STREAMS])
+def test_a_stream_cut_inside_its_terminal_event_is_not_complete(name: str, end: StreamEnd, stream: bytes,
+                                                                usage: Any, eol: bytes) -> None:
+    """The end is the whole terminal event: its event line, its data line and the blank line that dispatches it.
+    Cut anywhere before that blank line, the stream is not complete, and nothing of the event is let through."""
+    stream = stream.replace(b"\n", eol)
+    start = stream.rindex(eol * 2, 0, len(stream) - 2) + 2 * len(eol)  # where the terminal event starts
+    for cut in range(start, len(stream) - len(eol) + 1):  # a CR alone ends the blank line: its LF may follow later
+        w = StreamWatcher(0.0, end)
+        relayed = w.feed(stream[:cut])
+        assert not w.done and not w.complete, cut
+        assert relayed == stream[:start] and w.pending == stream[start:cut], cut
+    w = StreamWatcher(0.0, end)
+    assert w.feed(stream) == stream and w.done
 
 
 @pytest.mark.parametrize(("name", "end", "stream", "usage"), STREAMS, ids=[s[0] for s in STREAMS])
@@ -148,7 +183,8 @@ def test_a_stream_cut_before_its_end_is_not_complete(name: str, end: StreamEnd, 
     (b"data: [DONE]\n\n", True),
     (b"data:[DONE]\n\n", True),
     (b"data:   [DONE]  \r\n\r\n", True),
-    (b"data: [DONE]\n", True),  # the line is complete
+    (b"data: [DONE]\r\r", True),
+    (b"data: [DONE]\n", False),  # the line is complete, but no blank line dispatched the event
     (b"data: [DONE]", False),  # the line never ended
     (b"data: \"[DONE]\"\n\n", False),
     (b"data: [DONE] now\n\n", False),
@@ -163,7 +199,8 @@ def test_chat_ends_only_on_a_done_data_line(stream: bytes, done: bool) -> None:
 @pytest.mark.parametrize("kind", ["response.completed", "response.failed", "response.incomplete"])
 def test_responses_terminal_events(kind: str) -> None:
     assert watch(RESPONSES, [event(kind, {"type": kind, "response": {}})]).done
-    assert watch(RESPONSES, [b"event: " + kind.encode() + b"\n"]).done  # the event line alone says it
+    assert not watch(RESPONSES, [b"event: " + kind.encode() + b"\n"]).done  # the event line alone is not the end
+    assert not watch(RESPONSES, [b"event: " + kind.encode() + b"\n\n"]).done  # an event without data is not one
     assert watch(RESPONSES, [data({"type": kind, "response": {}})]).done  # data-only streams: by the type
 
 
@@ -181,7 +218,9 @@ def test_responses_non_terminal(stream: bytes) -> None:
 
 @pytest.mark.parametrize(("stream", "done"), [
     (event("message_stop", {"type": "message_stop"}), True),
-    (b"event: message_stop\n", True),
+    (b"event: message_stop\n", False),  # its event line alone
+    (b"event: message_stop\ndata: {\"type\": \"message_stop\"}\n", False),  # not yet dispatched
+    (b"event: message_stop\rdata: {\"type\": \"message_stop\"}\r\r", True),
     (data({"type": "message_stop"}), True),  # a data-only stream
     (event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}), False),
     (event("content_block_delta", {"type": "content_block_delta", "delta": {"text": "\"message_stop\""}}), False),

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 import orjson
 from multidict import CIMultiDict
 
+from proxy.wire.sse import Block, EventReader
+
 SHIFTED = frozenset({b"content_block_start", b"content_block_delta", b"content_block_stop"})
 
 
@@ -81,41 +83,26 @@ class StreamEditor:
 
     def __init__(self, edits: ResponseEdits) -> None:
         self.edits = edits
-        self._buffer = b""
+        self._reader = EventReader()
 
     def feed(self, chunk: bytes) -> bytes:
-        self._buffer += chunk.replace(b"\r\n", b"\n")
-        out: list[bytes] = []
-        while True:
-            end = self._buffer.find(b"\n\n")
-            if end < 0:
-                break
-            block, self._buffer = self._buffer[: end + 2], self._buffer[end + 2:]
-            out.extend(self._edit(block))
-        return b"".join(out)
+        return b"".join(part for block in self._reader.feed(chunk) for part in self._edit(block))
 
     def flush(self) -> bytes:
-        tail, self._buffer = self._buffer, b""
-        return tail
+        return self._reader.pending
 
-    def _edit(self, block: bytes) -> list[bytes]:
-        name = b""
-        data: list[bytes] = []
-        for line in block.split(b"\n"):
-            if line.startswith(b"event:"):
-                name = line[6:].strip()
-            elif line.startswith(b"data:"):
-                data.append(line[5:].strip())
-        if not data:
-            return [block]
+    def _edit(self, block: Block) -> list[bytes]:
+        if block.data is None:
+            return [block.raw]
         try:
-            payload = orjson.loads(b"\n".join(data))
+            payload = orjson.loads(block.data)
         except orjson.JSONDecodeError:
-            return [block]
+            return [block.raw]
+        name = block.event
         if not name and isinstance(payload, dict) and isinstance(payload.get("type"), str):
             name = payload["type"].encode()
         edited = self.edits.event(name, payload)
-        return [block] if edited is None else edited
+        return [block.raw] if edited is None else edited
 
 
 class EditedAnswer:

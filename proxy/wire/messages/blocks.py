@@ -12,8 +12,9 @@ The per-item formula, documented so that tests can recount it independently:
 - ``text``: its text; ``tool_use``: ``TOOL_OVERHEAD`` + name + the input's compact JSON;
   ``thinking``: its thinking text (the signature is opaque and not billed as text);
   ``redacted_thinking``: a quarter of its data's length (ciphertext: no text to count);
-  ``image``: ``CLAUDE_IMAGE_TOKENS``; ``document``: its text, or ``proxy.core.media``'s
-  page estimate for a PDF; any other block: its compact JSON.
+  ``image``: ``proxy.core.media.claude_image_tokens`` (width×height/750 from the image's header, 1,600
+  when its size cannot be read); ``document``: its text, or ``proxy.core.media``'s per-page estimate for
+  a PDF (extracted text plus a page image per page); any other block: its compact JSON.
 """
 
 from __future__ import annotations
@@ -29,9 +30,6 @@ from proxy.wire.chat import canonical_arguments
 
 TOKENS_PER_MESSAGE = 3
 TOOL_OVERHEAD = 3
-# Claude bills an image (w×h)/750 tokens; the largest image it takes unresized (1568 px on the long
-# side, ~1.15 megapixels) costs about 1,600. An upper bound: the size is not known without decoding.
-CLAUDE_IMAGE_TOKENS = 1_600
 THINKING = frozenset({"thinking", "redacted_thinking"})
 SALT = 0x3  # content keys of this wire's items, distinct from other wires' formulas in the shared LRU
 
@@ -77,7 +75,9 @@ def count_block(counter: TokenCounter, block: Block) -> int:
         data = block.get("data")
         return len(data) // 4 + 1 if isinstance(data, str) else 0
     if kind == "image":
-        return CLAUDE_IMAGE_TOKENS
+        source = block.get("source")
+        data = source.get("data") if isinstance(source, dict) and source.get("type") == "base64" else None
+        return media.claude_image_tokens(data if isinstance(data, str) else None)
     if kind == "document":
         return _document_tokens(counter, block)
     return counter.json(block)
@@ -94,7 +94,7 @@ def _document_tokens(counter: TokenCounter, block: Block) -> int:
     if kind == "content":
         return count_content(counter, source.get("content"))
     if kind == "base64" and isinstance(data, str):
-        return media.file_tokens(data)
+        return media.file_tokens(counter, data, media.ANTHROPIC)
     return media.FILE_UNKNOWN_TOKENS
 
 

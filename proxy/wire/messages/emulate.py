@@ -105,7 +105,7 @@ class ContextManagementHook:
         await run_step(offload, check_body, body)
         policy = runtime.policy(tenant, body["model"], override)
         services = runtime.services(route, policy, request_id=request_id, dry_run=dry_run)
-        calibration = runtime.calibration.factor(route) if runtime.calibration is not None else 1.0
+        calibration = runtime.calibration.factor(route, policy.tenant) if runtime.calibration is not None else 1.0
         session = _Session(body, services, calibration, offload)
         messages = await run_step(offload, resume_compaction, body["messages"])
         compaction: dict[str, Any] | None = None
