@@ -258,7 +258,9 @@ class TenantSettings(Strict):
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     keys: list[str] = Field(..., min_length=1, description="Proxy keys: plain, or sha256:<hex>.")
     context_manager: Any = None
-    max_context_tokens: int | None = Field(None, ge=1, description="Hard cap on forwarded input tokens.")
+    max_context_tokens: int | None = Field(None, ge=1, description="Hard cap on forwarded input tokens, on every "
+                                           "path (where the provider holds part of the history, on the part "
+                                           "ctxproxy can see; /responses/compact too).")
     max_output_tokens: int | None = Field(None, ge=1, description="Cap on max_tokens/max_completion_tokens.")
     max_output_policy: Literal["clamp", "refuse"] = Field(
         "clamp", description="Requests above max_output_tokens are clamped, or refused."
