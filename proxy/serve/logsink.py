@@ -10,8 +10,9 @@ most one such line every ``NOTICE_EVERY`` seconds while the loss goes on).
 
 Every line is a JSON object: the request log's own (``ctxproxy.requests``, marked ``STRUCTURED``),
 ``{"event": "log", "level", "logger", "message"[, "exception"]}`` for any other record (litellm's
-and aiohttp's included), and, once ``capture_stdio`` ran, one such line per line a library prints
-to stdout or stderr (``logger`` "stdout" / "stderr").
+and aiohttp's included; message and traceback cut at ``FIELD_CHARS``, so the queue holds at most
+``capacity`` lines of a few kB), and, once ``capture_stdio`` ran, one such line per line a library
+prints to stdout or stderr (``logger`` "stdout" / "stderr").
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import orjson
 STRUCTURED: Mapping[str, object] = MappingProxyType({"ctxproxy_json": True})
 NOTICE_EVERY = 10.0  # seconds between two "lines dropped" notices while lines keep being dropped
 BATCH_BYTES = 65_536  # the writer joins queued lines into writes of about this size
-PARTIAL_LINE = 65_536  # printed text without a newline is logged once it reaches this many characters
+FIELD_CHARS = 16_384  # a message or a traceback longer than this is cut: a queued line stays small
+PARTIAL_LINE = FIELD_CHARS  # printed text without a newline is logged in pieces of this many characters
 _STOP = "\x00stop"
 
 
@@ -53,14 +55,21 @@ class JsonFormatter(logging.Formatter):
         if getattr(record, "ctxproxy_json", False):
             return record.getMessage()
         fields: dict[str, Any] = {"event": "log", "level": record.levelname, "logger": record.name,
-                                  "message": record.getMessage()}
+                                  "message": cut(record.getMessage())}
         if record.exc_info:
             record.exc_text = record.exc_text or self.formatException(record.exc_info)
         if record.exc_text:
-            fields["exception"] = record.exc_text
+            fields["exception"] = cut(record.exc_text)
         if record.stack_info:
-            fields["stack"] = self.formatStack(record.stack_info)
+            fields["stack"] = cut(self.formatStack(record.stack_info))
         return json_line(fields)
+
+
+def cut(text: str) -> str:
+    """``text``, at most ``FIELD_CHARS`` of it (a library at DEBUG may log whole request bodies)."""
+    if len(text) <= FIELD_CHARS:
+        return text
+    return f"{text[:FIELD_CHARS]}... [{len(text) - FIELD_CHARS} characters cut]"
 
 
 class QueueLineHandler(logging.Handler):
@@ -232,7 +241,7 @@ class PrintedLines(io.TextIOBase):
         for line in lines:
             if line.strip():
                 self.sink.put(json_line({"event": "log", "level": self._level, "logger": self._name,
-                                         "message": line.rstrip("\r")}))
+                                         "message": cut(line.rstrip("\r"))}))
         return len(text)
 
 

@@ -27,7 +27,7 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy.serve.logsink import PARTIAL_LINE, STRUCTURED, JsonFormatter, LogSink, PrintedLines
+from proxy.serve.logsink import FIELD_CHARS, PARTIAL_LINE, STRUCTURED, JsonFormatter, LogSink, PrintedLines
 from tests.fake_upstream import FakeUpstream
 
 CTXPROXY = Path(sys.executable).parent / "ctxproxy"
@@ -141,6 +141,8 @@ def test_every_record_is_one_json_object_on_one_line() -> None:
     assert "\n" not in surrogate and json.loads(surrogate)["message"].startswith("lone ")
     structured = formatter.format(record('{"event":"request","status":200}', **STRUCTURED))
     assert structured == '{"event":"request","status":200}'
+    huge = json.loads(formatter.format(record("%s", "z" * 1_000_000)))  # a library logging a whole body
+    assert len(huge["message"]) < FIELD_CHARS + 100 and huge["message"].endswith("characters cut]")
 
 
 def test_a_record_that_cannot_be_formatted_becomes_an_error_line() -> None:
