@@ -252,3 +252,46 @@ async def test_a_stderr_nobody_reads_does_not_stall_the_proxy(upstream: FakeUpst
     assert notices and notices[-1]["total"] >= dropped
     assert logged < requests and logged + notices[-1]["total"] >= requests
     assert "Traceback" not in err.decode() and b"sk-upstream-secret" not in err
+
+
+@pytestmark_serve
+async def test_litellm_routes_log_json_lines_and_print_nothing(upstream: FakeUpstream, tmp_path: Path) -> None:
+    """litellm gives its loggers a handler of its own: plain-text lines on stderr, its INFO lines on stdout,
+    written on the event loop. Its records now reach the server's log like any other: as JSON lines."""
+    routes = [{"name": "ll", "provider": "litellm", "upstream": "fake", "model": "openai/gpt-4o-mini",
+               "context_window": 128000, "max_output_tokens": 1000},
+              {"name": "ll-down", "provider": "litellm", "upstream": "down", "model": "openai/gpt-4o-mini",
+               "context_window": 128000, "max_output_tokens": 1000}]
+    config = write_config(tmp_path, upstream, models=routes, logging={"level": "DEBUG"},
+                          upstreams={"fake": {"base_url": upstream.base_url, "api_key": "sk-upstream-secret"},
+                                     "down": {"base_url": f"http://127.0.0.1:{free_port()}/v1", "api_key": "sk-d"}})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([str(CTXPROXY), "serve", "--config", str(config), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    loop = asyncio.get_running_loop()
+    err_reader = loop.run_in_executor(None, proc.stderr.read)  # type: ignore[union-attr]
+    out_reader = loop.run_in_executor(None, proc.stdout.read)  # type: ignore[union-attr]
+    statuses = []
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            await wait_healthy(s, url, proc)
+            for model, mode in (("ll", "ok"), ("ll", "status"), ("ll-down", "ok")):
+                upstream.mode, upstream.status = mode, 429
+                for stream in (False, True):
+                    async with s.post(url + "/v1/chat/completions",
+                                      json={**CHAT, "model": model, "stream": stream}) as r:
+                        await r.read()
+                        statuses.append(r.status)
+        proc.send_signal(signal.SIGTERM)
+        err, out = await asyncio.wait_for(asyncio.gather(err_reader, out_reader), 30)
+        assert await loop.run_in_executor(None, proc.wait, 10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert statuses == [200, 200, 429, 429, 502, 502]
+    assert out == b""
+    lines = [json.loads(line) for line in err.decode().splitlines()]
+    assert any(line.get("logger") == "LiteLLM" for line in lines)  # litellm's own records, as JSON
+    assert b"sk-upstream-secret" not in err and b"Traceback" not in err
