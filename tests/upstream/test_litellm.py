@@ -7,6 +7,7 @@ httpx transport so respx can see its calls.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -223,7 +224,7 @@ WIRE_IDS = [f"{wire}-{'stream' if stream else 'json'}" for wire, stream in WIRE_
 
 def fake_config(base_url: str, **server: Any) -> dict[str, Any]:
     return {
-        "server": {"first_byte_timeout": 1.0, "idle_timeout": 1.0, **server},
+        "server": {"first_byte_timeout": 30.0, "idle_timeout": 30.0, **server},
         "upstreams": {"fake": {"base_url": base_url, "api_key": "sk-upstream-secret",
                                "headers": {"X-Org": "acme-org"}}},
         "models": [{"name": "ll", "provider": "litellm", "upstream": "fake", "model": "openai/gpt-4o-mini",
@@ -247,6 +248,15 @@ async def call(proxy: Any, wire: str, stream: bool, **headers: str) -> tuple[int
         return r.status, {k.lower(): v for k, v in r.headers.items()}, payload
 
 
+async def warm(start_proxy: Any, upstream: FakeUpstream, wire: str, stream: bool) -> None:
+    """One answered request first, through a proxy with the default deadlines: litellm's first call on a path
+    spends a second or more in its own set-up (imports, clients), which a 1 s deadline would count."""
+    status, _, body = await call(await start_proxy(fake_config(upstream.base_url)), wire, stream)
+    assert status == 200, body
+    upstream.chat.clear()
+    upstream.responses.clear()
+
+
 def error_code(wire: str, body: Any) -> Any:
     """The error's code in the wire's shape (Anthropic's names it in ``type``)."""
     return body["error"]["type"] if wire == "messages" else body["error"]["code"]
@@ -261,19 +271,26 @@ async def test_a_silent_upstream_is_a_504_after_first_byte_timeout(
         start_proxy: Any, upstream: FakeUpstream, wire: str, stream: bool) -> None:
     """litellm had no timeout but its own (10 minutes): a silent upstream kept the client waiting. Now, as on the
     HTTP route, nothing within server.first_byte_timeout is a 504 upstream_timeout, and it is not retried."""
+    await warm(start_proxy, upstream, wire, stream)
+    proxy = await start_proxy(fake_config(upstream.base_url, first_byte_timeout=1.0))
     upstream.mode = "hang"
-    proxy = await start_proxy(fake_config(upstream.base_url))
     status, _, body = await call(proxy, wire, stream)
     assert status == 504, body
     assert error_code(wire, body) in ("upstream_timeout", "timeout_error", "api_error")
     assert "did not answer in time" in body["error"]["message"]
     assert len(upstream_calls(upstream, wire)) == 1
+    if wire == "chat":  # and the upstream request is dropped, so the provider stops working on it
+        for _ in range(100):
+            if upstream.cancelled:
+                break
+            await asyncio.sleep(0.05)
+        assert upstream.cancelled == 1
 
 
 async def test_a_stream_that_stalls_ends_with_a_timeout_event(start_proxy: Any, upstream: FakeUpstream) -> None:
     """After the first event, server.idle_timeout bounds each gap, as on the HTTP route."""
+    proxy = await start_proxy(fake_config(upstream.base_url, idle_timeout=1.0))
     upstream.mode = "stall"
-    proxy = await start_proxy(fake_config(upstream.base_url))
     status, _, raw = await call(proxy, "chat", True)
     assert status == 200
     assert "upstream_timeout" in raw and "[DONE]" not in raw
@@ -353,7 +370,7 @@ async def test_the_summarisers_calls_carry_the_headers_too(upstream: FakeUpstrea
     cfg = load_config(fake_config(upstream.base_url))
     route = Routes(cfg, ModelMap()).resolve("ll")
     provider = LiteLLMProvider(cfg.settings.upstreams["fake"], cfg.settings.server)
-    done = await provider.complete(route, [{"role": "user", "content": "summarise"}], max_tokens=50, timeout=5,
+    done = await provider.complete(route, [{"role": "user", "content": "summarise"}], max_tokens=50, timeout=30,
                                    request_id="3b8f6a4e-0000-4000-8000-000000000001")
     assert done.text
     (summary,) = upstream.summaries
@@ -392,13 +409,12 @@ async def test_anthropic_rate_limit_headers_are_relayed_through_litellm(start_pr
 async def test_a_20s_upstream_is_answered_504_at_first_byte_timeout(
         start_proxy: Any, upstream: FakeUpstream, provider: str) -> None:
     """The figure behind the contract: a 20 s upstream, first_byte_timeout 3 s, on the litellm and HTTP routes."""
-    upstream.mode, upstream.delay = "slow_first_byte", 20
+    await warm(start_proxy, upstream, "chat", False)  # litellm's import and set-up are not the upstream's time
     cfg = fake_config(upstream.base_url, first_byte_timeout=3.0)
     cfg["models"].append({"name": "direct", "upstream": "fake", "model": "gpt-4o-mini",
                           "context_window": 128000, "max_output_tokens": 1000})
     proxy = await start_proxy(cfg)
-    await call(proxy, "chat", False)  # litellm's import (seconds) is not the upstream's time
-    upstream.chat.clear()
+    upstream.mode, upstream.delay = "slow_first_byte", 20
     started = time.monotonic()
     async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/chat/completions", json={
             "model": "ll" if provider == "litellm" else "direct", "messages": [{"role": "user", "content": "hi"}]}) as r:
