@@ -67,6 +67,9 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None, w
         else:
             uvloop.run(main)
         return 0
+    except Exception as exc:  # a port in use, ...: said here, as a log line (after sink.stop() nothing is written)
+        log.critical("ctxproxy serve failed: %s", exc, exc_info=True)
+        return 1
     finally:
         sink.stop()
 
