@@ -208,7 +208,7 @@ class LogSink:
             view = memoryview(data)
             while view:
                 view = view[os.write(self._fd, view):]
-        except (OSError, ValueError):  # the reader is gone: nothing left to tell
+        except Exception:  # the reader is gone (EPIPE), stderr closed (None): the writer must live on
             pass
 
 
