@@ -87,7 +87,7 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool, sink: 
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=2048)
     await site.start()
     bound = _bound_port(site) or port
-    metrics_runner = await _metrics_listener(app, config, reuse_port=reuse_port)
+    metrics_runner = await _metrics_listener(app, config, reuse_port=reuse_port, sink=sink)
     # load the default tokenizer and litellm's model map in the background: the first request
     # must not pay ~0.5 s for them
     warm = asyncio.get_running_loop().run_in_executor(None, _warm_up, state)
@@ -113,7 +113,8 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool, sink: 
     log.info("stopped")
 
 
-async def _metrics_listener(app: web.Application, config: Config, *, reuse_port: bool) -> web.AppRunner | None:
+async def _metrics_listener(app: web.Application, config: Config, *, reuse_port: bool,
+                            sink: LogSink) -> web.AppRunner | None:
     """The ``server.metrics_port`` listener (GET /metrics with no key), started; None when not configured."""
     from proxy.serve.app import create_metrics_app
 
@@ -126,8 +127,9 @@ async def _metrics_listener(app: web.Application, config: Config, *, reuse_port:
     site = web.TCPSite(runner, s.metrics_host, s.metrics_port, reuse_port=reuse_port or None)
     await site.start()
     bound = _bound_port(site) or s.metrics_port
-    sys.stderr.write(f"ctxproxy metrics on http://{s.metrics_host}:{bound}/metrics (no key)\n")  # one write
-    sys.stderr.flush()
+    url = f"http://{s.metrics_host}:{bound}/metrics"
+    sink.event({"event": "metrics_listening", "level": "INFO", "message": f"ctxproxy metrics on {url} (no key)",
+                "url": url})
     return runner
 
 
