@@ -22,6 +22,8 @@ import json
 import logging
 import os
 import queue
+import select
+import signal
 import sys
 import threading
 import time
@@ -34,7 +36,7 @@ import orjson
 # ``extra=`` for a record whose message is already a JSON object (read-only: no module-level mutable state)
 STRUCTURED: Mapping[str, object] = MappingProxyType({"ctxproxy_json": True})
 NOTICE_EVERY = 10.0  # seconds between two "lines dropped" notices while lines keep being dropped
-BATCH_BYTES = 65_536  # the writer joins queued lines into writes of about this size
+BATCH_BYTES = select.PIPE_BUF  # the writer joins queued lines into writes of at most this many bytes
 FIELD_CHARS = 16_384  # a message or a traceback longer than this is cut: a queued line stays small
 PARTIAL_LINE = FIELD_CHARS  # printed text without a newline is logged in pieces of this many characters
 _STOP = "\x00stop"
@@ -158,33 +160,39 @@ class LogSink:
     # -- the writer thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        # signals are the main thread's business: a supervisor waits for them blocked (sigtimedwait), and one
+        # delivered here, unblocked, would take its default action (SIGTERM: end the process, workers left)
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        carried: str | None = None  # a line that did not fit in the last write
         while True:
-            try:
-                line = self.queue.get(timeout=NOTICE_EVERY)
-            except queue.Empty:
-                self._notice()
-                continue
+            if carried is not None:
+                line, carried = carried, None
+            else:
+                try:
+                    line = self.queue.get(timeout=NOTICE_EVERY)
+                except queue.Empty:
+                    self._notice()
+                    continue
             if line == _STOP:
                 self._notice(force=True)
                 return
-            batch = [line]
-            size = len(line)
-            stop = False
-            while size < BATCH_BYTES:
+            # whole lines, at most PIPE_BUF bytes a write (unless one line is longer): a pipe writes that much
+            # in one piece, so the workers that share stderr never cut into each other's lines
+            batch = [_encoded(line)]
+            size = len(batch[0])
+            while carried is None:
                 try:
                     more = self.queue.get_nowait()
                 except queue.Empty:
                     break
-                if more == _STOP:
-                    stop = True
-                    break
-                batch.append(more)
-                size += len(more)
-            self._write("\n".join(batch) + "\n")
+                data = _encoded(more) if more != _STOP else b""
+                if more == _STOP or size + len(data) > BATCH_BYTES:
+                    carried = more
+                else:
+                    batch.append(data)
+                    size += len(data)
+            self._write(b"".join(batch))
             self._notice()
-            if stop:
-                self._notice(force=True)
-                return
 
     def _notice(self, *, force: bool = False) -> None:
         """One line saying how many lines were dropped since the last such line."""
@@ -195,14 +203,13 @@ class LogSink:
                 return
             self._noticed, self._last_notice = self.dropped, now
             total = self.dropped
-        self._write(json_line({"event": "log_dropped", "level": "WARNING", "dropped": new, "total": total,
-                               "message": f"{new} log lines dropped: stderr was not read fast enough"}) + "\n")
+        self._write(_encoded(json_line({"event": "log_dropped", "level": "WARNING", "dropped": new, "total": total,
+                                        "message": f"{new} log lines dropped: stderr was not read fast enough"})))
 
-    def _write(self, text: str) -> None:
-        data = text.encode("utf-8", "backslashreplace")
+    def _write(self, data: bytes) -> None:
         try:
             if self._fd is None:
-                self.stream.write(text)
+                self.stream.write(data.decode("utf-8", "replace"))
                 self.stream.flush()
                 return
             view = memoryview(data)
@@ -210,6 +217,11 @@ class LogSink:
                 view = view[os.write(self._fd, view):]
         except Exception:  # the reader is gone (EPIPE), stderr closed (None): the writer must live on
             pass
+
+
+def _encoded(line: str) -> bytes:
+    """A line as the bytes written for it, its newline included (never fails: lone surrogates escaped)."""
+    return line.encode("utf-8", "backslashreplace") + b"\n"
 
 
 class PrintedLines(io.TextIOBase):

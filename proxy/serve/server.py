@@ -7,7 +7,6 @@ import gc
 import logging
 import os
 import signal
-import sys
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web

@@ -118,6 +118,47 @@ def test_stop_returns_within_its_timeout_when_the_reader_is_gone_quiet() -> None
         assert time.monotonic() - started < 2
 
 
+def test_writers_sharing_one_pipe_never_cut_into_each_others_lines() -> None:
+    """The workers of ``--workers N`` share one stderr. A pipe keeps a write of up to PIPE_BUF bytes in one
+    piece, so each writer writes whole lines in writes no larger than that."""
+    read_fd, write_fd = os.pipe()
+    streams = [os.fdopen(os.dup(write_fd), "w", encoding="utf-8") for _ in range(3)]
+    os.close(write_fd)
+    sinks = [LogSink(stream, 100_000).start() for stream in streams]
+    received = bytearray()
+
+    def drain() -> None:
+        while chunk := os.read(read_fd, 1000):  # a slow reader: the pipe is often full
+            received.extend(chunk)
+            time.sleep(0.0005)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    for n, sink in enumerate(sinks):
+        for i in range(1500):
+            sink.put(json.dumps({"event": "request", "writer": n, "i": i, "padding": "é" * (50 + i % 300)}))
+    for sink, stream in zip(sinks, streams, strict=True):
+        sink.stop(timeout=30)
+        stream.close()
+    reader.join(30)
+    os.close(read_fd)
+    lines = [json.loads(line) for line in received.decode().splitlines()]
+    assert sorted((line["writer"], line["i"]) for line in lines) == [(n, i) for n in range(3) for i in range(1500)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the thread's signal mask from /proc")
+def test_the_writer_thread_takes_no_signal() -> None:
+    """A supervisor waits for SIGTERM with it blocked (sigtimedwait): delivered to the writer thread instead,
+    unblocked there, it would end the process at once and leave its workers running."""
+    with pipe_sink(capacity=10) as (sink, read_fd):
+        sink.put('{"event":"written"}')
+        read_until(read_fd, "written")  # the thread runs: its mask is set
+        status = Path(f"/proc/self/task/{sink._thread.native_id}/status").read_text()
+    blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+        assert blocked & (1 << (signum - 1)), signum.name
+
+
 def record(msg: str, *args: Any, level: int = logging.WARNING, exc: bool = False, **extra: Any) -> logging.LogRecord:
     exc_info = None
     if exc:
