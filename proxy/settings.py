@@ -321,9 +321,16 @@ class AdminSettings(Strict):
     keys: list[str] = Field(default_factory=list, description="Keys for /admin/* (plain or sha256:<hex>).")
 
 
+LOG_QUEUE_LINES = 10_000  # log lines held while stderr is not read (about 5 MB of request lines)
+
+
 class LoggingSettings(Strict):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     requests: bool = Field(True, description="One JSON line per request.")
+    queue_lines: int = Field(
+        LOG_QUEUE_LINES, ge=1, le=1_000_000, description="Log lines held in memory while stderr is not read as "
+        "fast as they come (read at start). When they are all waiting, new lines are dropped and counted "
+        "(ctxproxy_log_lines_dropped_total) rather than slowing the proxy down.")
 
 
 class Settings(Strict):
