@@ -144,6 +144,10 @@ def make_runner(app: web.Application, config: Config, *, shutdown_timeout: float
 def _warm_up(state: State) -> None:
     state.shared.tokenizers.get("o200k_base")
     state.shared.model_map.get("gpt-4o")
+    if any(m.provider == "litellm" for m in state.config.settings.models):
+        from proxy.upstream.litellm import warm_up
+
+        warm_up()  # seconds of imports, here in a thread rather than on the first litellm request
     # Everything loaded so far (modules, config, litellm's model map: ~10^5 objects) lives as long as
     # the process: move it out of the collector's sight, so the collections that every request's
     # parsed JSON triggers do not walk it again and again.

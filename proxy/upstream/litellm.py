@@ -132,13 +132,20 @@ def upstream_call_headers(upstream: UpstreamSettings | None, request_id: str,
 
 
 def _entry(wire: str) -> Any:
-    """The litellm function for ``wire``, imported now (seconds, the first time: never inside a deadline)."""
+    """The litellm function for ``wire``, imported now (seconds, the first time: never inside a deadline, and
+    never on the event loop: ``LiteLLMProvider._function``)."""
     litellm = _litellm()
     if wire == "messages":
         from litellm.anthropic_interface import messages as anthropic_messages
 
         return anthropic_messages.acreate
     return litellm.aresponses if wire == "responses" else litellm.acompletion
+
+
+def warm_up() -> None:
+    """Import litellm and its entry points (the server calls it in a thread at start when a route uses litellm)."""
+    for wire in FIELDS:
+        _entry(wire)
 
 
 def _call_kwargs(route: ModelRoute, call: Outgoing, upstream: UpstreamSettings | None, *, timeout: httpx.Timeout,
@@ -249,6 +256,15 @@ class LiteLLMProvider:
         self.server = server if server is not None else ServerSettings()
         self._dropped: set[str] = set()  # field names already logged as not passed on (bounded)
         self._secret = upstream.api_key if upstream is not None else None
+        self._functions: dict[str, Any] = {}  # litellm's entry point per wire, once imported
+
+    async def _function(self, wire: str) -> Any:
+        """litellm's entry point for ``wire``: importing litellm takes seconds of CPU the first time, which would
+        hold up every other request (and /healthz) on the event loop, so the first call imports it in a thread."""
+        function = self._functions.get(wire)
+        if function is None:
+            function = self._functions[wire] = await asyncio.to_thread(_entry, wire)
+        return function
 
     def _note_dropped(self, route: ModelRoute, call: Outgoing) -> None:
         """Say once per field name, at WARNING, which request fields litellm is not given (``FIELDS``)."""
@@ -271,7 +287,7 @@ class LiteLLMProvider:
                              "the Chat Completions, Responses and Messages wires only.", param="model",
                              code="unsupported_wire")
         server = self.server
-        entry = _entry(call.wire)
+        entry = await self._function(call.wire)
         # streaming: the first byte bounds the first event, then idle_timeout bounds each gap (LiteLLMAnswer)
         read = max(server.first_byte_timeout, server.idle_timeout) if call.stream else server.first_byte_timeout
         first: list[Any] = []
@@ -299,7 +315,7 @@ class LiteLLMProvider:
     ) -> Completion:
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
         call = Outgoing("chat", "/chat/completions", body, b"", False, {}, request_id)
-        entry = _entry(call.wire)
+        entry = await self._function(call.wire)
         kwargs = _call_kwargs(route, call, self.upstream, timeout=self._timeout(timeout), purpose="summarize")
         try:
             async with deadline(timeout):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -431,3 +433,43 @@ async def test_an_upstream_echoing_its_key_in_a_stream_never_shows_it(start_prox
     status, _, raw = await call(proxy, "chat", True)
     assert status == 200
     assert "sk-upstream-secret" not in raw and "[redacted]" in raw
+
+
+@pytest.mark.slow
+async def test_importing_litellm_never_holds_up_other_requests(upstream: FakeUpstream, tmp_path: Path) -> None:
+    """Importing litellm takes seconds of CPU. Done on the event loop (at a litellm route's first request) it held
+    up every other request, /healthz included, for that long: it runs in a thread at start and at first use."""
+    from tests.serve.test_logsink import CTXPROXY, free_port, wait_healthy, write_config
+
+    routes = [{"name": "ll", "provider": "litellm", "upstream": "fake", "model": "openai/gpt-4o-mini",
+               "context_window": 128000, "max_output_tokens": 1000}]
+    config = write_config(tmp_path, upstream, models=routes)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([str(CTXPROXY), "serve", "--config", str(config), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    waits: list[float] = []
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            await wait_healthy(s, url, proc)
+
+            async def probe() -> None:
+                for _ in range(100):
+                    started = time.perf_counter()
+                    async with s.get(url + "/healthz") as r:
+                        assert r.status == 200
+                    waits.append(time.perf_counter() - started)
+                    await asyncio.sleep(0.02)
+
+            async def first_call() -> int:
+                async with s.post(url + "/v1/chat/completions",
+                                  json={"model": "ll", "messages": [{"role": "user", "content": "hi"}]}) as r:
+                    await r.read()
+                    return r.status
+
+            status, _ = await asyncio.gather(first_call(), probe())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert status == 200
+    assert max(waits) < 1.0, f"/healthz waited {max(waits):.2f}s while litellm was imported"
