@@ -29,10 +29,11 @@ from proxy.core.modelinfo import ModelMap  # noqa: E402
 from proxy.core.tokens import Tokenizers, use_bundled_encodings  # noqa: E402
 from proxy.runtime import Runtime  # noqa: E402
 from proxy.settings import Config, load_config  # noqa: E402
+from proxy.store.compaction import Compaction  # noqa: E402
 from proxy.store.memory import MemoryCache  # noqa: E402
 from proxy.store.summaries import SummaryService  # noqa: E402
 from proxy.wire.chat import WIRE as CHAT  # noqa: E402
-from proxy.wire.chat import is_valid  # noqa: E402
+from tests.wire.chat_helpers import is_valid  # noqa: E402
 
 PAYLOADS = ROOT / "bench" / "payloads"
 
@@ -57,7 +58,7 @@ def make_runtime(cfg: Config, tokenizers: Tokenizers | None = None) -> Runtime:
     """A runtime on a fresh memory cache with an instant summariser."""
     summaries = SummaryService(MemoryCache(), ttl=None, lock_wait=5, backoff_first=0, backoff_max=0)
     return Runtime(cfg, tokenizers=tokenizers or Tokenizers(), model_map=MODEL_MAP, summaries=summaries,
-                   engine=InstantEngine())
+                   engine=InstantEngine(), compaction=Compaction(summaries))
 
 
 def config(manager: Any, budget: int) -> Any:

@@ -26,7 +26,7 @@ from bench.pipeline_bench import make_runtime, read_payload  # noqa: E402
 from proxy.settings import load_config  # noqa: E402
 from proxy.store.prefix import PrefixTracker  # noqa: E402
 from proxy.wire.chat import WIRE as CHAT  # noqa: E402
-from proxy.wire.chat import is_valid  # noqa: E402
+from tests.wire.chat_helpers import is_valid  # noqa: E402
 
 MANAGERS: dict[str, Any] = {
     "summarising (llm)": {"type": "summarising", "params": {"keep_turns": 10}},

@@ -117,12 +117,46 @@ class SummarizeFn(Protocol):
     async def __call__(self, previous: str | None, turns: Sequence[Sequence[Item]]) -> Completion: ...
 
 
+# what a compaction came to (``Compacted.status``)
+COMPACTION_STATUSES = frozenset({"reused", "created", "would_create", "unavailable", "failed", "pending"})
+
+
+@dataclass(frozen=True)
+class Compacted:
+    """What a compaction came to: ``status`` (``COMPACTION_STATUSES``), the summary when there is one, and
+    ``text``: the summary's text, the placeholder a dry run forwards (``would_create``), or why there is none."""
+
+    status: str
+    text: str
+    summary: CachedSummary | None = None
+    reason: str = ""  # a bounded reason when there is no summary (drop, backoff, pending, …)
+
+
+class Compactor(Protocol):
+    """The one compaction service (``proxy.store.compaction.Compaction``): turns -> a summary's text, for the
+    summarising context manager, ``/responses/compact`` and Anthropic's ``context_management`` alike."""
+
+    def unavailable(self, summarizer: Summarizer | None, services: Services) -> str | None:
+        """Why ``summarizer`` makes no summaries for this request (None: it does)."""
+
+    async def lookup(self, summarizer: Summarizer, services: Services,
+                     chain: Sequence[str]) -> CachedSummary | None:
+        """The cached summary of the longest known prefix of this history (``chain``), or None."""
+
+    async def compact(self, summarizer: Summarizer | None, services: Services, turns: Sequence[Sequence[Item]],
+                      chain: Sequence[str], *, cut: int | None = None,
+                      found: CachedSummary | None = None, looked: bool = False) -> Compacted:
+        """The summary of ``turns[:cut]`` (all by default): cached, else made once, else why not; in a dry
+        run never made. ``looked``: ``found`` is the lookup's answer already."""
+
+
 @dataclass
 class Services:
     """What the pipeline lends a plugin for one request (all optional: the CLI may run offline)."""
 
     engine: Engine | None = None
     summaries: SummaryStore | None = None
+    compaction: Compactor | None = None  # the summaries of turns, over ``summaries`` (None: none are made)
     tenant: str = "default"
     model: str = ""
     summarizer_model: str | None = None

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p_assemble = sub.add_parser("assemble", help="run the pipeline on a request body; never forwards it")
     p_assemble.add_argument("--config", default="config/ctxproxy.yaml")
     p_assemble.add_argument("request", help="request body (JSON file, or - for stdin)")
-    p_assemble.add_argument("--wire", choices=("chat", "responses", "messages"),
+    p_assemble.add_argument("--wire", choices=_wire_names(),
                             help="the body's wire protocol (default: from the body, as explain picks it: "
                                  "responses for 'input' without 'messages', else chat)")
     p_assemble.add_argument("--key", help="proxy key, to apply that tenant's policy")
@@ -59,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         return _report(args)
     return _serve(args)
+
+
+def _wire_names() -> list[str]:
+    """The registered wires (``proxy.wire.WIRES``), in order."""
+    from proxy.wire import WIRES
+
+    return list(WIRES)
 
 
 def _load(path: str) -> Config | None:
@@ -97,21 +104,18 @@ async def _run_assemble(config: Config, raw: bytes, args: argparse.Namespace) ->
     from proxy.serve.explain import explain
     from proxy.serve.state import build_runtime, build_shared
     from proxy.wire import WIRES
-    from proxy.wire.errors import anthropic_error_body
 
     shared = build_shared(config)
     runtime = build_runtime(config, shared, engine=not args.offline).runtime
+    named = WIRES.get(args.wire) if args.wire is not None else None  # None: explain picks it from the body
     try:
         tenant = runtime.authenticate(args.key) if args.key else None
-        if args.wire is not None and args.wire not in WIRES:
+        if args.wire is not None and named is None:
             return {"error": {"message": f"the {args.wire} wire is not available", "type": "invalid_request_error",
                               "param": "wire", "code": "unknown_wire"}}, EXIT_INVALID
-        wire = WIRES[args.wire] if args.wire is not None else None  # None: explain picks it from the body
-        return await explain(runtime, wire, raw, tenant, args.override, summarize=args.summarize), EXIT_OK
+        return await explain(runtime, named, raw, tenant, args.override, summarize=args.summarize), EXIT_OK
     except CtxProxyError as exc:
-        named = WIRES.get(args.wire) if args.wire is not None else None
-        return (anthropic_error_body(exc) if named is not None and named.error_shape == "messages"
-                else exc.to_openai()), EXIT_REFUSED
+        return (named.error_body(exc) if named is not None else exc.to_openai()), EXIT_REFUSED
     finally:
         await shared.close()
 

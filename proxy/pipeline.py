@@ -86,30 +86,21 @@ class Assembly:
         return self.body.get(self.field_name)
 
 
-# The top-level fields the proxy reads or decides on, on any wire
-INTERPRETED_FIELDS = frozenset({
-    "model", "messages", "input", "instructions", "system", "tools", "functions", "tool_choice", "stream", "n",
-    "max_tokens", "max_completion_tokens", "max_output_tokens", "response_format", "text", "thinking",
-    "previous_response_id", "conversation", "prompt", "context_management",
-})
-
-
-def check_field_names(body: dict[str, Any]) -> None:
-    """Refuse a top-level key that differs from a field the proxy reads only by case (``"Model"``,
-    ``proxy.core.fields``): such an upstream would run another model, or another output limit, than the
-    one the proxy checked."""
+def check_field_names(body: dict[str, Any], fields: frozenset[str]) -> None:
+    """Refuse a top-level key that differs from a field the proxy reads (``fields``: every wire's, so that no
+    wire's field slips through another's path) only by case (``"Model"``, ``proxy.core.fields``): such an
+    upstream would run another model, or another output limit, than the one the proxy checked."""
     for key in body:
-        field = case_variant(key, INTERPRETED_FIELDS)
+        field = case_variant(key, fields)
         if field is not None:
             raise BadRequest(f"'{key[:40]}' differs from the field '{field}' only by case; send '{field}' alone",
                              param=key[:40], code="ambiguous_field")
 
 
-def request_max_tokens(body: dict[str, Any], fields: tuple[str, ...]) -> dict[str, int]:
-    """The request's output limits, by field (several may be present)."""
+def request_max_tokens(body: dict[str, Any], wire: WireAdapter) -> dict[str, int]:
+    """The request's output limits, by field (several may be present; the wire says where they are)."""
     out: dict[str, int] = {}
-    for key in fields:
-        value = body.get(key)
+    for key, value in wire.output_limits(body).items():
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -122,7 +113,7 @@ def limit_output(
     body: dict[str, Any], wire: WireAdapter, route: ModelRoute, policy: Policy, report: Report
 ) -> tuple[int | None, dict[str, Any]]:
     """Apply the tenant's max_output_tokens: clamp (or refuse) every output field, add one when none is set."""
-    limits = request_max_tokens(body, wire.output_fields)
+    limits = request_max_tokens(body, wire)
     cap = policy.max_output_tokens
     changes: dict[str, Any] = {}
     if cap is not None:
@@ -267,8 +258,7 @@ def _plan(
     report.warnings.extend(prepared.notes)
 
     max_tokens, changes = limit_output(body, wire, route, policy, report)
-    if route.upstream_model != body.get("model"):
-        changes["model"] = route.upstream_model
+    changes.update(wire.model_changes(body, route.upstream_model))
     if prepared.unmanaged is not None:
         return _unmanaged(body, prepared, wire, route, policy, report, max_tokens, changes, calibration)
 

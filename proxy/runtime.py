@@ -9,9 +9,10 @@ summary cache, calibration); requests in flight keep the Runtime they started on
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
-from plugins.base import Engine, Services, SummaryStore
+from plugins.base import Compactor, Engine, Services, SummaryStore
 from proxy.core.conversation import WireAdapter
 from proxy.core.errors import AuthenticationError, BadRequest, ModelNotFound, SummarizerFailed
 from proxy.core.modelinfo import ModelMap
@@ -36,6 +37,15 @@ class Calibration(Protocol):
     async def prime(self, route: ModelRoute, tenant: str) -> None: ...
 
 
+def model_of(wire: WireAdapter, body: dict[str, Any], params: Mapping[str, str] | None = None) -> str:
+    """The model a request names, where its wire keeps it; the one refusal of a request without one."""
+    model = wire.model_of(body, params or {})
+    if not isinstance(model, str) or not model:
+        raise BadRequest(f"'{wire.model_param}' is required and must be a string", param=wire.model_param,
+                         code="missing_model")
+    return model
+
+
 class Runtime:
     def __init__(
         self,
@@ -46,8 +56,10 @@ class Runtime:
         summaries: SummaryStore | None = None,
         engine: Engine | None = None,
         calibration: Calibration | None = None,
+        compaction: Compactor | None = None,
     ) -> None:
         self.config = config
+        self.compaction = compaction  # the one compaction service, over ``summaries`` (proxy.store.compaction)
         self.tokenizers = tokenizers
         self.model_map = model_map
         self.summaries = summaries
@@ -99,6 +111,7 @@ class Runtime:
         return Services(
             engine=self.engine,
             summaries=self.summaries,
+            compaction=self.compaction,
             tenant=policy.tenant,
             model=route.name,
             summarizer_model=policy.summarizer_model,
@@ -129,12 +142,11 @@ class Runtime:
         offload: bool = False,
         request_id: str = "",
         dry_run: bool = False,
+        params: Mapping[str, str] | None = None,
     ) -> tuple[Assembly, ModelRoute, Policy]:
         """Policy, route and the whole pipeline for one body of ``wire`` (its synchronous steps in a worker
-        thread with ``offload``: a large body)."""
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise BadRequest("'model' is required and must be a string", param="model", code="missing_model")
+        thread with ``offload``: a large body); ``params``: the request path's (a model in the path)."""
+        model = model_of(wire, body, params)
         route = self.route(model)
         policy = self.policy(tenant, model, override)
         counter = self.tokenizers.get(route.encoding)

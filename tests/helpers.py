@@ -381,6 +381,10 @@ async def running(config: Config, engine: Any = None) -> AsyncIterator[Runtime]:
 
 
 def services(counter: Any, engine: Any = None, summaries: Any = None, **extra: Any) -> Services:
+    from proxy.store.compaction import Compaction
+
+    if summaries is not None:
+        extra.setdefault("compaction", Compaction(summaries))  # as the runtime lends it, over the same store
     return Services(engine=engine, summaries=summaries, model=MODEL, counter=counter, **extra)
 
 
@@ -558,7 +562,7 @@ def assembly_problems(
     ``fixed`` the tokens of the request's tool schemas.
     """
     from proxy.core.errors import PayloadError
-    from proxy.wire.chat import check_messages as check
+    from tests.wire.chat_helpers import check_messages as check
 
     problems: list[str] = []
     out = assembly.messages

@@ -24,7 +24,6 @@ from proxy.core.tokens import TokenCounter
 from proxy.pipeline import Assembly, assemble
 from proxy.policy import Routes, policy_for
 from proxy.wire.chat import WIRE as CHAT
-from proxy.wire.chat import repair_messages as repair
 from proxy.wire.messages import WIRE as MESSAGES
 from proxy.wire.responses import WIRE as RESPONSES
 from tests.conftest import StartProxy, base_config
@@ -57,6 +56,7 @@ from tests.helpers import (
     words,
 )
 from tests.outside import post, text_of
+from tests.wire.chat_helpers import repair_messages as repair
 
 WINDOWS = (2_000, 4_000, 8_000)
 COUNTER = TokenCounter("o200k_base")  # one counter: per-message counts are LRU-cached

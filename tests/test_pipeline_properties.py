@@ -28,8 +28,6 @@ from proxy.core.tokens import TokenCounter
 from proxy.pipeline import Assembly, assemble
 from proxy.policy import Routes, policy_for
 from proxy.wire.chat import WIRE as CHAT
-from proxy.wire.chat import check_messages as check
-from proxy.wire.chat import repair_messages as repair
 from tests.helpers import (
     MANAGERS,
     MODEL,
@@ -46,6 +44,8 @@ from tests.helpers import (
     summary_service,
     working_memory,
 )
+from tests.wire.chat_helpers import check_messages as check
+from tests.wire.chat_helpers import repair_messages as repair
 
 COUNTER = TokenCounter("o200k_base")
 MODEL_MAP = ModelMap()

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.wire.chat import check_messages as check
 from tests.conftest import base_config
 from tests.fake_upstream import FakeUpstream
+from tests.wire.chat_helpers import check_messages as check
 
 MODEL = "gpt-4o-mini"
 MODELS = [

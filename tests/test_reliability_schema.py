@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from proxy.settings import load_config
-from proxy.wire.chat import check_messages as check
 from tests.conftest import ROOT, base_config
 from tests.fake_upstream import FakeUpstream
+from tests.wire.chat_helpers import check_messages as check
 
 SPEC = ROOT / "proxy" / "openapi.yaml"
 CATCH_ALL = "/v1/{tail}"  # the generic relay: any other /v1/* path, not described in the document

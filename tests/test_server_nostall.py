@@ -206,8 +206,8 @@ async def test_every_synchronous_step_of_a_large_request_runs_off_the_event_loop
     context_management edits, the compact input and the forwarded bytes are all made in worker threads."""
     import proxy.pipeline as pipeline
     import proxy.serve.compact as compact
+    import proxy.serve.context_management.hook as emulate
     import proxy.serve.managed as handler
-    import proxy.wire.messages.emulate as emulate
 
     seen: dict[str, list[bool]] = {}
 

@@ -75,7 +75,7 @@ async def test_growing_conversation_summaries_grow_with_conversation_not_request
     hard = WINDOW - 1000 - math.ceil(0.1 * WINDOW)
     # growth: tokens of the conversation from the first summary to the end
     from proxy.core.tokens import TokenCounter
-    from proxy.wire.chat import counts as chat_counts
+    from tests.wire.chat_helpers import counts as chat_counts
 
     counter = TokenCounter("o200k_base")
     first = statuses.index("created")
@@ -87,7 +87,7 @@ async def test_growing_conversation_summaries_grow_with_conversation_not_request
     assert 1 <= calls <= bound
     assert budget <= hard
     for rec in upstream.chat:
-        from proxy.wire.chat import check_messages as check
+        from tests.wire.chat_helpers import check_messages as check
 
         check(rec.body["messages"])
 
@@ -181,7 +181,7 @@ async def test_aged_part_larger_than_the_summarisers_window_is_folded_in_chunks(
     assert all(r.startswith("Previous summary:\n" + upstream.summary_text) for r in rest)
     # every chunk fits the summariser's own window
     from proxy.core.tokens import TokenCounter
-    from proxy.wire.chat import counts as chat_counts
+    from tests.wire.chat_helpers import counts as chat_counts
 
     counter = TokenCounter("o200k_base")
     assert all(sum(chat_counts(counter, c.body["messages"])) + 300 <= WINDOW for c in upstream.summaries)

@@ -6,8 +6,9 @@ of a prefix of this history is reused while the payload built from it stays
 within the hard budget B; past B a new one is made incrementally (previous
 summary + the newly aged turns), cutting so the result leaves one hysteresis
 step of headroom, so summariser calls grow with conversation growth, not with
-request count. With the ``drop`` summariser (or no engine) older turns are
-dropped instead, on a prefix-stable grid.
+request count. Summaries come from the one compaction service (``Services.compaction``:
+``proxy.store.compaction``), which ``/responses/compact`` and the Messages compaction use too.
+With the ``drop`` summariser (or no engine) older turns are dropped instead, on a prefix-stable grid.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from plugins.base import (
     HistoryResult,
     HistoryView,
     Params,
-    SummaryScope,
-    SummaryUnavailable,
     window,
 )
 from proxy.core.budget import TrimmerParams
@@ -46,9 +45,6 @@ def summary_text(covered_turns: int, text: str) -> str:
     return f"[Conversation summary — {covered_turns} earlier turns]\n{text}"
 
 
-WOULD_SUMMARISE = "[ctxproxy explain: a summary of these turns would be created here]"
-
-
 class Summarising(ContextManager):
     name = "summarising"
     Params = SummarisingParams
@@ -59,14 +55,11 @@ class Summarising(ContextManager):
         if n == 0 or view.payload_tokens() <= budget.threshold:
             return HistoryResult.unchanged(view)
         services = view.services
-        summarize = None
-        if self.summarizer is not None and services.summaries is not None:
-            summarize = self.summarizer.bind(services)
-        if summarize is None or self.summarizer is None or services.summaries is None:
-            return self._drop(view)
-        scope = SummaryScope(services.tenant, self.summarizer.settings_id(services))
+        compaction = services.compaction  # the one compaction service (proxy.store.compaction)
+        if self.summarizer is None or compaction is None or compaction.unavailable(self.summarizer, services):
+            return self._drop(view)  # drop (or no summariser): older turns go, on a prefix-stable grid
         chain = await view.chain_hashes()
-        found = await services.summaries.lookup(scope, chain)
+        found = await compaction.lookup(self.summarizer, services, chain)
         if found is not None:
             reused = self._with(view, found, "reused")
             if reused.summary is not None and view.payload_tokens(
@@ -77,15 +70,13 @@ class Summarising(ContextManager):
             return self._drop(view)  # not even a summary would fit: keep the recent turns, trim the rest
         if cut == 0 or (found is not None and cut <= found.covered_turns):
             return self._with(view, found, "reused") if found is not None else HistoryResult.unchanged(view)
-        if services.dry_run:
-            return self._would_create(view, cut, found)
-        try:
-            made, fresh = await services.summaries.obtain(scope, chain, cut, view.turns, found, summarize,
-                                                          request_id=services.request_id, model=services.model)
-        except SummaryUnavailable as exc:
-            status = "pending" if exc.reason == "pending" else "failed"
-            return HistoryResult(turns=view.turns, summary_status=status, detail={"reason": exc.reason})
-        return self._with(view, made, "created" if fresh else "reused")
+        made = await compaction.compact(self.summarizer, services, view.turns, chain, cut=cut, found=found,
+                                        looked=True)
+        if made.status == "would_create":
+            return self._would_create(view, cut, found, made.text)
+        if made.summary is None:
+            return HistoryResult(turns=view.turns, summary_status=made.status, detail={"reason": made.reason})
+        return self._with(view, made.summary, made.status)
 
     def _cut(self, view: HistoryView, summary_tokens: int) -> int:
         """Summarise all but the last keep_turns turns, and more if the rest would leave no headroom."""
@@ -117,9 +108,9 @@ class Summarising(ContextManager):
             detail=detail,
         )
 
-    def _would_create(self, view: HistoryView, cut: int, found: CachedSummary | None) -> HistoryResult:
-        """Explain and ``assemble``: what a summary would replace, with a placeholder, and nobody billed."""
-        item: Item = view.summary_item(WOULD_SUMMARISE, cut)
+    def _would_create(self, view: HistoryView, cut: int, found: CachedSummary | None, text: str) -> HistoryResult:
+        """Explain and ``assemble``: what a summary would replace, with the placeholder ``text``, nobody billed."""
+        item: Item = view.summary_item(text, cut)
         replaced = sum(view.turn_tokens[:cut])
         return HistoryResult(
             turns=view.turns[cut:],

@@ -1,14 +1,16 @@
 """A parsed request, wire-neutral, and the contract a wire adapter fulfils (DESIGN §7).
 
-A wire adapter (``proxy.wire.chat``, ``.responses``, ``.messages``) turns a request
+A wire's translator (``proxy.wire.chat``, ``.responses``, ``.messages``) turns a request
 body into a ``Conversation`` (``parse``) and the managed items back into a body of
 the same wire (``render``). Everything the pipeline needs from a wire beyond that
-is here too: the two pairing edits, the summary item, and the output-limit fields.
+is here too: the two pairing edits, the summary item, where the model and the output limits are.
+The server asks more of a wire (``proxy.wire.protocol.Wire``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -50,6 +52,7 @@ class WireAdapter(Protocol):
     merge_call_runs: bool  # consecutive call items form one tool group (their results follow the run)
     output_fields: tuple[str, ...]  # the body's output-limit fields, in order of precedence
     choices_field: str | None  # the field asking for several answers at once (Chat ``n``), if the wire has one
+    model_param: str  # where the model is, as an error's ``param`` names it
 
     def parse(self, body: dict[str, Any], counter: TokenCounter) -> Conversation:
         """Validate ``body`` (raise PayloadError/BadRequest) and return its items, counted."""
@@ -71,3 +74,12 @@ class WireAdapter(Protocol):
 
     def output_field(self, upstream_model: str) -> str:
         """The field to add when a tenant's output cap applies and the request sets none."""
+
+    def output_limits(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body's output limits that are set, by the name ``changes`` gives them (not checked)."""
+
+    def model_of(self, body: dict[str, Any], params: Mapping[str, str]) -> Any:
+        """The model the client asked for (``params``: the request path's parameters); not checked."""
+
+    def model_changes(self, body: dict[str, Any], upstream_model: str) -> dict[str, Any]:
+        """The changes that send ``upstream_model`` in the body (none when the model is in the path)."""

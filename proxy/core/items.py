@@ -17,6 +17,10 @@ import hashlib
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
+import orjson
+
+from proxy.core import describe
+
 SYSTEM = "system"
 USER = "user"
 ASSISTANT = "assistant"
@@ -116,3 +120,20 @@ def media_digest(data: str) -> str:
     if data.startswith("data:") and "," in data:
         data = data.split(",", 1)[1]
     return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+
+def canonical_arguments(arguments: Any) -> str:
+    """Call arguments as compact sorted JSON when they parse, else as sent (so wires agree)."""
+    if isinstance(arguments, str):
+        try:
+            parsed = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return arguments
+        try:
+            return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS).decode()
+        except TypeError:  # it parses (1024 levels) but is nested deeper than orjson writes (254): as sent
+            return arguments
+    try:
+        return orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError:
+        return describe.as_text(arguments)

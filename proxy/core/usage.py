@@ -1,12 +1,8 @@
 """The provider's ``usage`` object of any wire, normalised: what calibration and cost accounting read.
 
-Each wire reports input tokens its own way:
-
-- Chat Completions: ``prompt_tokens`` (every input token, cached ones included),
-  ``prompt_tokens_details.cached_tokens``; litellm adds Anthropic's ``cache_creation_input_tokens``.
-- Responses: ``input_tokens`` (cached included), ``input_tokens_details.cached_tokens``.
-- Anthropic Messages: ``input_tokens`` counts only the uncached part; ``cache_read_input_tokens`` and
-  ``cache_creation_input_tokens`` come on top of it.
+Each wire reports input tokens its own way, and says where (a ``UsageForm``, declared by the wire:
+``proxy.wire.<name>.translator``): the input count either includes the cached tokens (OpenAI's wires)
+or does not (Anthropic's, whose cache reads and writes come on top of it).
 
 ``normalise_usage`` turns any of them into one ``Usage`` whose ``input_tokens`` is the whole input the
 provider counted. Provider data is untrusted: a count that is missing, negative, fractional, a bool or
@@ -16,7 +12,7 @@ marked inconsistent, so nothing downstream divides by a lie.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,27 +46,42 @@ def count(value: Any) -> int | None:
     return None
 
 
-def _detail(usage: Mapping[str, Any], field: str, key: str) -> Any:
-    details = usage.get(field)
-    return details.get(key) if isinstance(details, Mapping) else None
+def _at(usage: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    """The value at ``path`` inside ``usage`` (None when any step is missing or not an object)."""
+    value: Any = usage
+    for key in path:
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(key)
+    return value
 
 
-def normalise_usage(usage: Any, wire: str | None = None) -> Usage | None:
-    """``usage`` of a ``wire`` answer (chat | responses | messages; None: told apart by its keys) as a
-    ``Usage``, or None when it carries no usable input count."""
+@dataclass(frozen=True)
+class UsageForm:
+    """Where one wire's ``usage`` object keeps its counts: a wire declares it (``proxy.wire.<name>``),
+    ``normalise_usage`` reads it.
+
+    ``additive``: cached reads and writes come on top of ``input`` (Anthropic), not inside it.
+    ``marker``: a key that tells this form apart from the others when the wire is not known.
+    """
+
+    input: str
+    cached: tuple[str, ...]
+    writes: tuple[str, ...] = ()
+    output: str = "output_tokens"
+    additive: bool = False
+    marker: str = ""
+
+
+def normalise_usage(usage: Any, form: UsageForm) -> Usage | None:
+    """``usage`` read in ``form`` as a ``Usage``, or None when it carries no usable input count."""
     if not isinstance(usage, Mapping):
         return None
-    if wire is None:
-        if "prompt_tokens" in usage:
-            wire = "chat"
-        elif "input_tokens_details" in usage:
-            wire = "responses"
-        else:
-            wire = "messages" if "input_tokens" in usage else "chat"
     consistent = True
 
-    def part(value: Any) -> int:
+    def part(path: tuple[str, ...]) -> int:
         nonlocal consistent
+        value = _at(usage, path) if path else None
         if value is None:
             return 0
         n = count(value)
@@ -79,30 +90,26 @@ def normalise_usage(usage: Any, wire: str | None = None) -> Usage | None:
             return 0
         return n
 
-    if wire == "messages":
-        base = count(usage.get("input_tokens"))
-        if base is None:
-            return None
-        cached = part(usage.get("cache_read_input_tokens"))
-        writes = part(usage.get("cache_creation_input_tokens"))
-        total = base + cached + writes
-        output = part(usage.get("output_tokens"))
-        return Usage(total, cached, writes, output, consistent)
-    if wire == "responses":
-        total_raw = count(usage.get("input_tokens"))
-        cached = part(_detail(usage, "input_tokens_details", "cached_tokens"))
-        writes = 0
-        output = part(usage.get("output_tokens"))
-    else:
-        total_raw = count(usage.get("prompt_tokens"))
-        cached = part(_detail(usage, "prompt_tokens_details", "cached_tokens"))
-        writes = part(usage.get("cache_creation_input_tokens"))
-        output = part(usage.get("completion_tokens"))
-    if total_raw is None:
+    base = count(usage.get(form.input))
+    if base is None:
         return None
-    total = total_raw
+    cached = part(form.cached)
+    writes = part(form.writes)
+    output = part((form.output,))
+    if form.additive:
+        return Usage(base + cached + writes, cached, writes, output, consistent)
+    total = base
     if cached > total:
         cached, consistent = total, False
     if writes > total - cached:
         writes, consistent = total - cached, False
     return Usage(total, cached, writes, output, consistent)
+
+
+def guess_form(usage: Any, forms: Sequence[UsageForm]) -> UsageForm:
+    """The first of ``forms`` whose marker ``usage`` carries, else the first: for a usage of an unknown wire."""
+    if isinstance(usage, Mapping):
+        for form in forms:
+            if form.marker and form.marker in usage:
+                return form
+    return forms[0]

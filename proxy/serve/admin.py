@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from typing import Any
 
 import aiohttp
@@ -23,66 +22,51 @@ from proxy.core.errors import (
 )
 from proxy.core.offload import run_step
 from proxy.runtime import Runtime
-from proxy.serve.explain import calibration_detail, explain
+from proxy.serve.explain import calibration_detail, explain_body
 from proxy.serve.http import (
-    ERROR_SHAPE,
     OVERRIDE_HEADER,
     client_keys,
     json_response,
-    read_body,
     request_id,
     state,
 )
 from proxy.serve.report import cost_report, parse_since, render
-from proxy.serve.requestlog import RequestRecord
+from proxy.serve.scope import request_scope
 from proxy.serve.workers import Supervised
 from proxy.settings import Config, Tenant, load_config
 from proxy.upstream.anthropic import anthropic_headers
 from proxy.upstream.http import open_request, upstream_headers
-from proxy.wire import WIRES
 
 WORKERS_RELOAD_WAIT = 10.0  # seconds POST /admin/reload waits for every worker to confirm
 
 
-async def explain_handler(request: web.Request) -> web.Response:
+async def explain_handler(request: web.Request) -> web.StreamResponse:
     """POST /v1/ctxproxy/explain[/<wire>] (or ``?wire=``): what the pipeline would forward, nobody billed.
 
-    With no wire named, the body says (``proxy.serve.explain.wire_of``: Responses or Chat).
-    ``?summarize=true`` makes a summary that would be created (and bills the summariser).
+    With no wire named, the body says (``proxy.wire.registry.Wires.sniff``). ``?summarize=true`` makes a
+    summary that would be created (and bills the summariser). A wire whose model is in its path takes
+    it from the query here (``?model=``).
     """
-    st = state(request)
+    wires = state(request).wires
     name = request.match_info.get("wire") or request.query.get("wire")
-    wire = WIRES.get(name) if name else None
+    wire = wires.get(name) if name else None
     if name and wire is None:
-        raise NotFound(f"No wire {name[:40]!r}; known: {', '.join(sorted(WIRES))}.")
-    # a wire picked from the body is Chat or Responses: both answer errors in OpenAI's shape
-    request[ERROR_SHAPE] = (wire or WIRES["chat"]).error_shape
-    rid = request_id(request)
-    record = RequestRecord(request_id=rid, started=time.perf_counter(), wire=(wire or WIRES["chat"]).name,
-                           event="explain")
-    status = 500
-    try:
-        tenant = st.runtime.authenticate(client_keys(request))
-        record.tenant = tenant.name if tenant else "default"
-        raw = await read_body(request)
+        raise NotFound(f"No wire {name[:40]!r}; known: {', '.join(sorted(wires))}.")
+    # a wire picked from the body answers errors in the shape of the first registered (OpenAI's) until it is known
+    async with request_scope(request, wire or next(iter(wires.values())), event="explain") as scope:
+        body = await scope.body()
+        if wire is None:
+            scope.speak(wires.sniff(body))
         summarize = request.query.get("summarize", "").lower() in ("1", "true", "yes")
-        out = await explain(st.runtime, wire, raw, tenant, request.headers.get(OVERRIDE_HEADER),
-                            summarize=summarize, request_id=rid)
-        report = out["report"]
-        record.model = report.get("model")
-        record.wire = report.get("wire") or record.wire  # the wire picked from the body, when none was named
-        status = 200
+        params = {k: v for k, v in request.query.items() if k not in ("wire", "summarize")}
+        out = await explain_body(scope.runtime, scope.wire, body, scope.tenant, request.headers.get(OVERRIDE_HEADER),
+                                 summarize=summarize, request_id=scope.request_id, offload=scope.offload,
+                                 params=params)
+        scope.record.model = out["report"].get("model")
         # the answer holds the whole forwarded conversation: written off the loop when it is large
-        data = await run_step(len(raw) > st.config.settings.server.offload_bytes, orjson.dumps, out)
-        return web.Response(body=data, content_type="application/json", headers={"x-request-id": rid})
-    except CtxProxyError as exc:
-        status, record.error = exc.status, exc.code
-        raise
-    finally:
-        record.status = status
-        record.overhead = time.perf_counter() - record.started
-        if st.config.settings.logging.requests:
-            record.log()
+        data = await run_step(scope.offload, orjson.dumps, out)
+        return scope.answered(web.Response(body=data, content_type="application/json",
+                                           headers={"x-request-id": scope.request_id}))
 
 
 async def policy_handler(request: web.Request) -> web.Response:

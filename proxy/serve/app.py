@@ -26,21 +26,24 @@ from proxy.serve.state import (
 from proxy.serve.workers import Supervised
 from proxy.settings import Config
 from proxy.store.cache import Cache
+from proxy.wire import WIRES, Wires
 
 
-def create_app(config: Config, *, config_path: str | None = None, cache: Cache | None = None) -> web.Application:
-    """Build the app; shared objects are created here and closed on cleanup."""
+def create_app(config: Config, *, config_path: str | None = None, cache: Cache | None = None,
+               wires: Wires = WIRES) -> web.Application:
+    """Build the app speaking ``wires``; shared objects are created here and closed on cleanup."""
     model_map = ModelMap()
     metrics = Metrics(tenant_names(config), model_names(config), model_map,
-                      multiprocess_dir=os.environ.get("PROMETHEUS_MULTIPROC_DIR"), upstreams=upstream_names(config))
+                      multiprocess_dir=os.environ.get("PROMETHEUS_MULTIPROC_DIR"), upstreams=upstream_names(config),
+                      wires=wires)
     shared = build_shared(config, metrics=metrics, cache=cache, model_map=model_map)
     state = State(build_runtime(config, shared), shared, metrics, config_path,
-                  supervised=Supervised.from_env(os.environ))
+                  supervised=Supervised.from_env(os.environ), wires=wires)
     # bodies are read by proxy.serve.http.read_body, which applies the running config's max_body_mb
     app = web.Application(middlewares=[error_middleware])
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
-    add_routes(app)
+    add_routes(app, wires)
     return app
 
 

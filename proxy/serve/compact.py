@@ -12,9 +12,11 @@ input's user messages, then one ``message`` item (role ``user``, text starting w
 upstream accepts back as input, and a user message is what Codex keeps of a compacted
 history (it drops developer and system messages) and what its own local compaction
 writes; the Responses wire recognises it on later requests and pins it, as it pins the
-provider's own ``compaction`` item. The summary comes from the same content-addressed
-cache and single flight as the pipeline's, so compacting a conversation twice, or
-compacting one whose prefix the pipeline already summarised, costs no second call.
+provider's own ``compaction`` item. The summary comes from the one compaction service
+(``proxy.store.compaction``), the pipeline's too, so compacting a conversation twice, or
+compacting one whose prefix the pipeline already summarised, costs no second call; under a
+policy whose summariser is ``drop`` it is refused (400 ``compaction_unavailable``): that
+policy never calls a model to summarise. Errors have the wire's shape (the scope's).
 
 Either way the input is read and counted first (in a worker thread for a large body), and
 the tenant's ``max_context_tokens`` holds: a compaction sends the whole input to a model,
@@ -31,94 +33,54 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from plugins.base import CachedSummary, Summarizer, SummaryScope
 from plugins.context.summarising import summary_text
-from plugins.summarizers.llm import LLMParams, LLMSummarizer
 from proxy.core.bands import split_bands, split_turns
 from proxy.core.conversation import Conversation
-from proxy.core.errors import BadRequest, CtxProxyError, SummarizerFailed, SummaryUnavailable, UpstreamStatus
+from proxy.core.errors import BadRequest, SummarizerFailed, UpstreamStatus
 from proxy.core.items import USER, Item
 from proxy.core.offload import run_step
 from proxy.core.pairing import repair
 from proxy.pipeline import chain_hashes, check_visible
 from proxy.policy import ModelRoute, Policy
 from proxy.runtime import Runtime
-from proxy.serve.http import (
-    ERROR_SHAPE,
-    OVERRIDE_HEADER,
-    RESPONSE_HEADERS,
-    client_keys,
-    dumps_body,
-    header_safe,
-    json_response,
-    parse_body,
-    read_body,
-    request_id,
-    state,
-)
-from proxy.serve.requestlog import RequestRecord
+from proxy.serve.http import OVERRIDE_HEADER, dumps_body, header_safe, json_response, state
+from proxy.serve.scope import request_scope
 from proxy.serve.streaming import relay_answer
+from proxy.store.compaction import summarizer_for
 from proxy.upstream.base import Outgoing
-from proxy.wire.responses import WIRE, is_compact_summary, provider_state
-from proxy.wire.responses_items import COMPACT_PREFIX, ResponsesItem, kind_of
-from proxy.wire.sse import RESPONSES, StreamWatcher
+from proxy.wire.protocol import Wire
+from proxy.wire.responses.items import COMPACT_PREFIX, ResponsesItem, kind_of
+from proxy.wire.responses.translator import is_compact_summary, provider_state
+from proxy.wire.sse import StreamWatcher
 
-COMPACT_PATH = "/responses/compact"
 NOT_SERVED = frozenset({404, 405, 501})  # what an upstream without the endpoint answers
 
 
-async def compact_handler(request: web.Request) -> web.StreamResponse:
-    st = state(request)
-    served = st.served  # in-flight requests keep the runtime they started with
-    runtime = served.runtime
-    rid = request_id(request)
-    headers: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
-    request[RESPONSE_HEADERS] = headers
-    request[ERROR_SHAPE] = "openai"
-    record = RequestRecord(request_id=rid, started=time.perf_counter(), wire=WIRE.name, event="compact")
-    status = 500
-    try:
-        tenant = runtime.authenticate(client_keys(request))
-        record.tenant = tenant.name if tenant else "default"
-        raw = await read_body(request)
-        offload = len(raw) > runtime.config.settings.server.offload_bytes
-        body = await run_step(offload, parse_body, raw)
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise BadRequest("'model' is required and must be a string", param="model", code="missing_model")
+async def compact_handler(request: web.Request, wire: Wire) -> web.StreamResponse:
+    async with request_scope(request, wire, event="compact") as scope:
+        runtime, headers = scope.runtime, scope.headers
+        body = await scope.body()
+        model = scope.model(body)
         route = runtime.route(model)
-        policy = runtime.policy(tenant, model, request.headers.get(OVERRIDE_HEADER))  # the tenant's allow-list
-        record.model = route.name
+        policy = runtime.policy(scope.tenant, model, request.headers.get(OVERRIDE_HEADER))  # the tenant's allow-list
+        scope.record.model = route.name
         counter = runtime.tokenizers.get(route.encoding)
-        conversation = await run_step(offload, WIRE.parse, body, counter)
+        conversation = await run_step(scope.offload, wire.parse, body, counter)
         # the tenant's cap holds for a compaction too, relayed or emulated, on what ctxproxy can see
         check_visible(conversation.fixed_tokens + sum(item.tokens for item in conversation.items), policy,
-                      await runtime.calibration_factor(route, policy.tenant), WIRE.field, conversation.unmanaged)
+                      await runtime.calibration_factor(route, policy.tenant), wire.field, conversation.unmanaged)
         mode = compact_mode(runtime, route)
         if mode != "emulate":
             try:
-                response = await _relay(request, body, raw, route, headers)
-                status = response.status
-                return response
+                return scope.answered(await _relay(request, wire, body, scope.raw, route, headers))
             except UpstreamStatus as exc:
                 if mode == "relay" or exc.status not in NOT_SERVED:
                     raise
                 headers["x-ctxproxy-warning"] = header_safe(
                     f"the upstream answered {exc.status} to /responses/compact: compacted by ctxproxy's summariser")
-        out = await emulate(runtime, body, route, policy, rid, conversation, offload)
+        out = await emulate(runtime, wire, body, route, policy, scope.request_id, conversation, scope.offload)
         headers["x-ctxproxy-compact"] = "emulated"
-        status = 200
-        return json_response(out, headers=headers)
-    except CtxProxyError as exc:
-        status, record.error = exc.status, exc.code
-        raise
-    finally:
-        record.status = status
-        record.overhead = time.perf_counter() - record.started
-        st.metrics.finished(record.tenant, record.model or "other", status, overhead=None, upstream=None, ttft=None,
-                            usage=None, wire=WIRE.name)
-        if st.config.settings.logging.requests:
-            record.log()
+        return scope.answered(json_response(out, headers=headers))
 
 
 def compact_mode(runtime: Runtime, route: ModelRoute) -> str:
@@ -129,28 +91,22 @@ def compact_mode(runtime: Runtime, route: ModelRoute) -> str:
     return upstream.responses_compact if upstream is not None else "auto"
 
 
-async def _relay(request: web.Request, body: dict[str, Any], raw: bytes, route: ModelRoute,
+async def _relay(request: web.Request, wire: Wire, body: dict[str, Any], raw: bytes, route: ModelRoute,
                  headers: CIMultiDict[str]) -> web.StreamResponse:
     """The client's bytes (with the route's upstream model name) to the upstream's compact endpoint."""
     st = state(request)
-    if route.upstream_model != body.get("model"):
-        body = {**body, "model": route.upstream_model}
+    changes = wire.model_changes(body, route.upstream_model)
+    if changes:
+        body = {**body, **changes}
         raw = dumps_body(body)
-    call = Outgoing(WIRE.name, COMPACT_PATH, body, raw, False, request.headers, headers["x-request-id"])
+    path = next(own for own, name in wire.endpoints.items() if name == "compact")
+    call = Outgoing(wire.name, path, body, raw, False, request.headers, headers["x-request-id"])
     answer = await st.served.providers.for_route(route).send(route, call)
     return await relay_answer(request, answer, headers, idle_timeout=st.config.settings.server.idle_timeout,
-                              watcher=StreamWatcher(time.perf_counter(), RESPONSES))
+                              watcher=StreamWatcher(time.perf_counter(), wire.stream_end))
 
 
-def summarizer_for(policy: Policy) -> Summarizer:
-    """The policy's summariser when it makes summaries; else the default ``llm`` one (compact must answer)."""
-    bound = policy.manager.summarizer
-    if bound is not None and bound.name != "drop":
-        return bound
-    return LLMSummarizer(LLMParams())
-
-
-async def emulate(runtime: Runtime, body: dict[str, Any], route: ModelRoute, policy: Policy,
+async def emulate(runtime: Runtime, wire: Wire, body: dict[str, Any], route: ModelRoute, policy: Policy,
                   rid: str, conversation: Conversation, offload: bool = False) -> dict[str, Any]:
     """A ``response.compaction`` object from ctxproxy's summariser (nothing is forwarded).
 
@@ -167,12 +123,12 @@ async def emulate(runtime: Runtime, body: dict[str, Any], route: ModelRoute, pol
                          "not serve /responses/compact, so it cannot be compacted here.", param="input",
                          code="unsupported_compaction")
     counter = runtime.tokenizers.get(route.encoding)
-    items, turns, output = await run_step(offload, _compaction_input, conversation)
+    items, turns, output = await run_step(offload, _compaction_input, wire, conversation)
     summary = await _summary(runtime, route, policy, rid, turns, counter, offload) if turns else None
     received = conversation.fixed_tokens + sum(item.tokens for item in items)
     produced = 0
     if summary is not None:
-        text = f"{COMPACT_PREFIX}\n{summary_text(summary.covered_turns, summary.text)}"
+        text = f"{COMPACT_PREFIX}\n{summary_text(len(turns), summary)}"
         output.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
         produced = counter.text(text)
     return {
@@ -186,11 +142,11 @@ async def emulate(runtime: Runtime, body: dict[str, Any], route: ModelRoute, pol
     }
 
 
-def _compaction_input(conversation: Conversation) -> tuple[list[Item], list[list[Item]], list[Any]]:
+def _compaction_input(wire: Wire, conversation: Conversation) -> tuple[list[Item], list[list[Item]], list[Any]]:
     """The input's items (repaired), its turns after the system band, and its user messages as output items."""
     items = conversation.items
     if not conversation.paired:
-        items, _ = repair(items, WIRE, WIRE.merge_call_runs)
+        items, _ = repair(items, wire, wire.merge_call_runs)
     bands = split_bands(items)
     turns = split_turns(items[len(bands.system):])
     output: list[Any] = [user_message(item) for item in items
@@ -199,25 +155,22 @@ def _compaction_input(conversation: Conversation) -> tuple[list[Item], list[list
 
 
 async def _summary(runtime: Runtime, route: ModelRoute, policy: Policy, rid: str, turns: list[list[Item]],
-                   counter: Any, offload: bool) -> CachedSummary:
-    """The summary of every turn: from the cache when it holds one, else made once (single flight)."""
-    store = runtime.summaries
+                   counter: Any, offload: bool) -> str:
+    """The summary of every turn, from the one compaction service: cached, else made once (single flight)."""
     services = runtime.services(route, policy, request_id=rid)
-    summarizer = summarizer_for(policy)
-    summarize = summarizer.bind(services)
-    if store is None or summarize is None:
+    compaction = services.compaction
+    if compaction is None:
         raise SummarizerFailed("ctxproxy has no summariser to compact this conversation with.")
-    scope = SummaryScope(policy.tenant, summarizer.settings_id(services))
     chain = await run_step(offload, chain_hashes, turns, counter)
-    found = await store.lookup(scope, chain)
-    if found is not None and found.covered_turns == len(turns):
-        return found
-    try:
-        made, _fresh = await store.obtain(scope, chain, len(turns), turns, found, summarize, request_id=rid,
-                                          model=services.model)
-    except SummaryUnavailable as exc:
-        raise SummarizerFailed(f"The summariser could not compact this conversation ({exc.reason}).") from None
-    return made
+    made = await compaction.compact(summarizer_for(policy.manager.summarizer), services, turns, chain)
+    if made.status == "unavailable":
+        if made.reason == "drop":
+            raise BadRequest(f"{made.text}: this key's policy never calls a model to summarise, so ctxproxy does "
+                             "not compact its conversations.", code="compaction_unavailable")
+        raise SummarizerFailed("ctxproxy has no summariser to compact this conversation with.")
+    if made.summary is None:
+        raise SummarizerFailed(f"The summariser could not compact this conversation ({made.reason}).")
+    return made.text
 
 
 def _main(item: Item) -> dict[str, Any]:

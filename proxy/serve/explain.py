@@ -4,8 +4,9 @@ Explain never bills anyone: summaries are looked up in the cache, and what a new
 summary would replace is reported (``summary: would_create``) instead of made,
 unless the caller asks for it (``summarize``).
 
-A caller that names no wire gets Responses for a body with ``input`` and no ``messages``,
-else Chat Completions (a Messages body looks like a Chat one: it is named by ``/messages``,
+A caller that names no wire gets the wire the body looks surest of (``Wires.sniff``, each
+wire's ``sniff``): Responses for a body with ``input`` and no ``messages``, else Chat
+Completions (a Messages body looks like a Chat one: it is named by ``/messages``,
 ``?wire=messages`` or ``--wire messages``).
 
 The body first goes through what the managed handler runs before the pipeline: the wire's
@@ -22,64 +23,40 @@ explain gives the net before it.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
-from proxy.core.conversation import WireAdapter
 from proxy.core.offload import run_step
 from proxy.pipeline import Report
 from proxy.policy import ModelRoute
 from proxy.runtime import Runtime
 from proxy.serve.costs import request_cost
+from proxy.serve.hooks import HOOKS
 from proxy.serve.http import parse_body
+from proxy.serve.managed import Exchange
 from proxy.settings import Tenant
 from proxy.store.calibration import ConfiguredCalibration
-from proxy.wire.chat import WIRE as CHAT
-from proxy.wire.messages import WIRE as MESSAGES
-from proxy.wire.messages.emulate import HOOK as MESSAGES_HOOK
-from proxy.wire.responses import WIRE as RESPONSES
-
-
-class ExplainedExchange(Protocol):
-    """What a wire's request hook made of one request, as explain reads it."""
-
-    body: dict[str, Any]
-    edited: bool  # the pipeline runs on ``body``, not on the client's
-    warnings: list[str]
-
-    def local_answer(self) -> object | None:
-        """The answer the proxy would make itself (the request is then not forwarded), or None."""
-
-    def describe(self) -> dict[str, Any]:
-        """What the hook did, for the report."""
-
-
-class DryRunHook(Protocol):
-    """``proxy.serve.managed.RequestHook`` that can also run without calling (billing) anyone."""
-
-    async def begin(self, runtime: Runtime, tenant: Tenant | None, body: dict[str, Any], *,
-                    override: str | None, request_id: str, dry_run: bool = False,
-                    offload: bool = False) -> ExplainedExchange | None: ...
-
-
-# The hooks the managed handler runs, by wire (``proxy.serve.routes.HOOKS``: the same ones, a test keeps them equal;
-# routes imports the explain handler, so this module cannot import routes without a circle).
-HOOKS: dict[str, DryRunHook] = {MESSAGES.name: MESSAGES_HOOK}
-
-
-def wire_of(body: dict[str, Any]) -> WireAdapter:
-    """The wire of a body whose caller names none: ``input`` without ``messages`` is Responses, anything else Chat."""
-    return RESPONSES if "input" in body and "messages" not in body else CHAT
+from proxy.wire import WIRES, Wires
+from proxy.wire.protocol import Wire
 
 
 async def explain(
-    runtime: Runtime, wire: WireAdapter | None, raw: bytes, tenant: Tenant | None, override: str | None,
-    *, summarize: bool = False, request_id: str = "",
+    runtime: Runtime, wire: Wire | None, raw: bytes, tenant: Tenant | None, override: str | None,
+    *, summarize: bool = False, request_id: str = "", wires: Wires = WIRES, params: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """What ``wire`` (None: the body's, ``wire_of``) would forward for ``raw``, and the report; nothing is sent."""
+    """What ``wire`` (None: the body's, ``Wires.sniff``) would forward for ``raw``, and the report; nothing is
+    sent. ``params``: the request path's (a wire whose model is in its path)."""
     # large bodies are parsed and assembled off the event loop, as on the managed path
     offload = len(raw) > runtime.config.settings.server.offload_bytes
-    body = await run_step(offload, parse_body, raw)
-    wire = wire if wire is not None else wire_of(body)
+    body = await run_step(offload, parse_body, raw, wires.interpreted_fields)
+    return await explain_body(runtime, wire or wires.sniff(body), body, tenant, override, summarize=summarize,
+                              request_id=request_id, offload=offload, params=params)
+
+
+async def explain_body(
+    runtime: Runtime, wire: Wire, body: dict[str, Any], tenant: Tenant | None, override: str | None,
+    *, summarize: bool = False, request_id: str = "", offload: bool = False, params: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """``explain`` of a parsed body of ``wire``."""
     hook = HOOKS.get(wire.name)
     exchange = None
     if hook is not None:  # as the managed handler does, and as cheaply as the pipeline below (dry-run)
@@ -88,7 +65,7 @@ async def explain(
     if exchange is not None and exchange.edited:
         body = exchange.body  # what the handler would run the pipeline on (and forward)
     assembly, route, _policy = await runtime.assemble(wire, body, tenant=tenant, override=override, offload=offload,
-                                                      request_id=request_id, dry_run=not summarize)
+                                                      request_id=request_id, dry_run=not summarize, params=params)
     if exchange is not None:
         assembly.report.warnings.extend(hook_warnings(exchange))
     report = assembly.report.as_dict()
@@ -99,7 +76,7 @@ async def explain(
     return {wire.field: assembly.messages, "report": report}
 
 
-def hook_warnings(exchange: ExplainedExchange) -> list[str]:
+def hook_warnings(exchange: Exchange) -> list[str]:
     """The hook's warnings, as the handler adds them to the report, and whether the proxy would answer itself."""
     if exchange.local_answer() is None:
         return exchange.warnings

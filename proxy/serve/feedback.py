@@ -2,7 +2,7 @@
 
 ``settle`` runs in the managed handler's ``finally`` for every request the pipeline assembled (no
 await: nothing here can delay or fail the answer). It normalises the provider's usage
-(``proxy.core.usage``), gives the calibration store the tenant's sample (``proxy.store.calibration``; a
+(in the form its wire says, ``proxy.core.usage``), gives the calibration store the tenant's sample (``proxy.store.calibration``; a
 refusal for length, ``proxy.core.refusal``, is one too), lets the
 prompt-cache tracker compare the answer with the conversation's previous one
 (``proxy.store.promptcache``), prices the request (``proxy.serve.costs``) and counts it in the
@@ -21,14 +21,15 @@ from proxy.serve.costs import RequestCost, removed_tokens, request_cost
 from proxy.serve.metrics import Metrics
 from proxy.serve.state import Shared
 from proxy.store.calibration import hidden_input
+from proxy.wire.protocol import Wire
 
 
 def settle(shared: Shared, metrics: Metrics, route: ModelRoute, assembly: Assembly, tenant: str, usage: Any,
-           status: int, wire: str, *, refusal: Refusal | None = None) -> RequestCost:
+           status: int, wire: Wire, *, refusal: Refusal | None = None) -> RequestCost:
     """Calibrate from one answer (or a refusal for length), measure its prompt-cache effect, count its figures;
     returns them (for the log)."""
     report = assembly.report
-    answered: Usage | None = normalise_usage(usage, wire) if 200 <= status < 300 else None
+    answered: Usage | None = normalise_usage(usage, wire.usage_form) if 200 <= status < 300 else None
     hidden = hidden_input(assembly.body)
     if refusal is not None:  # the provider counted more than its window: the ratio is at least window / ours
         sample = shared.calibration.refused(tenant, route.upstream, route.upstream_model, refusal.input_tokens,

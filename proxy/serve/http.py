@@ -28,7 +28,8 @@ from proxy.pipeline import check_field_names
 from proxy.serve.decoding import content_codings, decode_body
 from proxy.serve.state import STATE, State
 from proxy.store.guard import cache_budget
-from proxy.wire.errors import anthropic_error_body
+from proxy.wire import WIRES
+from proxy.wire.protocol import STANDARD_KEY_HEADERS, Wire, read_keys
 
 log = logging.getLogger("ctxproxy")
 
@@ -37,8 +38,9 @@ REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 OVERRIDE_HEADER = "x-ctxproxy-context-manager"
 # headers every answer to this request carries, errors included (x-request-id, x-ctxproxy-*)
 RESPONSE_HEADERS = web.RequestKey("response_headers", CIMultiDict[str])
-# the wire whose error shape this request's errors take ("messages": Anthropic's; else OpenAI's)
-ERROR_SHAPE = web.RequestKey("error_shape", str)
+# the wire whose error shape this request's errors take (before a handler says: the path's wire, else OpenAI's)
+ERROR_WIRE = web.RequestKey("error_wire", Wire)
+ErrorBody = Callable[[CtxProxyError], dict[str, Any]]
 
 
 def state(request: web.Request) -> State:
@@ -50,24 +52,31 @@ def json_response(payload: Any, status: int = 200, headers: Any = None) -> web.R
                         headers=headers)
 
 
-def error_payload(error: CtxProxyError, shape: str) -> dict[str, Any]:
-    return anthropic_error_body(error) if shape == "messages" else error.to_openai()
+def openai_body(error: CtxProxyError) -> dict[str, Any]:
+    """OpenAI's error shape: the proxy's own endpoints' (the admin, explain and relayed paths of no wire)."""
+    return error.to_openai()
 
 
-def error_response(error: CtxProxyError, headers: Any = None, shape: str = "openai") -> web.Response:
+def error_response(error: CtxProxyError, headers: Any = None, body: ErrorBody = openai_body) -> web.Response:
+    """``error`` as an answer: ``body`` gives its shape (a wire's ``error_body``), the headers carry on."""
     out: CIMultiDict[str] = CIMultiDict(headers or {})
     out.popall("Content-Type", None)  # the upstream's, when it failed after sending its headers
     if isinstance(error, (UpstreamStatus, UnsupportedEncoding)):
         for name, value in error.headers.items():
             if name.lower() not in ("content-type",):
                 out[name] = value
-    return json_response(error_payload(error, shape), error.status, out)
+    return json_response(body(error), error.status, out)
 
 
-def shape_for_path(path: str) -> str:
-    """The error shape a path's clients parse before a handler says: Anthropic's on ``/messages*``, else OpenAI's."""
-    tail = path[3:] if path.startswith("/v1/") else path
-    return "messages" if tail == "/messages" or tail.startswith("/messages/") else "openai"
+def error_shape(request: web.Request) -> ErrorBody:
+    """How this request's errors look: its wire's (a handler names it), else the wire its path belongs to."""
+    wire: Wire | None = request.get(ERROR_WIRE)
+    if wire is not None:
+        return wire.error_body
+    st = request.app.get(STATE)
+    wires = st.wires if isinstance(st, State) else WIRES  # (an app without the state: the default wires)
+    found = wires.for_path(request.path, below=True)
+    return found.error_body if found is not None else openai_body
 
 
 @web.middleware
@@ -76,43 +85,35 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
     Each request (and each task it starts) also gets its cache-time budget here (``proxy.store.guard``).
     """
-    shape = request.get(ERROR_SHAPE, shape_for_path(request.path))
     st = request.app.get(STATE)
     try:
         with cache_budget(st.config.settings.cache.budget_seconds if st is not None else None):
             return await handler(request)
     except CtxProxyError as exc:
-        return error_response(exc, request.get(RESPONSE_HEADERS), request.get(ERROR_SHAPE, shape))
+        return error_response(exc, request.get(RESPONSE_HEADERS), error_shape(request))
     except web.HTTPRequestEntityTooLarge:
         return error_response(BodyTooLarge("The request body is larger than this proxy accepts."),
-                              shape=request.get(ERROR_SHAPE, shape))
+                              body=error_shape(request))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(RouteError(exc.status, exc.reason), shape=request.get(ERROR_SHAPE, shape))
+        return error_response(RouteError(exc.status, exc.reason), body=error_shape(request))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
         return error_response(CtxProxyError("The proxy failed to handle this request."),
-                              request.get(RESPONSE_HEADERS), request.get(ERROR_SHAPE, shape))
+                              request.get(RESPONSE_HEADERS), error_shape(request))
 
 
-def client_keys(request: web.Request) -> tuple[str, ...]:
-    """Every key a client sent, in order: ``Authorization: Bearer``, ``x-api-key`` (Anthropic clients), ``api-key``.
+def client_keys(request: web.Request, names: tuple[str, ...] = STANDARD_KEY_HEADERS) -> tuple[str, ...]:
+    """Every key a client sent in ``names`` (a wire's ``key_headers``), in order; by default
+    ``Authorization: Bearer``, ``x-api-key`` (Anthropic clients), ``api-key``.
 
     A client may send more than one (Claude Code with both ``ANTHROPIC_AUTH_TOKEN`` and ``ANTHROPIC_API_KEY``
     set): authentication takes the first that names a tenant.
     """
-    keys: list[str] = []
-    value = request.headers.get("Authorization", "")
-    if value[:7].lower() == "bearer " and value[7:].strip():
-        keys.append(value[7:].strip())
-    for name in ("x-api-key", "api-key"):
-        key = request.headers.get(name, "").strip()
-        if key:
-            keys.append(key)
-    return tuple(keys)
+    return read_keys(request.headers, names)
 
 
 async def read_body(request: web.Request) -> bytes:
@@ -143,14 +144,16 @@ async def read_body(request: web.Request) -> bytes:
     return decode_body(raw, codings, limit)
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+def parse_body(raw: bytes, fields: frozenset[str] = WIRES.interpreted_fields) -> dict[str, Any]:
+    """A request body: a JSON object none of whose keys differs from a field the proxy reads (``fields``) only by
+    case."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidJSON(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object", code="invalid_body")
-    check_field_names(body)
+    check_field_names(body, fields)
     return body
 
 

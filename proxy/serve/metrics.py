@@ -57,6 +57,7 @@ from proxy.core.usage import normalise_usage
 from proxy.pipeline import REMOVED_HOW, SUMMARY_STATUSES
 from proxy.store.calibration import SAMPLE_RESULTS
 from proxy.upstream.engine import FAILURE_REASONS
+from proxy.wire import WIRES, Wires
 
 if TYPE_CHECKING:
     from plugins.base import Completion
@@ -72,7 +73,6 @@ log = logging.getLogger("ctxproxy")
 OTHER = "other"
 LABEL_MEMO = 4096  # model names whose label is remembered (they come from clients)
 SUMMARY_RESULTS = SUMMARY_STATUSES - {"none"}
-WIRES = frozenset({"chat", "responses", "messages"})
 CACHE_OPERATIONS = frozenset({"get", "set", "lock", "unlock", "renew", "ping"})
 ERROR_CODE = re.compile(r"[a-z_]{1,40}")
 MAX_ERROR_CODES = 50
@@ -96,7 +96,9 @@ class Metrics:
         *,
         multiprocess_dir: str | None = None,
         upstreams: Iterable[str] = (),
+        wires: Wires = WIRES,
     ) -> None:
+        self.wires = wires  # the ``wire`` label's values, and how each wire's usage reads
         if multiprocess_dir is not None:
             _check_multiprocess(multiprocess_dir)
         self.multiprocess_dir = multiprocess_dir
@@ -286,7 +288,7 @@ class Metrics:
                 self.repairs.labels(kind if kind in REPAIR_KINDS else OTHER).inc(n)
         if report.unmanaged:
             reason = report.unmanaged if report.unmanaged in UNMANAGED_REASONS else OTHER
-            self.unmanaged.labels(report.wire if report.wire in WIRES else OTHER, reason).inc()
+            self.unmanaged.labels(report.wire if report.wire in self.wires.names else OTHER, reason).inc()
         if removed and self.model_map.input_price(upstream_model or model) is None:
             self._unpriced(upstream_model or model)
         self._ledger(t, m, tokens_received=max(0, report.tokens_before), tokens_forwarded=max(0, report.tokens_after),
@@ -352,7 +354,7 @@ class Metrics:
     ) -> None:
         """One finished request: status, timings, and the provider's usage block if any."""
         t, m = self.tenant_label(tenant), self.model_label(model)
-        self._child(self.requests, t, m, wire if wire in WIRES else OTHER,
+        self._child(self.requests, t, m, wire if wire in self.wires.names else OTHER,
                     str(status) if 100 <= status <= 599 else OTHER).inc()
         self._ledger(t, m, requests=1)
         if overhead is not None:
@@ -361,7 +363,7 @@ class Metrics:
             self._child(self.upstream, t, m).observe(max(0.0, upstream))
         if ttft is not None:
             self._child(self.ttft, t, m).observe(max(0.0, ttft))
-        cached = _cached_tokens(usage, wire)
+        cached = self._cached_tokens(usage, wire)
         if cached:
             self._child(self.cached_tokens, t, m).inc(cached)
 
@@ -378,6 +380,16 @@ class Metrics:
         self.prefix_stable.labels(
             self.tenant_label(tenant), self.model_label(model), "stable" if stable else "shifted").inc()
 
+    def _cached_tokens(self, usage: dict[str, Any] | None, wire: str) -> int:
+        """The provider's cached input tokens, read in the wire's own form (a usage of no known wire: guessed)."""
+        known = self.wires.get(wire)
+        normalised = normalise_usage(usage, known.usage_form) if known is not None else self.wires.guess_usage(usage)
+        if normalised is not None:
+            return normalised.cached_tokens
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        value = details.get("cached_tokens") if isinstance(details, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
     # -- exposition -----------------------------------------------------------------------------------
 
     def render(self) -> tuple[bytes, str]:
@@ -387,15 +399,6 @@ class Metrics:
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
         return generate_latest(registry), CONTENT_TYPE_LATEST
-
-
-def _cached_tokens(usage: dict[str, Any] | None, wire: str = "chat") -> int:
-    normalised = normalise_usage(usage, wire if wire in WIRES else None)
-    if normalised is not None:
-        return normalised.cached_tokens
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    value = details.get("cached_tokens") if isinstance(details, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _factor(value: float) -> float:

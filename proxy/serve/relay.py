@@ -28,12 +28,12 @@ from yarl import URL
 from proxy.core.deadline import deadline
 from proxy.core.errors import BadRequest, ModelNotFound, NotFound, PermissionDenied
 from proxy.core.fields import go_fold
-from proxy.serve.http import ERROR_SHAPE, Handler, client_keys, read_body, request_id, shape_for_path, state
+from proxy.serve.http import ERROR_WIRE, Handler, client_keys, read_body, request_id, state
 from proxy.serve.streaming import relay_answer
 from proxy.settings import Tenant
 from proxy.upstream.anthropic import anthropic_headers
 from proxy.upstream.http import HTTPAnswer, open_request, read_error, response_headers, upstream_headers
-from proxy.wire.sse import StreamWatcher, stream_end_for_path
+from proxy.wire.sse import StreamWatcher
 
 _SLASHES = re.compile(r"/{2,}")
 
@@ -53,7 +53,9 @@ def make_relay(managed: dict[str, Handler]) -> Handler:
         if path == "/v1/ctxproxy" or path.startswith("/v1/ctxproxy/"):
             # the proxy's own namespace, however spelled (/v1/ctxproxy%2Fpolicy), is never relayed
             raise NotFound(f"No route for {request.method} {path}.")
-        request[ERROR_SHAPE] = shape_for_path(path)  # Anthropic's clients parse Anthropic's error shape
+        wire = state(request).wires.for_path(path, below=True)
+        if wire is not None:  # a wire's clients parse its error shape (Anthropic's on /v1/messages/batches)
+            request[ERROR_WIRE] = wire
         handler = managed.get(path) if request.method == "POST" else None
         if handler is not None:
             return await handler(request)
@@ -92,7 +94,7 @@ async def _relay(request: web.Request, path: str) -> web.StreamResponse:
     if response.content_type == "text/event-stream":
         return await relay_answer(request, HTTPAnswer(response, upstream.api_key), response_headers({}),
                                   idle_timeout=server.idle_timeout,
-                                  watcher=StreamWatcher(time.perf_counter(), stream_end_for_path(path)))
+                                  watcher=StreamWatcher(time.perf_counter(), st.wires.stream_end_for_path(path)))
     out = web.StreamResponse(status=response.status, headers=response_headers(response.headers))
     try:
         await out.prepare(request)

@@ -1,43 +1,58 @@
-"""Every route the server answers, in one readable list (a managed wire is its adapter plus its paths)."""
+"""Every route the server answers, in one readable list; a managed wire's routes come from the registry.
+
+Each registered wire (``proxy.wire.Wires``) is served on its paths, under ``/v1`` and at the root,
+by the one managed handler with the wire's hook (``proxy.serve.hooks``); its other endpoints by the
+handler their name says (``ENDPOINTS``: a name no handler has is an error when the app is built).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from types import MappingProxyType
+
 from aiohttp import web
 
-from proxy.serve import admin, messages
-from proxy.serve.compact import COMPACT_PATH, compact_handler
+from proxy.serve import admin
+from proxy.serve.compact import compact_handler
+from proxy.serve.hooks import HOOKS
 from proxy.serve.http import Handler
-from proxy.serve.managed import ManagedWire, RequestHook, make_handler
+from proxy.serve.managed import make_handler
+from proxy.serve.messages import count_tokens_handler
 from proxy.serve.relay import canonical_path, make_relay
-from proxy.wire.chat import WIRE as CHAT
-from proxy.wire.messages import WIRE as MESSAGES
-from proxy.wire.responses import WIRE as RESPONSES
+from proxy.wire import WIRES, Wires
+from proxy.wire.protocol import Wire
 
-# a managed wire and the paths it answers (each also under /v1)
-MANAGED: tuple[tuple[ManagedWire, tuple[str, ...]], ...] = (
-    (CHAT, ("/chat/completions",)),
-    (RESPONSES, ("/responses",)),
-    (MESSAGES, ("/messages",)),
-)
-# what a wire does around the pipeline, by wire name (Messages: context_management emulation)
-HOOKS: dict[str, RequestHook] = {MESSAGES.name: messages.HOOK}
+# a wire's other endpoints, by the name its translator gives them
+ENDPOINTS: MappingProxyType[str, Callable[[web.Request, Wire], Awaitable[web.StreamResponse]]] = MappingProxyType({
+    "compact": compact_handler,  # relayed, or answered by ctxproxy's summariser (Codex has no fallback)
+    "count_tokens": count_tokens_handler,  # relayed or counted locally (Claude Code breaks on a 404 here)
+})
 
 
-def add_routes(app: web.Application) -> None:
+def _bound(endpoint: Callable[[web.Request, Wire], Awaitable[web.StreamResponse]], wire: Wire) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await endpoint(request, wire)
+
+    handle.__name__ = f"{wire.name}_{endpoint.__name__}"
+    return handle
+
+
+def add_routes(app: web.Application, wires: Wires = WIRES) -> None:
     r = app.router
     managed: dict[str, Handler] = {}
-    for wire, paths in MANAGED:
+    for wire in wires.values():
         handler = make_handler(wire, HOOKS.get(wire.name))
-        for path in paths:
+        served: list[tuple[str, Handler]] = [(path, handler) for path in wire.paths]
+        for path, name in wire.endpoints.items():
+            endpoint = ENDPOINTS.get(name)
+            if endpoint is None:
+                raise ValueError(f"the {wire.name} wire's endpoint {path} names no handler: {name!r}")
+            served.append((path, _bound(endpoint, wire)))
+        for path, serve in served:
             for spelling in ("/v1" + path, path):
-                r.add_post(spelling, handler)
-                managed[canonical_path(spelling)] = handler
-    for spelling in ("/v1" + COMPACT_PATH, COMPACT_PATH):  # relayed or answered by ctxproxy's summariser
-        r.add_post(spelling, compact_handler)
-        managed[canonical_path(spelling)] = compact_handler
-    for spelling in ("/v1/messages/count_tokens", "/messages/count_tokens"):  # Claude Code breaks on a 404 here
-        r.add_post(spelling, messages.count_tokens_handler)
-        managed[canonical_path(spelling)] = messages.count_tokens_handler
+                r.add_post(spelling, serve)
+                if "{" not in spelling:  # a path with a model in it is routed by aiohttp alone
+                    managed[canonical_path(spelling)] = serve
     r.add_post("/v1/ctxproxy/explain", admin.explain_handler)
     r.add_post("/v1/ctxproxy/explain/{wire}", admin.explain_handler)
     r.add_get("/v1/ctxproxy/policy", admin.policy_handler)

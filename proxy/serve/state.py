@@ -28,6 +28,7 @@ from proxy.settings import Config, load_config
 from proxy.store.backends import cache_guard, open_cache, open_ledger_store
 from proxy.store.cache import Cache, SafeCache
 from proxy.store.calibration import CalibrationStore, ConfiguredCalibration
+from proxy.store.compaction import Compaction
 from proxy.store.ledger import Ledger
 from proxy.store.prefix import PrefixTracker
 from proxy.store.promptcache import PromptCacheTracker
@@ -35,6 +36,7 @@ from proxy.store.summaries import LOCK_TTL, SummaryService
 from proxy.upstream.engine import UpstreamEngine
 from proxy.upstream.http import UpstreamPool
 from proxy.upstream.providers import Providers
+from proxy.wire import WIRES, Wires
 
 log = logging.getLogger("ctxproxy")
 
@@ -148,7 +150,8 @@ def build_runtime(config: Config, shared: Shared, *, engine: bool = True) -> Ser
     providers = Providers(config, shared.pool)
     shared.model_map.set_price_overrides(price_overrides(config))
     runtime = Runtime(config, tokenizers=shared.tokenizers, model_map=shared.model_map, summaries=shared.summaries,
-                      calibration=ConfiguredCalibration(shared.calibration, config))
+                      calibration=ConfiguredCalibration(shared.calibration, config),
+                      compaction=Compaction(shared.summaries))
     if engine:
         runtime.engine = UpstreamEngine(runtime.route, providers.for_route)
     return Served(runtime, providers)
@@ -174,6 +177,7 @@ class State:
     prefix: PrefixTracker = field(default_factory=PrefixTracker)
     draining: bool = False
     supervised: Supervised | None = None  # a worker of ``serve --workers N``
+    wires: Wires = field(default_factory=lambda: WIRES)  # the wires this app speaks (``create_app(wires=...)``)
     started_with: Config = field(init=False)  # the config the process was built with
 
     def __post_init__(self) -> None:

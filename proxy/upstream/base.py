@@ -28,9 +28,11 @@ if TYPE_CHECKING:
 class Outgoing:
     """One managed request on its way upstream.
 
-    ``wire``: chat | responses | messages; ``path``: the wire's path below the API root
-    (``/chat/completions``); ``body``: the managed body; ``data``: its bytes (the client's
-    own when nothing changed); ``client_headers``: the client's request headers.
+    ``wire``: the wire's name (chat | responses | messages …); ``path``: the wire's path below the
+    API root (``/chat/completions``); ``body``: the managed body; ``data``: its bytes (the client's
+    own when nothing changed); ``client_headers``: the client's request headers; ``fields``: the
+    request fields a provider that rebuilds the call (litellm) may pass on, as the wire says
+    (None: the wire has no such route).
     """
 
     wire: str
@@ -40,6 +42,7 @@ class Outgoing:
     stream: bool
     client_headers: Mapping[str, str]
     request_id: str
+    fields: frozenset[str] | None = None
 
 
 class Answer(Protocol):

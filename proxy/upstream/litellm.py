@@ -41,34 +41,13 @@ from proxy.settings import ServerSettings, UpstreamSettings
 from proxy.upstream.base import Outgoing
 from proxy.upstream.http import REDACTED, Redactor, completion_from
 from proxy.upstream.litellm_errors import answer_headers, upstream_error
+from proxy.wire.chat import WIRE as CHAT
 
 if TYPE_CHECKING:
     from proxy.policy import ModelRoute
 
-# What a client may pass to litellm, per wire: the provider API's own request fields. Everything else is
-# dropped, because litellm reads many more keyword arguments as its own (api_base, base_url, api_key,
-# extra_headers, mock_response, fallbacks, callbacks, timeout …): from a client's body they would send the
-# operator's key to a host of the client's choosing, lift the tenant's caps or bypass the model routes.
-CHAT_FIELDS = frozenset({
-    "messages", "functions", "function_call", "temperature", "top_p", "n", "stream_options", "stop",
-    "max_tokens", "max_completion_tokens", "modalities", "prediction", "audio", "presence_penalty",
-    "frequency_penalty", "logit_bias", "user", "response_format", "seed", "tools", "tool_choice",
-    "parallel_tool_calls", "logprobs", "top_logprobs", "reasoning_effort", "verbosity", "safety_identifier",
-    "service_tier", "store", "prompt_cache_key", "prompt_cache_retention", "thinking", "web_search_options",
-})
-RESPONSES_FIELDS = frozenset({
-    "input", "include", "instructions", "max_output_tokens", "prompt", "parallel_tool_calls",
-    "previous_response_id", "reasoning", "store", "background", "temperature", "text", "tool_choice", "tools",
-    "top_p", "truncation", "user", "service_tier", "safety_identifier", "conversation", "max_tool_calls",
-    "prompt_cache_key", "prompt_cache_retention", "stream_options", "top_logprobs", "metadata",
-    "context_management", "partial_images",
-})
-MESSAGES_FIELDS = frozenset({
-    "max_tokens", "messages", "metadata", "stop_sequences", "system", "temperature", "thinking", "tool_choice",
-    "tools", "top_k", "top_p", "container", "service_tier", "output_config", "output_format", "mcp_servers",
-    "cache_control", "inference_geo", "speed",
-})
-FIELDS = {"chat": CHAT_FIELDS, "responses": RESPONSES_FIELDS, "messages": MESSAGES_FIELDS}
+# the wires litellm serves (one entry point each: ``_entry``); the fields each may pass are the wire's own
+ENTRY_WIRES = ("chat", "responses", "messages")
 LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")
 log = logging.getLogger("ctxproxy")
 
@@ -101,9 +80,10 @@ def _warnings_or_debug(record: logging.LogRecord) -> bool:
 
 
 def _kwargs(route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None,
-            wire: str = "chat") -> dict[str, Any]:
-    """litellm's arguments: the wire's own request fields from ``body``; model, base and key from the route."""
-    allowed = FIELDS[wire]
+            allowed: frozenset[str]) -> dict[str, Any]:
+    """litellm's arguments: the wire's own request fields from ``body`` (``allowed``, as the wire says: litellm
+    reads many keyword arguments as its own, api_base, api_key, callbacks …, which a client must never set);
+    model, base and key from the route."""
     kwargs = {k: v for k, v in body.items() if k in allowed}
     kwargs["model"] = route.upstream_model
     if upstream is not None:
@@ -144,14 +124,14 @@ def _entry(wire: str) -> Any:
 
 def warm_up() -> None:
     """Import litellm and its entry points (the server calls it in a thread at start when a route uses litellm)."""
-    for wire in FIELDS:
+    for wire in ENTRY_WIRES:
         _entry(wire)
 
 
 def _call_kwargs(route: ModelRoute, call: Outgoing, upstream: UpstreamSettings | None, *, timeout: httpx.Timeout,
                  purpose: str | None = None) -> dict[str, Any]:
     """Everything litellm is given for ``call``: the wire's fields, the route, the headers, no retries."""
-    kwargs = _kwargs(route, call.body, upstream, call.wire)
+    kwargs = _kwargs(route, call.body, upstream, call.fields or frozenset())
     kwargs.update(stream=call.stream, num_retries=0, max_retries=0, timeout=timeout,
                   extra_headers=upstream_call_headers(upstream, call.request_id, purpose))
     return kwargs
@@ -267,8 +247,8 @@ class LiteLLMProvider:
         return function
 
     def _note_dropped(self, route: ModelRoute, call: Outgoing) -> None:
-        """Say once per field name, at WARNING, which request fields litellm is not given (``FIELDS``)."""
-        allowed = FIELDS.get(call.wire, CHAT_FIELDS)
+        """Say once per field name, at WARNING, which request fields litellm is not given (the wire's own)."""
+        allowed = call.fields or frozenset()
         new = [k[:40] for k in call.body if k not in allowed and k not in ("model", "stream")
                and k[:40] not in self._dropped][: max(0, 200 - len(self._dropped))]
         if new:
@@ -282,7 +262,8 @@ class LiteLLMProvider:
 
     async def send(self, route: ModelRoute, call: Outgoing) -> LiteLLMAnswer:
         self._note_dropped(route, call)
-        if call.wire not in FIELDS or (call.wire == "responses" and call.path != "/responses"):
+        if call.fields is None or call.wire not in ENTRY_WIRES or (call.wire == "responses"
+                                                                    and call.path != "/responses"):
             raise BadRequest(f"The model {route.name!r} is served through litellm, which this proxy offers on "
                              "the Chat Completions, Responses and Messages wires only.", param="model",
                              code="unsupported_wire")
@@ -314,7 +295,7 @@ class LiteLLMProvider:
         request_id: str,
     ) -> Completion:
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
-        call = Outgoing("chat", "/chat/completions", body, b"", False, {}, request_id)
+        call = Outgoing(CHAT.name, "/chat/completions", body, b"", False, {}, request_id, CHAT.litellm_fields)
         entry = await self._function(call.wire)
         kwargs = _call_kwargs(route, call, self.upstream, timeout=self._timeout(timeout), purpose="summarize")
         try:

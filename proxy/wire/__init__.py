@@ -1,18 +1,18 @@
-"""Wire adapters: one module per wire protocol, each a pure function of request bodies.
+"""The wires: one translator per wire protocol (``proxy.wire.<name>``), registered here, one line each.
 
-``WIRES`` maps the bounded ``wire`` label to its (stateless) adapter.
+``WIRES`` is the registry the server runs with; a server for more wires is built with
+``WIRES.with_wire(...)`` (``proxy.wire.registry``).
 """
 
-from __future__ import annotations
-
-from types import MappingProxyType
-
 from proxy.wire.chat import WIRE as CHAT
-from proxy.wire.chat import ChatWire
 from proxy.wire.messages import WIRE as MESSAGES
-from proxy.wire.messages import MessagesWire
+from proxy.wire.registry import Wires
 from proxy.wire.responses import WIRE as RESPONSES
-from proxy.wire.responses import ResponsesWire
 
-WIRES: MappingProxyType[str, ChatWire | ResponsesWire | MessagesWire] = MappingProxyType(
-    {CHAT.name: CHAT, RESPONSES.name: RESPONSES, MESSAGES.name: MESSAGES})
+WIRES = Wires(
+    CHAT,
+    RESPONSES,
+    MESSAGES,
+)
+
+__all__ = ["CHAT", "MESSAGES", "RESPONSES", "WIRES", "Wires"]

@@ -1,9 +1,9 @@
-"""Server-sent events: how each wire's stream ends, and what a relayed stream reports on the way.
+"""Server-sent events, wire-neutral: the parser, the watcher of a relayed stream, and a dialect's base.
 
-A stream's end is the wire's business: Chat Completions ends with ``data: [DONE]``;
-the Responses API with a terminal ``response.completed`` / ``response.failed`` /
-``response.incomplete`` event; Anthropic's Messages API with ``message_stop``; any
-other stream when the upstream closes cleanly. The end is the whole terminal event
+A stream's end is the wire's business (``StreamEnd``, subclassed by each wire's
+``stream`` module: Chat Completions ends with ``data: [DONE]``, the Responses API with
+a terminal ``response.*`` event, Anthropic's Messages API with ``message_stop``); any
+other stream ends when the upstream closes cleanly. The end is the whole terminal event
 as a client's SSE parser dispatches it (its data line ended, then the blank line
 that ends the event; CR, LF and CRLF line ends alike), never its ``event:`` line
 alone. Only a stream that breaks off before its end gets an error event, in the
@@ -28,13 +28,12 @@ from proxy.core.errors import CtxProxyError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-# An upstream's own ``error`` event ends its stream too (it closes after it): nothing is added after it
-RESPONSES_TERMINAL = frozenset({b"response.completed", b"response.failed", b"response.incomplete", b"error"})
-MESSAGES_TERMINAL = frozenset({b"message_stop", b"error"})
-
-
 class StreamEnd:
-    """One wire's stream conventions: its terminal event, where usage sits, and its error event."""
+    """One wire's stream dialect: its terminal event, where usage sits, and its error event.
+
+    This base is a stream of no wire (a relayed path of none): it ends when the upstream closes
+    cleanly; each wire's ``stream`` module subclasses it (``proxy.wire.<name>.stream``).
+    """
 
     name = "sse"
     needs_terminal = False  # a clean close is a complete stream
@@ -50,89 +49,10 @@ class StreamEnd:
         return b"data: " + orjson.dumps(error.to_openai()) + b"\n\n"
 
 
-class ChatStreamEnd(StreamEnd):
-    name = "chat"
-    needs_terminal = True
-
-    def terminal(self, event: bytes, data: bytes) -> bool:
-        # an OpenAI-compatible server that fails mid-stream sends ``data: {"error": {…}}`` and closes
-        return data == b"[DONE]" or (data[:1] == b"{" and b'"error"' in data and _error_payload(data))
-
-
-class ResponsesStreamEnd(StreamEnd):
-    name = "responses"
-    needs_terminal = True
-
-    def terminal(self, event: bytes, data: bytes) -> bool:
-        if event in RESPONSES_TERMINAL:
-            return True
-        if not event and data.startswith(b"{") and b'"type"' in data:
-            try:
-                payload = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                return False
-            return isinstance(payload, dict) and str(payload.get("type", "")).encode() in RESPONSES_TERMINAL
-        return False
-
-    def usage(self, payload: dict[str, Any], seen: dict[str, Any] | None) -> dict[str, Any] | None:
-        response = payload.get("response")
-        usage = response.get("usage") if isinstance(response, dict) else None
-        return usage if isinstance(usage, dict) else seen
-
-    def error_event(self, error: CtxProxyError) -> bytes:
-        # OpenAI's ``error`` event is flat ({"type": "error", "code", "message", "param"}); the official
-        # SDK raises APIError only for an event that carries an ``error`` object, so it carries both
-        body = error.to_openai()["error"]
-        payload = {"type": "error", "code": body.get("code"), "message": body.get("message"),
-                   "param": body.get("param"), "sequence_number": 0, "error": body}
-        return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"
-
-
-class MessagesStreamEnd(StreamEnd):
-    name = "messages"
-    needs_terminal = True
-
-    def terminal(self, event: bytes, data: bytes) -> bool:
-        return event in MESSAGES_TERMINAL or (not event and b'"message_stop"' in data)
-
-    def usage(self, payload: dict[str, Any], seen: dict[str, Any] | None) -> dict[str, Any] | None:
-        kind = payload.get("type")
-        usage = None
-        if kind == "message_start" and isinstance(payload.get("message"), dict):
-            usage = payload["message"].get("usage")
-        elif kind == "message_delta":
-            usage = payload.get("usage")
-        if not isinstance(usage, dict):
-            return seen
-        merged = dict(seen or {})
-        merged.update({k: v for k, v in usage.items() if v is not None})
-        return merged
-
-    def error_event(self, error: CtxProxyError) -> bytes:
-        from proxy.wire.errors import anthropic_error_body
-
-        return b"event: error\ndata: " + orjson.dumps(anthropic_error_body(error)) + b"\n\n"
-
-
 SSE = StreamEnd()
-CHAT = ChatStreamEnd()
-RESPONSES = ResponsesStreamEnd()
-MESSAGES = MessagesStreamEnd()
 
 
-def stream_end_for_path(path: str) -> StreamEnd:
-    """The conventions of a relayed path (``/v1/responses`` …); unknown paths end on a clean close."""
-    tail = path.split("?", 1)[0].rstrip("/")
-    if tail.endswith("/chat/completions"):
-        return CHAT
-    if tail.endswith("/responses") or tail.endswith("/responses/compact"):
-        return RESPONSES
-    if tail.endswith("/messages"):
-        return MESSAGES
-    return SSE
-
-
-def _error_payload(payload: bytes) -> bool:
+def error_payload(payload: bytes) -> bool:
     """Whether an event's data is an error (``{"type": "error", …}`` or ``{"error": {…}}`` without choices), not a
     chunk that merely has an ``error`` key."""
     try:
@@ -146,7 +66,7 @@ def _error_payload(payload: bytes) -> bool:
 
 def _is_error(event: bytes, payload: bytes) -> bool:
     """Whether a terminal event is an error event (read once per stream, at its end)."""
-    return event == b"error" if event else _error_payload(payload)
+    return event == b"error" if event else error_payload(payload)
 
 
 class Block:
@@ -244,7 +164,7 @@ class StreamWatcher:
     The stream is ``done`` once its terminal event was dispatched: its data line whole and its blank line read.
     """
 
-    def __init__(self, started: float, end: StreamEnd = CHAT, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, started: float, end: StreamEnd, clock: Callable[[], float] = time.perf_counter) -> None:
         self.started = started
         self.end = end
         self.done = False

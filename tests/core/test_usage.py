@@ -1,4 +1,5 @@
-"""proxy.core.usage: the provider's usage of each wire, normalised; untrusted values never pass as counts."""
+"""proxy.core.usage: the provider's usage of each wire, normalised in the form the wire declares; untrusted
+values never pass as counts."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from proxy.core.usage import Usage, count, normalise_usage
+from proxy.core.usage import Usage, count
+from proxy.core.usage import normalise_usage as normalise
+from proxy.wire import WIRES
+
+
+def normalise_usage(usage: Any, wire: str | None = None) -> Usage | None:
+    """The usage in the named wire's form (``UsageForm``), or in the form its keys point to (no wire named)."""
+    return normalise(usage, WIRES[wire].usage_form) if wire is not None else WIRES.guess_usage(usage)
 
 
 def test_chat() -> None:

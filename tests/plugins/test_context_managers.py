@@ -21,7 +21,6 @@ from proxy.core.tokens import TokenCounter
 from proxy.pipeline import Assembly, assemble, chain_hashes
 from proxy.policy import Routes, policy_for
 from proxy.wire.chat import WIRE as CHAT
-from proxy.wire.chat import items_of
 from tests.helpers import (
     LINEAR,
     MODEL,
@@ -42,6 +41,7 @@ from tests.helpers import (
     user,
     words,
 )
+from tests.wire.chat_helpers import items_of
 
 COUNTER = TokenCounter("o200k_base")
 REGISTRY = default_registry()

@@ -9,8 +9,8 @@ import pytest
 from plugins.base import Completion, Services, SummaryUnavailable
 from plugins.summarizers.llm import PROMPT, LLMParams, LLMSummarizer, _cap, _chunks, render_turn
 from proxy.core.tokens import TokenCounter
-from proxy.wire.chat import items_of
 from tests.helpers import assistant, call, tool, user
+from tests.wire.chat_helpers import items_of
 
 COUNTER = TokenCounter("o200k_base")
 

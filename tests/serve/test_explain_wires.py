@@ -208,7 +208,8 @@ async def test_explain_compaction_looks_the_summary_up_and_never_calls_the_summa
 
 
 def test_explain_runs_the_hooks_the_managed_handler_runs() -> None:
-    """Explain keeps its own map of request hooks (routes imports explain's handler): it must not drift."""
+    """Explain and the managed handler once kept a map of request hooks each, registered twice with two pairs of
+    protocols: they read the one list (proxy.serve.hooks), so they cannot drift."""
     from proxy.serve.explain import HOOKS as EXPLAINED
     from proxy.serve.routes import HOOKS as HANDLED
 

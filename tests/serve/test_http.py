@@ -23,16 +23,17 @@ from proxy.core.errors import (
     UpstreamStatus,
 )
 from proxy.serve.http import (
-    ERROR_SHAPE,
+    ERROR_WIRE,
     RESPONSE_HEADERS,
     client_keys,
     error_middleware,
-    error_payload,
     error_response,
     header_safe,
+    openai_body,
     parse_body,
     request_id,
 )
+from proxy.wire import WIRES
 from tests.conftest import StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
 from tests.outside import request
@@ -152,9 +153,9 @@ def test_parse_body_refuses(raw: bytes, cls: type[CtxProxyError], code: str) -> 
 
 def test_error_payload_in_each_shape() -> None:
     error = ContextLengthExceeded("This request needs 9000 input tokens", param="messages")
-    assert error_payload(error, "openai") == error.to_openai()
-    assert error_payload(error, "chat") == error.to_openai()
-    assert error_payload(error, "messages") == {"type": "error", "error": {
+    assert openai_body(error) == error.to_openai()
+    assert WIRES["chat"].error_body(error) == error.to_openai()
+    assert WIRES["messages"].error_body(error) == {"type": "error", "error": {
         "type": "invalid_request_error", "message": "This request needs 9000 input tokens"}}
 
 
@@ -187,7 +188,7 @@ async def test_middleware_renders_tree_errors_in_the_requests_shape() -> None:
     assert response.headers["x-request-id"] == "rid-9"
     assert json.loads(response.body)["error"]["code"] == "missing_model"  # type: ignore[attr-defined]
     r = req(path="/v1/messages")
-    r[ERROR_SHAPE] = "messages"
+    r[ERROR_WIRE] = WIRES["messages"]
     response = await call(refuse, r)
     assert json.loads(response.body)["type"] == "error"  # type: ignore[attr-defined]
 

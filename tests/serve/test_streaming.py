@@ -14,7 +14,10 @@ from multidict import CIMultiDict
 
 from proxy.core.errors import UpstreamTimeout, UpstreamUnreachable
 from proxy.serve.streaming import STREAM_ERROR, relay_answer, usage_of
-from proxy.wire.sse import CHAT, MESSAGES, RESPONSES, SSE, StreamEnd, StreamWatcher
+from proxy.wire.chat.stream import STREAM as CHAT
+from proxy.wire.messages.stream import STREAM as MESSAGES
+from proxy.wire.responses.stream import STREAM as RESPONSES
+from proxy.wire.sse import SSE, StreamEnd, StreamWatcher
 
 
 class FakeAnswer:

@@ -208,7 +208,7 @@ def _block_tokens(b: Block, enc: str) -> int:
 
 
 def recount(body: dict[str, Any], encoding: str = "o200k_base") -> int:
-    """The documented formula, recomputed from the forwarded body (proxy/wire/messages/blocks.py docstring)."""
+    """The documented formula, recomputed from the forwarded body (proxy/wire/messages/items.py docstring)."""
     n = 3  # reply priming
     system = body.get("system")
     if isinstance(system, str):

@@ -16,23 +16,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.core import media
-from proxy.core.errors import PayloadError
-from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, atom_digests
+from proxy.core.errors import BadRequest, PayloadError
+from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, atom_digests, canonical_arguments
 from proxy.core.pairing import PLACEHOLDER, is_paired
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter
-from proxy.wire.chat import (
-    LEGACY,
-    WIRE,
-    canonical_arguments,
-    check_messages,
-    count,
-    count_message,
-    items_of,
-    repair_messages,
-    scan,
-)
+from proxy.wire.chat import WIRE
+from proxy.wire.chat.items import LEGACY, count_message
 from tests import media_files as mf
 from tests.helpers import assistant, call, legacy_call, legacy_result, system, tool, user
+from tests.wire.chat_helpers import check_messages, count, items_of, repair_messages, scan
 
 Message = dict[str, Any]
 
@@ -249,7 +241,10 @@ def test_output_field(model: str, field: str) -> None:
 
 
 def test_adapter_constants() -> None:
-    assert (WIRE.name, WIRE.field, WIRE.path, WIRE.error_shape) == ("chat", "messages", "/chat/completions", "openai")
+    assert (WIRE.name, WIRE.field, WIRE.paths, WIRE.upstream_path("gpt-4o")) == (
+        "chat", "messages", ("/chat/completions",), "/chat/completions")
+    error = BadRequest("no")
+    assert WIRE.error_body(error) == error.to_openai()  # OpenAI's shape
     assert WIRE.merge_call_runs is False
     assert WIRE.output_fields == ("max_completion_tokens", "max_tokens")
     assert WIRE.stream_end.name == "chat"

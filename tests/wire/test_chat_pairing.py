@@ -10,9 +10,7 @@ import pytest
 from proxy.core.errors import PayloadError
 from proxy.core.pairing import PLACEHOLDER
 from proxy.wire.chat import WIRE as CHAT
-from proxy.wire.chat import check_messages as check
-from proxy.wire.chat import check_shape, is_valid
-from proxy.wire.chat import repair_messages as repair
+from proxy.wire.chat.shape import check_shape
 from tests.helpers import (
     assistant,
     call,
@@ -24,6 +22,9 @@ from tests.helpers import (
     tool,
     user,
 )
+from tests.wire.chat_helpers import check_messages as check
+from tests.wire.chat_helpers import is_valid
+from tests.wire.chat_helpers import repair_messages as repair
 
 Msgs = list[dict[str, Any]]
 
@@ -277,8 +278,8 @@ async def test_pipeline_refuses_invalid_payloads_with_their_code(messages: Any, 
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from proxy.wire.chat import scan  # noqa: E402
 from tests.helpers import conversations  # noqa: E402
+from tests.wire.chat_helpers import scan  # noqa: E402
 
 
 @settings(max_examples=300, deadline=None, database=None,

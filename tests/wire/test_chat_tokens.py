@@ -24,11 +24,11 @@ from proxy.core.tokens import (
     use_bundled_encodings,
 )
 from proxy.policy import Routes
-from proxy.wire.chat import TOOL_CALL_OVERHEAD
 from proxy.wire.chat import WIRE as CHAT
-from proxy.wire.chat import count as chat_count
-from proxy.wire.chat import counts as chat_counts
+from proxy.wire.chat.items import TOOL_CALL_OVERHEAD
 from tests.helpers import REPO, call, image_user, make_config, recount, ref_message_tokens, running, words
+from tests.wire.chat_helpers import count as chat_count
+from tests.wire.chat_helpers import counts as chat_counts
 
 use_bundled_encodings()
 COUNTERS = {O200K: TokenCounter(O200K), CL100K: TokenCounter(CL100K)}

@@ -1,4 +1,5 @@
-"""proxy.wire.errors: the error tree re-shaped per wire (OpenAI's for chat/responses, Anthropic's for messages)."""
+"""proxy.wire.<name>.errors: the error tree re-shaped per wire (OpenAI's for chat/responses, Anthropic's for
+messages)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from proxy.core.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from proxy.wire.errors import ANTHROPIC_TYPES, anthropic_error_body, openai_error_body
+from proxy.wire.chat.errors import error_body as openai_error_body
+from proxy.wire.messages.errors import ANTHROPIC_TYPES
+from proxy.wire.messages.errors import error_body as anthropic_error_body
 
 
 @pytest.mark.parametrize("error", [

@@ -14,7 +14,7 @@ import anthropic
 import pytest
 
 from proxy.core.tokens import TokenCounter
-from proxy.wire.messages.context import CLEAR_TOOL_USES, CLEARED, MARKER, Edit, clear_tool_uses
+from proxy.serve.context_management.edits import CLEAR_TOOL_USES, CLEARED, MARKER, Edit, clear_tool_uses
 from tests.conftest import RunningProxy, StartProxy
 from tests.fake_upstream import REPLY, FakeUpstream
 from tests.helpers import LINEAR, per_item_growth, words

@@ -122,7 +122,7 @@ async def test_provider_errors_come_back_in_anthropics_shape(start_proxy: StartP
 async def test_context_management_is_emulated_on_a_litellm_route(start_proxy: StartProxy, litellm_httpx: None) -> None:
     """The provider behind litellm has no context editing: the proxy clears the old tool results itself, sends
     no context_management field, and the answer carries the report Anthropic would have written."""
-    from proxy.wire.messages.context import CLEARED
+    from proxy.serve.context_management.edits import CLEARED
 
     proxy = await start_proxy(config())
     messages: list[dict[str, Any]] = [{"role": "user", "content": "look everything up"}]

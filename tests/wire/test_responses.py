@@ -27,7 +27,7 @@ from proxy.policy import Routes, policy_for
 from proxy.wire import WIRES
 from proxy.wire.chat import WIRE as CHAT
 from proxy.wire.responses import WIRE as RESPONSES
-from proxy.wire.responses_items import COMPACT_PREFIX
+from proxy.wire.responses.items import COMPACT_PREFIX
 from tests import media_files as mf
 from tests.helpers import (
     MANAGERS,

@@ -1,4 +1,5 @@
-"""proxy.wire.sse: each wire's stream end, usage extraction and error event; StreamWatcher on any chunking."""
+"""proxy.wire.sse and each wire's stream dialect (proxy.wire.<name>.stream): stream end, usage extraction and
+error event; StreamWatcher on any chunking."""
 
 from __future__ import annotations
 
@@ -10,15 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.core.errors import ContextLengthExceeded, UpstreamStatus, UpstreamTimeout, UpstreamUnreachable
-from proxy.wire.sse import (
-    CHAT,
-    MESSAGES,
-    RESPONSES,
-    SSE,
-    StreamEnd,
-    StreamWatcher,
-    stream_end_for_path,
-)
+from proxy.wire import WIRES
+from proxy.wire.chat.stream import STREAM as CHAT
+from proxy.wire.messages.stream import STREAM as MESSAGES
+from proxy.wire.responses.stream import STREAM as RESPONSES
+from proxy.wire.sse import SSE, StreamEnd, StreamWatcher
+
+stream_end_for_path = WIRES.stream_end_for_path
 
 
 def data(payload: Any) -> bytes:

@@ -8,8 +8,8 @@ that is not a message (an error, another shape) passes through unchanged.
 ``local_answer`` is the answer to a request paused after compaction: the block alone,
 ``stop_reason: "compaction"``, no upstream call.
 
-These wrap any object with the ``Answer`` shape of ``proxy.upstream.base`` (structurally:
-this layer does not import the upstream layer).
+These wrap any object with the ``Answer`` shape of ``proxy.upstream.base`` (``AnswerLike``: the
+shape is all they need).
 """
 
 from __future__ import annotations

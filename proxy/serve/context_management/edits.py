@@ -39,7 +39,7 @@ from typing import Any
 
 from proxy.core.errors import BadRequest
 from proxy.core.tokens import TokenCounter
-from proxy.wire.messages.blocks import THINKING, count_block
+from proxy.wire.messages.items import THINKING, count_block
 
 CLEAR_TOOL_USES = "clear_tool_uses_20250919"
 CLEAR_THINKING = "clear_thinking_20251015"

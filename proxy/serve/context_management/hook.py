@@ -1,17 +1,18 @@
-"""The request hook of the Messages wire: ``context_management`` forwarded, or emulated before the pipeline runs.
+"""The Messages wire's request hook: ``context_management`` forwarded, or emulated before the pipeline runs.
 
 An upstream that applies ``context_management`` itself (``api: anthropic``, unless configured
 ``context_management: emulate``) gets the request unchanged. For any other (a litellm route, an
 OpenAI-compatible gateway, an upstream configured to emulate) the edits are applied here, in the
-order given (``proxy.wire.messages.context``), the field is removed from the forwarded body, and
-the answer gets the report (and a compaction block) Anthropic would have written
-(``proxy.wire.messages.answers``). Compaction summaries come from the proxy's summary cache, the
-one the ``summarising`` context manager uses: the same history is summarised once.
+order given (``edits``), the field is removed from the forwarded body, and the answer gets the
+report (and a compaction block) Anthropic would have written (``answers``). Compaction summaries
+come from the one compaction service (``proxy.store.compaction``), the one the ``summarising``
+context manager and ``/responses/compact`` use: the same history is summarised once, and a
+policy whose summariser is ``drop`` compacts nothing (a warning says so).
 
 Explain and ``ctxproxy assemble`` run the hook in dry-run (``dry_run=True``): the clearing edits
 apply as on a real request, and compaction only looks a summary up in the cache; when none covers
-the history it reports ``would_create`` and forwards a placeholder, never calling (billing) the
-summariser. ``Exchange.describe`` says what the emulation did.
+the history it reports ``would_create`` and forwards the service's placeholder, never calling
+(billing) the summariser. ``Exchange.describe`` says what the emulation did.
 """
 
 from __future__ import annotations
@@ -19,18 +20,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from plugins.base import Services, SummarizeFn, Summarizer, SummaryScope, SummaryStore, SummaryUnavailable
-from plugins.summarizers.llm import PROMPT, LLMParams, LLMSummarizer
+from plugins.base import Services
 from proxy.core.bands import Bands, split_bands, split_turns
 from proxy.core.items import Item
 from proxy.core.offload import run_step
 from proxy.pipeline import chain_hashes, prepare
 from proxy.policy import ModelRoute, Policy
 from proxy.runtime import Runtime
-from proxy.settings import Config, Tenant
-from proxy.wire.messages.adapter import WIRE
-from proxy.wire.messages.answers import AnswerLike, EditedAnswer, LocalAnswer, ResponseEdits, local_answer
-from proxy.wire.messages.context import (
+from proxy.serve.context_management.answers import (
+    AnswerLike,
+    EditedAnswer,
+    LocalAnswer,
+    ResponseEdits,
+    local_answer,
+)
+from proxy.serve.context_management.edits import (
     CLEAR_THINKING,
     CLEAR_TOOL_USES,
     COMPACT_TRIGGER,
@@ -44,10 +48,10 @@ from proxy.wire.messages.context import (
     starts_turn,
     summary_message,
 )
+from proxy.settings import Config, Tenant
+from proxy.store.compaction import summarizer_for
+from proxy.wire.messages import WIRE
 from proxy.wire.messages.shape import check_body
-
-# what a dry-run compaction forwards in place of a summary it would make (explain, ``ctxproxy assemble``)
-WOULD_COMPACT = "[ctxproxy explain: a compaction summary of these turns would be created here]"
 
 
 @dataclass
@@ -164,55 +168,29 @@ class _Session:
         bands, turns = await run_step(self.offload, self._turns, messages)
         if start < 0 or bands.current is None or not turns:
             return None  # nothing before the current turn to summarise
-        summarizer = _summarizer(policy, edit.params.get("instructions"))
-        summarize = summarizer.bind(self.services)
-        store = self.services.summaries
-        if summarize is None or store is None:
+        compaction = self.services.compaction
+        if compaction is None:
             self.warnings.append("context_management compact_20260112 not applied: no summariser is available")
             return None
-        scope = SummaryScope(self.services.tenant, summarizer.settings_id(self.services))
-        try:
-            text = await self._summary(store, scope, turns, summarize)
-        except SummaryUnavailable as exc:
-            self.warnings.append(f"context_management compact_20260112 not applied: the summariser failed ({exc})")
+        chain = await run_step(self.offload, chain_hashes, turns, self.counter)
+        made = await compaction.compact(summarizer_for(policy.manager.summarizer, edit.params.get("instructions")),
+                                        self.services, turns, chain)
+        if made.status == "unavailable":
+            self.warnings.append(f"context_management compact_20260112 not applied: {made.text}")
             return None
+        if made.status in ("failed", "pending"):
+            self.warnings.append(f"context_management compact_20260112 not applied: the summariser failed "
+                                 f"({made.text})")
+            return None
+        self.compaction = made.status  # created | reused | would_create (a dry run: its placeholder is forwarded)
         kept = messages[bands.current.source:]
-        return [summary_message(text), *kept], compaction_block(text, start)
+        return [summary_message(made.text), *kept], compaction_block(made.text, start)
 
     def _turns(self, messages: list[Message]) -> tuple[Bands, list[list[Item]]]:
         """The bands of the body with these messages, and its history's turns."""
         prepared = prepare({**self.body, "messages": messages}, WIRE, self.counter)
         bands = split_bands(prepared.repaired)
         return bands, split_turns(bands.history)
-
-    async def _summary(self, store: SummaryStore, scope: SummaryScope, turns: list[list[Item]],
-                       summarize: SummarizeFn) -> str:
-        """The summary of every turn: cached, else made (single flight); in dry-run never made, a placeholder."""
-        chain = await run_step(self.offload, chain_hashes, turns, self.counter)
-        found = await store.lookup(scope, chain)
-        if found is not None and found.covered_turns == len(turns):
-            self.compaction = "reused"
-            return found.text
-        if self.services.dry_run:
-            self.compaction = "would_create"
-            return WOULD_COMPACT
-        made, fresh = await store.obtain(scope, chain, len(turns), turns, found, summarize,
-                                         request_id=self.services.request_id, model=self.services.model)
-        self.compaction = "created" if fresh else "reused"
-        return made.text
-
-
-def _summarizer(policy: Policy, instructions: Any) -> Summarizer:
-    """The policy's summariser (its model and prompt), or ``llm``; ``instructions`` are added to its prompt."""
-    own = policy.manager.summarizer
-    if own is not None and own.name != "llm":
-        return own  # e.g. ``drop``: this policy never calls a model to summarise, so compaction is not applied
-    if not isinstance(instructions, str) or not instructions.strip():
-        return own if own is not None else LLMSummarizer(LLMParams())
-    params: Any = own.params if own is not None else LLMParams()
-    base = params.instructions or PROMPT
-    return LLMSummarizer(LLMParams.model_validate(
-        {"model": params.model, "instructions": f"{base}\n\nAlso: {instructions.strip()}"}))
 
 
 HOOK = ContextManagementHook()

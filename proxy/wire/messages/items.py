@@ -24,9 +24,8 @@ from typing import Any
 
 from proxy.core import describe, media
 from proxy.core.fields import check_keys
-from proxy.core.items import ASSISTANT, SYSTEM, TOOL, Item, media_digest
+from proxy.core.items import ASSISTANT, SYSTEM, TOOL, Item, canonical_arguments, media_digest
 from proxy.core.tokens import TokenCounter
-from proxy.wire.chat import canonical_arguments
 
 TOKENS_PER_MESSAGE = 3
 TOOL_OVERHEAD = 3

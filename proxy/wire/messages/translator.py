@@ -1,4 +1,8 @@
-"""Anthropic's Messages API (``POST /v1/messages``): the wire adapter.
+"""Anthropic's Messages API (``POST /v1/messages``; ``/v1/messages/count_tokens`` beside it): the translator.
+
+Errors have Anthropic's shape (``errors``); a stream ends with ``message_stop`` (``stream``).
+Usage: ``input_tokens`` is only the uncached part, ``cache_read_input_tokens`` and
+``cache_creation_input_tokens`` come on top of it.
 
 Items. An assistant message is one item, and so is a (mid-conversation) ``system`` message (its ``tool_use`` ids are its calls; its
 ``thinking``/``redacted_thinking`` blocks stay inside it, byte for byte). A user
@@ -21,19 +25,29 @@ All results that answer one assistant message go into the one user message after
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from proxy.core.conversation import Conversation
-from proxy.core.errors import OutputLimitExceeded, PayloadError
+from proxy.core.errors import CtxProxyError, OutputLimitExceeded, PayloadError
 from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
 from proxy.core.pairing import PLACEHOLDER, is_paired
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, output_schema
-from proxy.wire.messages.blocks import SALT, THINKING, AnthropicItem, Block, count_raw
+from proxy.core.usage import UsageForm
+from proxy.wire.messages.errors import error_body
+from proxy.wire.messages.items import SALT, THINKING, AnthropicItem, Block, count_raw
 from proxy.wire.messages.shape import check_body
-from proxy.wire.sse import MESSAGES as MESSAGES_STREAM
+from proxy.wire.messages.stream import STREAM
+from proxy.wire.protocol import STANDARD_KEY_HEADERS, model_field_changes, top_level_limits
 from proxy.wire.sse import StreamEnd
 
-NAME = "messages"
+# what a client may pass to litellm (its Anthropic-messages interface): the API's own request fields (see the
+# Chat wire's for why)
+LITELLM_FIELDS = frozenset({
+    "max_tokens", "messages", "metadata", "stop_sequences", "system", "temperature", "thinking", "tool_choice",
+    "tools", "top_k", "top_p", "container", "service_tier", "output_config", "output_format", "mcp_servers",
+    "cache_control", "inference_geo", "speed",
+})
 Message = dict[str, Any]
 MIN_THINKING_BUDGET = 1_024  # Anthropic: 1024 <= thinking.budget_tokens < max_tokens
 
@@ -182,14 +196,22 @@ def fit_thinking(out: dict[str, Any], changes: dict[str, Any]) -> None:
 class MessagesWire:
     """The Messages adapter (stateless; one shared instance)."""
 
-    name = NAME
+    name = "messages"
     field = "messages"
     merge_call_runs = False
     output_fields: tuple[str, ...] = ("max_tokens",)
     choices_field: str | None = None
-    path = "/messages"
-    error_shape = "messages"
-    stream_end: StreamEnd = MESSAGES_STREAM
+    paths: tuple[str, ...] = ("/messages",)
+    endpoints: Mapping[str, str] = {"/messages/count_tokens": "count_tokens"}
+    key_headers: tuple[str, ...] = STANDARD_KEY_HEADERS
+    model_param = "model"
+    interpreted_fields = frozenset({"model", "messages", "system", "tools", "tool_choice", "stream", "max_tokens",
+                                    "thinking", "context_management"})
+    litellm_fields: frozenset[str] | None = LITELLM_FIELDS
+    # ``input_tokens`` counts only the uncached part: cache reads and writes come on top of it
+    usage_form = UsageForm("input_tokens", ("cache_read_input_tokens",), ("cache_creation_input_tokens",),
+                           "output_tokens", additive=True, marker="input_tokens")
+    stream_end: StreamEnd = STREAM
 
     def parse(self, body: dict[str, Any], counter: TokenCounter) -> Conversation:
         check_body(body)
@@ -254,6 +276,24 @@ class MessagesWire:
 
     def output_field(self, upstream_model: str) -> str:
         return "max_tokens"
+
+    def model_of(self, body: dict[str, Any], params: Mapping[str, str]) -> Any:
+        return body.get("model")
+
+    def model_changes(self, body: dict[str, Any], upstream_model: str) -> dict[str, Any]:
+        return model_field_changes(body, upstream_model)
+
+    def upstream_path(self, upstream_model: str) -> str:
+        return "/messages"
+
+    def output_limits(self, body: dict[str, Any]) -> dict[str, Any]:
+        return top_level_limits(body, self.output_fields)
+
+    def error_body(self, error: CtxProxyError) -> dict[str, Any]:
+        return error_body(error)
+
+    def sniff(self, body: dict[str, Any]) -> int:
+        return 0  # a Messages body looks like a Chat one: it is named (``/messages``, ``?wire=messages``)
 
 
 WIRE = MessagesWire()

@@ -34,9 +34,8 @@ from typing import Any
 
 from proxy.core import describe, media
 from proxy.core.fields import check_keys
-from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item, media_digest
+from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item, canonical_arguments, media_digest
 from proxy.core.tokens import TokenCounter
-from proxy.wire.chat import canonical_arguments
 
 ITEM_TOKENS = 3
 ENCRYPTED_BYTES_PER_TOKEN = 4

@@ -1,4 +1,4 @@
-"""The Responses API (``POST /v1/responses``): the second wire adapter.
+"""The Responses API (``POST /v1/responses``; ``/v1/responses/compact`` beside it): the translator.
 
 ``input`` (a string: one user turn; or a list of input items) becomes neutral items
 (``proxy.wire.responses_items``): leading ``system``/``developer`` messages are the
@@ -15,41 +15,50 @@ A request that continues state held by the provider (``previous_response_id``,
 it is marked unmanaged and forwarded as sent, output caps, model rules and the
 tenant's context cap (on the visible part) aside.
 Errors have OpenAI's shape; a stream ends with ``response.completed`` /
-``response.failed`` / ``response.incomplete``.
+``response.failed`` / ``response.incomplete`` (``stream``). Usage: ``input_tokens`` includes
+the cached ``input_tokens_details.cached_tokens``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from proxy.core.conversation import Conversation
-from proxy.core.errors import PayloadError
+from proxy.core.errors import CtxProxyError, PayloadError
 from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
 from proxy.core.pairing import PLACEHOLDER, REASONING_DROPPED
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, output_schema
-from proxy.wire.responses_items import (
-    CALLS,
+from proxy.core.usage import UsageForm
+from proxy.wire.protocol import STANDARD_KEY_HEADERS, model_field_changes, top_level_limits
+from proxy.wire.responses.errors import error_body
+from proxy.wire.responses.items import (
     COMPACT_PREFIX,
     ITEM_TOKENS,
     MESSAGE_ROLES,
-    OPTIONAL_IDS,
     PINNED_TYPES,
     RESERVED,
-    RESULTS,
     ResponsesItem,
     count_raw,
     kind_of,
     neutral,
-    pairing_id,
     unkey,
 )
-from proxy.wire.sse import RESPONSES as RESPONSES_STREAM
+from proxy.wire.responses.shape import check_element, input_elements
+from proxy.wire.responses.stream import STREAM
 from proxy.wire.sse import StreamEnd
 
-NAME = "responses"
-_SALT = 0x2  # content keys of Responses items, distinct from other wires' formulas in the shared LRU
+SALT = 0x2  # content keys of Responses items, distinct from other wires' formulas in the shared LRU
 PROVIDER_STATE = ("previous_response_id", "conversation")
+# what a client may pass to litellm (``aresponses``): the API's own request fields (see the Chat wire's for why)
+LITELLM_FIELDS = frozenset({
+    "input", "include", "instructions", "max_output_tokens", "prompt", "parallel_tool_calls",
+    "previous_response_id", "reasoning", "store", "background", "temperature", "text", "tool_choice", "tools",
+    "top_p", "truncation", "user", "service_tier", "safety_identifier", "conversation", "max_tool_calls",
+    "prompt_cache_key", "prompt_cache_retention", "stream_options", "top_logprobs", "metadata",
+    "context_management", "partial_images",
+})
 # outputs ctxproxy can write for a call that got none (the others cannot be faked: the call is removed)
 PLACEHOLDERS: dict[str, dict[str, Any]] = {
     "function_call": {"type": "function_call_output", "call_id": "", "output": PLACEHOLDER},
@@ -59,20 +68,27 @@ PLACEHOLDERS: dict[str, dict[str, Any]] = {
     "apply_patch_call": {"type": "apply_patch_call_output", "call_id": "", "status": "failed",
                          "output": PLACEHOLDER},
 }
-STRING_OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output", "local_shell_call_output"})
 
 
 class ResponsesWire:
     """The Responses adapter (stateless; one shared instance)."""
 
-    name = NAME
+    name = "responses"
     field = "input"
     merge_call_runs = True  # parallel calls are consecutive call items; their outputs follow the run
     output_fields: tuple[str, ...] = ("max_output_tokens",)
     choices_field: str | None = None
-    path = "/responses"
-    error_shape = "openai"
-    stream_end: StreamEnd = RESPONSES_STREAM
+    paths: tuple[str, ...] = ("/responses",)
+    endpoints: Mapping[str, str] = {"/responses/compact": "compact"}
+    key_headers: tuple[str, ...] = STANDARD_KEY_HEADERS
+    model_param = "model"
+    interpreted_fields = frozenset({"model", "input", "instructions", "tools", "tool_choice", "stream",
+                                    "max_output_tokens", "text", "previous_response_id", "conversation", "prompt",
+                                    "context_management"})
+    litellm_fields: frozenset[str] | None = LITELLM_FIELDS
+    usage_form = UsageForm("input_tokens", ("input_tokens_details", "cached_tokens"), (), "output_tokens",
+                           marker="input_tokens_details")
+    stream_end: StreamEnd = STREAM
 
     def parse(self, body: dict[str, Any], counter: TokenCounter) -> Conversation:
         notes: list[str] = []
@@ -88,7 +104,7 @@ class ResponsesWire:
             unmanaged = "item_reference"
             notes.append("input refers to items held by the provider (item_reference), which ctxproxy cannot see "
                          "or count; this request is forwarded without context management")
-        keys = [content_key(item.raw) ^ _SALT for item in items]
+        keys = [content_key(item.raw) ^ SALT for item in items]
         counts = counter.many(keys, [item.raw for item in items], count_raw)
         for item, key, n in zip(items, keys, counts):
             item.key, item.tokens = key, n
@@ -121,7 +137,7 @@ class ResponsesWire:
         return out
 
     def count(self, item: Item, counter: TokenCounter) -> None:
-        item.key = content_key(item.raw) ^ _SALT
+        item.key = content_key(item.raw) ^ SALT
         item.tokens = counter.cached(item.key, item.raw, count_raw)
 
     def summary(self, text: str, covered_turns: int, counter: TokenCounter) -> Item:
@@ -145,6 +161,24 @@ class ResponsesWire:
     def output_field(self, upstream_model: str) -> str:
         return "max_output_tokens"
 
+    def model_of(self, body: dict[str, Any], params: Mapping[str, str]) -> Any:
+        return body.get("model")
+
+    def model_changes(self, body: dict[str, Any], upstream_model: str) -> dict[str, Any]:
+        return model_field_changes(body, upstream_model)
+
+    def upstream_path(self, upstream_model: str) -> str:
+        return "/responses"
+
+    def output_limits(self, body: dict[str, Any]) -> dict[str, Any]:
+        return top_level_limits(body, self.output_fields)
+
+    def error_body(self, error: CtxProxyError) -> dict[str, Any]:
+        return error_body(error)
+
+    def sniff(self, body: dict[str, Any]) -> int:
+        return 2 if "input" in body and "messages" not in body else 0
+
 
 WIRE = ResponsesWire()
 
@@ -156,16 +190,6 @@ def provider_state(body: dict[str, Any]) -> str | None:
         if value is not None and value != "":
             return field
     return None
-
-
-def input_elements(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list):
-        return value
-    raise PayloadError("'input' must be a string or an array of input items", param="input", code="invalid_input")
 
 
 def build_items(value: Any, *, keep_trailing: bool = False) -> tuple[list[Item], int, int, bool]:
@@ -256,69 +280,6 @@ def is_compact_summary(element: dict[str, Any]) -> bool:
     if isinstance(content, list) and content and isinstance(content[0], dict):
         content = content[0].get("text")
     return isinstance(content, str) and content.startswith(COMPACT_PREFIX)
-
-
-def check_element(element: Any, i: int) -> str:
-    """Raise PayloadError unless ``input[i]`` is a well-formed item; return its type."""
-    param = f"input[{i}]"
-    if not isinstance(element, dict):
-        raise PayloadError(f"{param} must be an object (an input item)", param=param, code="invalid_input_item")
-    if "type" in element and not isinstance(element["type"], str):
-        raise PayloadError(f"{param}.type must be a string", param=f"{param}.type", code="invalid_input_item")
-    kind = kind_of(element)
-    if not kind:
-        raise PayloadError(f"{param} has no type", param=f"{param}.type", code="invalid_input_item")
-    if kind == "message":
-        _check_message(element, param)
-    elif kind in CALLS:
-        _check_id(element, param, kind, (CALLS[kind],))
-        if kind in ("function_call", "custom_tool_call", "mcp_approval_request"):
-            name = element.get("name")
-            if not isinstance(name, str) or not name:
-                raise PayloadError(f"{param} ({kind}) has no name", param=f"{param}.name", code="invalid_tool_call")
-        if kind == "function_call" and not isinstance(element.get("arguments"), str):
-            raise PayloadError(f"{param}.arguments must be a string (JSON)", param=f"{param}.arguments",
-                               code="invalid_tool_call")
-    elif kind in RESULTS:
-        _check_id(element, param, kind, RESULTS[kind][1])
-        if kind in STRING_OUTPUTS and not isinstance(element.get("output"), (str, list)):
-            raise PayloadError(f"{param}.output must be a string or an array of content parts",
-                               param=f"{param}.output", code="invalid_tool_output")
-    return kind
-
-
-def _check_id(element: dict[str, Any], param: str, kind: str, fields: tuple[str, ...]) -> None:
-    if kind in OPTIONAL_IDS and all(element.get(f) is None for f in fields):
-        return
-    ident = pairing_id(element, fields)
-    if ident is None:
-        raise PayloadError(f"{param} ({kind}) has no {fields[0]}", param=f"{param}.{fields[0]}",
-                           code="missing_tool_call_id")
-    if ident.startswith(RESERVED):
-        # that namespace is the MCP approvals' (responses_items.APPROVAL_NS): a client id may not reach into it
-        field = next(f for f in fields if element.get(f) == ident)
-        raise PayloadError(f"{param}.{field} may not start with a NUL character", param=f"{param}.{field}",
-                           code="invalid_tool_call")
-
-
-def _check_message(element: dict[str, Any], param: str) -> None:
-    role = element.get("role")
-    if not isinstance(role, str) or role not in MESSAGE_ROLES:
-        shown = repr(role) if len(repr(role)) <= 80 else repr(role)[:77] + "..."
-        raise PayloadError(f"{param}.role must be one of {sorted(MESSAGE_ROLES)}, got {shown}",
-                           param=f"{param}.role", code="invalid_role")
-    if "content" not in element:
-        raise PayloadError(f"{param} ({role}) has no content", param=f"{param}.content", code="missing_content")
-    content = element["content"]
-    if isinstance(content, str):
-        return
-    if not isinstance(content, list):
-        raise PayloadError(f"{param}.content must be a string or an array of content parts",
-                           param=f"{param}.content", code="invalid_content")
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise PayloadError(f"{param}.content[{j}] must be an object with a 'type'",
-                               param=f"{param}.content[{j}]", code="invalid_content")
 
 
 def items_of(value: Any, counter: TokenCounter | None = None) -> list[Item]:

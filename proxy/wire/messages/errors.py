@@ -1,7 +1,7 @@
-"""Errors in each wire's own shape: OpenAI's for Chat Completions and Responses, Anthropic's for Messages.
+"""Messages API errors in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
 
-Every body a client sees comes from the error tree (``proxy.core.errors``); this
-module only re-shapes it.
+Every body a client sees comes from the error tree (``proxy.core.errors``); this module only
+re-shapes it; an Anthropic upstream's own error body is relayed as it came.
 """
 
 from __future__ import annotations
@@ -23,11 +23,7 @@ ANTHROPIC_TYPES = {
 }
 
 
-def openai_error_body(error: CtxProxyError) -> dict[str, Any]:
-    return error.to_openai()
-
-
-def anthropic_error_body(error: CtxProxyError) -> dict[str, Any]:
+def error_body(error: CtxProxyError) -> dict[str, Any]:
     """``{"type": "error", "error": {"type", "message"}}``; an Anthropic upstream's own error body as it came."""
     if isinstance(error, UpstreamStatus) and _anthropic_shaped(error.raw):
         return error.raw  # type: ignore[no-any-return]

@@ -1,0 +1,160 @@
+"""One request's scope: what every handler of a wire does around what is its own.
+
+``request_scope(request, wire)`` owns, for each request it opens: the request id (the client's
+``x-request-id`` when it is a plain token), the wire's error shape, the answer's headers,
+authentication (with the keys from the headers the wire names), reading the body (decoded,
+within the size and time limits) and parsing it (in a worker thread when it is large), the
+model check (where the wire keeps the model; one refusal for all), the request record, the
+``finished`` metric (and a payload error's), and the one log line; a request whose pipeline ran
+is settled after its answer (``proxy.serve.feedback``) before its line is written. A handler
+keeps only what differs: what it does with the body, and the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.core.errors import CtxProxyError, PayloadError, UpstreamStatus
+from proxy.core.offload import run_step
+from proxy.core.refusal import length_refusal
+from proxy.pipeline import Assembly
+from proxy.policy import ModelRoute
+from proxy.runtime import Runtime, model_of
+from proxy.serve.feedback import settle
+from proxy.serve.http import (
+    ERROR_WIRE,
+    RESPONSE_HEADERS,
+    client_keys,
+    parse_body,
+    read_body,
+    request_id,
+    state,
+)
+from proxy.serve.requestlog import RequestRecord
+from proxy.serve.state import Served, State
+from proxy.serve.streaming import STREAM_ERROR
+from proxy.settings import Tenant
+from proxy.wire.protocol import Wire
+
+log = logging.getLogger("ctxproxy")
+
+
+@dataclass
+class Scope:
+    """One request in flight: what the scope found out, and what the handler tells it."""
+
+    request: web.Request
+    state: State
+    served: Served  # in-flight requests keep the runtime and providers they started with
+    wire: Wire
+    record: RequestRecord
+    headers: CIMultiDict[str]  # every answer's headers, errors included (``RESPONSE_HEADERS``)
+    tenant: Tenant | None = None
+    raw: bytes = b""
+    offload: bool = False  # a large body: its synchronous work runs in a worker thread
+    status: int = 500
+    settled: tuple[ModelRoute, Assembly] | None = None  # the pipeline ran: settle the answer's usage
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.served.runtime
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def tenant_name(self) -> str:
+        return self.record.tenant
+
+    def speak(self, wire: Wire) -> None:
+        """The request turned out to be of ``wire`` (explain picks it from the body): its errors and record."""
+        self.wire = wire
+        self.record.wire = wire.name
+        self.request[ERROR_WIRE] = wire
+
+    async def body(self) -> dict[str, Any]:
+        """The request's body, read and parsed (off the event loop when it is large)."""
+        self.raw = await read_body(self.request)
+        self.offload = len(self.raw) > self.runtime.config.settings.server.offload_bytes
+        body: dict[str, Any] = await run_step(self.offload, parse_body, self.raw, self.state.wires.interpreted_fields)
+        model = self.wire.model_of(body, self.request.match_info)
+        self.record.model = model if isinstance(model, str) else None
+        return body
+
+    def model(self, body: dict[str, Any]) -> str:
+        """The model the request names, where its wire keeps it (refused when there is none)."""
+        return model_of(self.wire, body, self.request.match_info)
+
+    def answered(self, response: web.StreamResponse) -> web.StreamResponse:
+        self.status = response.status
+        return response
+
+
+@contextlib.asynccontextmanager
+async def request_scope(request: web.Request, wire: Wire, *, event: str = "request",
+                        authenticate: bool = True) -> AsyncIterator[Scope]:
+    """The scope of one request of ``wire`` (``event`` names it in the log: request, compact, count_tokens …)."""
+    st = state(request)
+    rid = request_id(request)
+    headers: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
+    request[RESPONSE_HEADERS] = headers
+    request[ERROR_WIRE] = wire
+    record = RequestRecord(request_id=rid, started=time.perf_counter(), wire=wire.name, event=event)
+    scope = Scope(request, st, st.served, wire, record, headers)
+    try:
+        if authenticate:
+            scope.tenant = scope.runtime.authenticate(client_keys(request, wire.key_headers))
+            record.tenant = scope.tenant.name if scope.tenant else "default"
+        yield scope
+    except CtxProxyError as exc:
+        scope.status = exc.status
+        if isinstance(exc, PayloadError) or exc.code == "context_length_exceeded":
+            st.metrics.payload_error(exc.code or "invalid_payload")
+        if isinstance(exc, UpstreamStatus):  # the provider's own words: a refusal for length is calibration evidence
+            record.refusal = length_refusal(exc.status, exc.raw if isinstance(exc.raw, dict) else exc.body)
+        record.error = exc.code
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        scope.status = 499  # the client went away
+        raise
+    finally:
+        _finish(scope)
+
+
+def _finish(scope: Scope) -> None:
+    st, record = scope.state, scope.record
+    record.status = scope.status
+    overhead = record.overhead  # the time before forwarding (a managed request's)
+    if record.event != "request" and overhead is None:
+        record.overhead = time.perf_counter() - record.started  # the log says how long the proxy's own answer took
+    if STREAM_ERROR in scope.request:
+        record.error = scope.request[STREAM_ERROR]
+    st.metrics.finished(record.tenant, record.model or "other", scope.status, overhead=overhead,
+                        upstream=record.upstream, ttft=record.ttft, usage=record.usage, wire=record.wire)
+    if scope.settled is not None:
+        # learn from the answer's usage and count what it cost, once the answer is on its way (next loop turn)
+        route, assembly = scope.settled
+        asyncio.get_running_loop().call_soon(_after_answer, st, route, assembly, record, scope.status, scope.wire)
+    elif st.config.settings.logging.requests:
+        record.log()
+
+
+def _after_answer(st: State, route: ModelRoute, assembly: Assembly, record: RequestRecord, status: int,
+                  wire: Wire) -> None:
+    try:
+        record.cost = settle(st.shared, st.metrics, route, assembly, record.tenant, record.usage, status, wire,
+                             refusal=record.refusal)
+    except Exception:  # a bug here must never touch the answer, nor silence the request log
+        log.exception("usage feedback failed for request %s", record.request_id)
+    if st.config.settings.logging.requests:
+        record.log()

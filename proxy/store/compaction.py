@@ -1,0 +1,103 @@
+"""The one compaction service: a conversation's turns -> a summary's text, and how it came about.
+
+Three things compact a conversation: the ``summarising`` context manager (older turns replaced by
+a summary), ``POST /v1/responses/compact`` when ctxproxy answers it (``proxy.serve.compact``), and
+Anthropic's ``compact_20260112`` edit when ctxproxy emulates ``context_management``
+(``proxy.serve.context_management``). All three ask ``Compaction.compact``, so they agree:
+
+- one cache: a summary is looked up in the summary store, made at most once (single flight) and
+  reused whoever asks, on whatever wire (``proxy.store.summaries``);
+- one dry run: explain, count_tokens and ``ctxproxy assemble`` never make a summary; what would
+  be made is forwarded as one placeholder, ``WOULD_CREATE`` (status ``would_create``);
+- one rule for a policy whose summariser is ``drop``: it never calls a model to summarise, so a
+  compaction under it is ``unavailable`` (``DROPS_OLDER_TURNS``): the context manager drops older
+  turns instead, ``/responses/compact`` answers 400 ``compaction_unavailable``, and a Messages
+  compaction is not applied (a warning says why). Nobody is billed for it in one place and
+  refused in another;
+- one cost path: every summariser call is priced and counted where it is made, in the summary
+  store's ``on_call`` (``proxy.serve.metrics.Metrics.summary_call``), whoever asked for it.
+
+A policy without a summariser of its own (``sliding-window``) compacts with the default ``llm``
+one (``summarizer_for``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from plugins.base import (
+    CachedSummary,
+    Compacted,
+    Services,
+    Summarizer,
+    SummaryScope,
+    SummaryStore,
+    SummaryUnavailable,
+)
+from plugins.summarizers.llm import PROMPT, LLMParams, LLMSummarizer
+from proxy.core.items import Item
+
+# what a dry run forwards in place of a summary it would make (explain, count_tokens, ``ctxproxy assemble``)
+WOULD_CREATE = "[ctxproxy explain: a summary of these turns would be created here]"
+DROPS_OLDER_TURNS = "compaction unavailable: this policy drops older turns (summarizer: drop)"
+NO_SUMMARISER = "compaction unavailable: no summariser is available"
+
+
+def summarizer_for(own: Summarizer | None, instructions: Any = None) -> Summarizer:
+    """The summariser a compaction uses under a policy whose own is ``own``: that one (``drop`` included: it
+    makes none), else the default ``llm``; ``instructions`` (a client's) are added to an ``llm`` prompt."""
+    if own is not None and own.name != "llm":
+        return own
+    if not isinstance(instructions, str) or not instructions.strip():
+        return own if own is not None else LLMSummarizer(LLMParams())
+    params: Any = own.params if own is not None else LLMParams()
+    base = params.instructions or PROMPT
+    return LLMSummarizer(LLMParams.model_validate(
+        {"model": params.model, "instructions": f"{base}\n\nAlso: {instructions.strip()}"}))
+
+
+class Compaction:
+    """``plugins.base.Compactor`` over a summary store."""
+
+    def __init__(self, store: SummaryStore) -> None:
+        self.store = store
+
+    def unavailable(self, summarizer: Summarizer | None, services: Services) -> str | None:
+        if summarizer is not None and summarizer.name == "drop":
+            return DROPS_OLDER_TURNS
+        if summarizer is None or summarizer.bind(services) is None:
+            return NO_SUMMARISER
+        return None
+
+    async def lookup(self, summarizer: Summarizer, services: Services,
+                     chain: Sequence[str]) -> CachedSummary | None:
+        return await self.store.lookup(_scope(summarizer, services), chain)
+
+    async def compact(self, summarizer: Summarizer | None, services: Services, turns: Sequence[Sequence[Item]],
+                      chain: Sequence[str], *, cut: int | None = None,
+                      found: CachedSummary | None = None, looked: bool = False) -> Compacted:
+        cut = len(turns) if cut is None else cut
+        reason = self.unavailable(summarizer, services)
+        summarize = summarizer.bind(services) if summarizer is not None and reason is None else None
+        if summarizer is None or summarize is None:
+            why = reason or NO_SUMMARISER
+            return Compacted("unavailable", why, reason="drop" if why == DROPS_OLDER_TURNS else "no_summariser")
+        scope = _scope(summarizer, services)
+        if not looked:
+            found = await self.store.lookup(scope, chain)
+        if found is not None and found.covered_turns >= cut:
+            return Compacted("reused", found.text, found)
+        if services.dry_run:
+            return Compacted("would_create", WOULD_CREATE)
+        try:
+            made, fresh = await self.store.obtain(scope, chain, cut, turns, found, summarize,
+                                                  request_id=services.request_id, model=services.model)
+        except SummaryUnavailable as exc:
+            status = "pending" if exc.reason == "pending" else "failed"
+            return Compacted(status, str(exc), reason=exc.reason)
+        return Compacted("created" if fresh else "reused", made.text, made)
+
+
+def _scope(summarizer: Summarizer, services: Services) -> SummaryScope:
+    return SummaryScope(services.tenant, summarizer.settings_id(services))
