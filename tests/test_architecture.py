@@ -95,3 +95,25 @@ def test_the_import_graph_has_no_circle() -> None:
         if m not in state:
             cycle = visit(m)
             assert cycle is None, " -> ".join(cycle)
+
+
+def test_a_wire_imports_only_the_core() -> None:
+    """proxy/wire is pure functions of bodies: a translator stands on the vocabulary (proxy/core) alone, so what
+    runs around a request (runtime, pipeline, policy, settings, summarisers, stores) lives above it."""
+    outside = [f"{m} -> {d}" for m, deps in graph().items() if m.startswith("proxy.wire") for d in deps
+               if not (d.startswith("proxy.core") or d.startswith("proxy.wire"))]
+    assert outside == []
+
+
+def test_a_wire_package_imports_no_other_wires() -> None:
+    """Each wire's package owns its protocol: it shares the wire-neutral modules (proxy/wire/*.py), not another
+    wire's code."""
+    packages = {p.name for p in (ROOT / "proxy" / "wire").iterdir() if (p / "__init__.py").exists()}
+
+    def package(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) >= 3 and parts[:2] == ["proxy", "wire"] and parts[2] in packages else None
+
+    crossing = [f"{m} -> {d}" for m, deps in graph().items() if package(m) for d in deps
+                if package(d) and package(d) != package(m)]
+    assert crossing == []

@@ -5,7 +5,7 @@
 authentication (with the keys from the headers the wire names), reading the body (decoded,
 within the size and time limits) and parsing it (in a worker thread when it is large), the
 model check (where the wire keeps the model; one refusal for all), the request record, the
-``finished`` metric (and a payload error's), and the one log line; a request whose pipeline ran
+``finished`` metric (and a payload error's; explain is logged, not counted), and the one log line; a request whose pipeline ran
 is settled after its answer (``proxy.serve.feedback``) before its line is written. A handler
 keeps only what differs: what it does with the body, and the answer.
 """
@@ -63,6 +63,7 @@ class Scope:
     offload: bool = False  # a large body: its synchronous work runs in a worker thread
     status: int = 500
     settled: tuple[ModelRoute, Assembly] | None = None  # the pipeline ran: settle the answer's usage
+    counted: bool = True  # one of the wire's requests in the metrics (``finished``) and the cost ledger
 
     @property
     def runtime(self) -> Runtime:
@@ -101,24 +102,27 @@ class Scope:
 
 
 @contextlib.asynccontextmanager
-async def request_scope(request: web.Request, wire: Wire, *, event: str = "request",
-                        authenticate: bool = True) -> AsyncIterator[Scope]:
-    """The scope of one request of ``wire`` (``event`` names it in the log: request, compact, count_tokens …)."""
+async def request_scope(request: web.Request, wire: Wire, *, event: str = "request", counted: bool = True,
+                        key_headers: tuple[str, ...] | None = None) -> AsyncIterator[Scope]:
+    """The scope of one request of ``wire`` (``event`` names it in the log: request, compact, count_tokens …).
+
+    ``counted``: the request is one of the wire's requests in the metrics and the cost ledger (explain, which
+    forwards nothing and bills nobody, is logged but not counted). ``key_headers``: where the client's key may
+    be when the wire is not known yet (default: the wire's own)."""
     st = state(request)
     rid = request_id(request)
     headers: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
     request[RESPONSE_HEADERS] = headers
     request[ERROR_WIRE] = wire
     record = RequestRecord(request_id=rid, started=time.perf_counter(), wire=wire.name, event=event)
-    scope = Scope(request, st, st.served, wire, record, headers)
+    scope = Scope(request, st, st.served, wire, record, headers, counted=counted)
     try:
-        if authenticate:
-            scope.tenant = scope.runtime.authenticate(client_keys(request, wire.key_headers))
-            record.tenant = scope.tenant.name if scope.tenant else "default"
+        scope.tenant = scope.runtime.authenticate(client_keys(request, key_headers or wire.key_headers))
+        record.tenant = scope.tenant.name if scope.tenant else "default"
         yield scope
     except CtxProxyError as exc:
         scope.status = exc.status
-        if isinstance(exc, PayloadError) or exc.code == "context_length_exceeded":
+        if counted and (isinstance(exc, PayloadError) or exc.code == "context_length_exceeded"):
             st.metrics.payload_error(exc.code or "invalid_payload")
         if isinstance(exc, UpstreamStatus):  # the provider's own words: a refusal for length is calibration evidence
             record.refusal = length_refusal(exc.status, exc.raw if isinstance(exc.raw, dict) else exc.body)
@@ -139,8 +143,9 @@ def _finish(scope: Scope) -> None:
         record.overhead = time.perf_counter() - record.started  # the log says how long the proxy's own answer took
     if STREAM_ERROR in scope.request:
         record.error = scope.request[STREAM_ERROR]
-    st.metrics.finished(record.tenant, record.model or "other", scope.status, overhead=overhead,
-                        upstream=record.upstream, ttft=record.ttft, usage=record.usage, wire=record.wire)
+    if scope.counted:
+        st.metrics.finished(record.tenant, record.model or "other", scope.status, overhead=overhead,
+                            upstream=record.upstream, ttft=record.ttft, usage=record.usage, wire=record.wire)
     if scope.settled is not None:
         # learn from the answer's usage and count what it cost, once the answer is on its way (next loop turn)
         route, assembly = scope.settled

@@ -34,6 +34,8 @@ class Wires(Mapping[str, Wire]):
         self._wires = by_name
         self.names: frozenset[str] = frozenset(by_name)
         self.interpreted_fields: frozenset[str] = frozenset(f for w in wires for f in w.interpreted_fields)
+        # every wire's key headers, in order: a request whose wire is known only from its body is read with them
+        self.key_headers: tuple[str, ...] = tuple(dict.fromkeys(h for w in wires for h in w.key_headers))
 
     def __getitem__(self, name: str) -> Wire:
         return self._wires[name]
