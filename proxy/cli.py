@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     p_assemble = sub.add_parser("assemble", help="run the pipeline on a request body; never forwards it")
     p_assemble.add_argument("--config", default="config/ctxproxy.yaml")
     p_assemble.add_argument("request", help="request body (JSON file, or - for stdin)")
-    p_assemble.add_argument("--wire", choices=_wire_names(),
+    # the registered wires; read only for ``assemble`` (``serve`` holds SIGHUP before it imports anything more)
+    asked = sys.argv[1:] if argv is None else argv
+    p_assemble.add_argument("--wire", choices=_wire_names() if asked[:1] == ["assemble"] else None,
                             help="the body's wire protocol (default: from the body, as explain picks it: "
                                  "responses for 'input' without 'messages', else chat)")
     p_assemble.add_argument("--key", help="proxy key, to apply that tenant's policy")

@@ -53,12 +53,16 @@ def make_relay(managed: dict[str, Handler]) -> Handler:
         if path == "/v1/ctxproxy" or path.startswith("/v1/ctxproxy/"):
             # the proxy's own namespace, however spelled (/v1/ctxproxy%2Fpolicy), is never relayed
             raise NotFound(f"No route for {request.method} {path}.")
-        wire = state(request).wires.for_path(path, below=True)
+        wires = state(request).wires
+        wire = wires.for_path(path, below=True)
         if wire is not None:  # a wire's clients parse its error shape (Anthropic's on /v1/messages/batches)
             request[ERROR_WIRE] = wire
         handler = managed.get(path) if request.method == "POST" else None
         if handler is not None:
             return await handler(request)
+        if request.method == "POST" and wires.for_path(path) is not None:
+            # a managed path (one with the model in it) spelled so that no route took it: never around the pipeline
+            raise NotFound(f"No route for POST {path[:200]}: send it to the wire's own path, spelled as documented.")
         return await _relay(request, path)
 
     return relay

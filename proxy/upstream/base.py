@@ -7,7 +7,7 @@ API over a pooled aiohttp session), ``proxy.upstream.anthropic.AnthropicProvider
 (``Providers.for_route``). Two capabilities outside ``send``/``complete`` are still
 asked of the route's settings where they are used: whether compaction and
 ``context_management`` are the upstream's (``serve/compact.py``,
-``wire/messages/emulate.py``). Tests put a fake behind this seam.
+``serve/context_management/hook.py``). Tests put a fake behind this seam.
 """
 
 from __future__ import annotations

@@ -261,12 +261,12 @@ class LiteLLMProvider:
         return httpx.Timeout(read, connect=min(self.server.connect_timeout, read))
 
     async def send(self, route: ModelRoute, call: Outgoing) -> LiteLLMAnswer:
-        self._note_dropped(route, call)
         if call.fields is None or call.wire not in ENTRY_WIRES or (call.wire == "responses"
                                                                     and call.path != "/responses"):
             raise BadRequest(f"The model {route.name!r} is served through litellm, which this proxy offers on "
                              "the Chat Completions, Responses and Messages wires only.", param="model",
                              code="unsupported_wire")
+        self._note_dropped(route, call)
         server = self.server
         entry = await self._function(call.wire)
         # streaming: the first byte bounds the first event, then idle_timeout bounds each gap (LiteLLMAnswer)

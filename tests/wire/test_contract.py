@@ -212,6 +212,11 @@ async def test_the_toy_wire_is_served_with_its_key_header_and_the_model_in_its_p
     assert status == 400 and error["toy_error"]["code"] == "invalid_turn"
     status, _, error = await post(proxy.url + "/v1/toy/no-such-model/chat", body, **{"x-toy-key": "sk-toy"})
     assert status == 404 and set(error) == {"toy_error"}
+    # another spelling of the path (no route takes it) is refused, never relayed around the pipeline
+    for spelling in ("/v1/toy/toy-model/chat/", "/v1//toy/toy-model/chat", "/v1/toy/toy-model//chat"):
+        status, _, error = await post(proxy.url + spelling, body, **{"x-toy-key": "sk-toy"})
+        assert status == 404 and set(error) == {"toy_error"}, spelling
+    assert len(upstream.other) == 1
     labels = {"tenant": "toys", "model": "toy-model", "wire": "toy", "status": "200"}
     assert proxy.state.metrics.registry.get_sample_value("ctxproxy_requests_total", labels) == 1.0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 
@@ -123,7 +124,7 @@ class ToyWire:
         return {}  # the upstream's model goes in the upstream path
 
     def upstream_path(self, upstream_model: str) -> str:
-        return f"/toy/{upstream_model}/chat"
+        return f"/toy/{quote(upstream_model, safe='')}/chat"  # a model name is one path segment, whatever it holds
 
     def error_body(self, error: CtxProxyError) -> dict[str, Any]:
         return error_body(error)

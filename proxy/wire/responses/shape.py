@@ -69,7 +69,7 @@ def _check_id(element: dict[str, Any], param: str, kind: str, fields: tuple[str,
         raise PayloadError(f"{param} ({kind}) has no {fields[0]}", param=f"{param}.{fields[0]}",
                            code="missing_tool_call_id")
     if ident.startswith(RESERVED):
-        # that namespace is the MCP approvals' (responses_items.APPROVAL_NS): a client id may not reach into it
+        # that namespace is the MCP approvals' (items.APPROVAL_NS): a client id may not reach into it
         field = next(f for f in fields if element.get(f) == ident)
         raise PayloadError(f"{param}.{field} may not start with a NUL character", param=f"{param}.{field}",
                            code="invalid_tool_call")

@@ -1,7 +1,7 @@
 """The Responses API (``POST /v1/responses``; ``/v1/responses/compact`` beside it): the translator.
 
 ``input`` (a string: one user turn; or a list of input items) becomes neutral items
-(``proxy.wire.responses_items``): leading ``system``/``developer`` messages are the
+(``items``): leading ``system``/``developer`` messages are the
 system band, a ``user`` message starts a turn, call and output items pair by their
 ids, and a ``reasoning`` item travels with the item after it. ``instructions`` and
 ``tools`` are pinned and counted in the fixed tokens. The provider's last
