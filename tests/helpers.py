@@ -505,7 +505,8 @@ def working_memory(messages: Sequence[Message]) -> list[Message]:
 
 
 def minimal_payload(messages: Sequence[Message]) -> list[Message]:
-    """What can never be dropped (DESIGN §4): system band, current user turn, the last WM tool group
+    """What can never be dropped (docs/design.md#7-working-memory-cap-and-token-trim): system band, current user turn,
+    the last WM tool group
     (the live round) and the last WM group (an assistant prefill after the live round included)."""
     wm = working_memory(messages)
     keep = last_tool_group(wm)

@@ -1,4 +1,4 @@
-"""Context-manager plugins (DESIGN §3): stack, sliding-window, summarising, and prefix stability."""
+"""Context-manager plugins: stack, sliding-window, summarising, prefix stability (docs/design.md#5-context-managers)."""
 
 from __future__ import annotations
 
