@@ -118,7 +118,7 @@ def assistant(text: str | None, **extra: Any) -> Message:
     return {"role": "assistant", "content": text, **extra}
 
 
-def call(*calls: tuple[str, str] | tuple[str, str, str], content: str | None = None, **extra: Any) -> Message:
+def call(*calls: tuple[str, str] | tuple[str, str, str], content: str | list[Any] | None = None, **extra: Any) -> Message:
     """An assistant tool-call message; each call is (id, function name[, arguments JSON])."""
     tool_calls = []
     for c in calls:

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REPLICAS = ["ctxproxy-1", "ctxproxy-2", "ctxproxy-3"]
 
 
-def compose() -> dict:
+def compose() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "compose.yaml").read_text(encoding="utf-8"))
 
 

@@ -529,21 +529,21 @@ async def test_max_output_refused_above_the_tenants_limit(env: Env, field: str) 
     body: Any = exc.value.body
     assert exc.value.status_code == 400 and body["code"] == "max_tokens_exceeded" and body["param"] == field
     assert not env.upstream.chat
-    raw = await chat(env, "support", conversation(1), **{field: 512})
+    raw = await chat(env, "support", conversation(1), **{field: 512})  # type: ignore[arg-type]
     assert raw.status_code == 200 and env.upstream.chat[-1].body[field] == 512
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 async def test_max_output_clamped_to_the_tenants_limit(env: Env, field: str) -> None:
-    raw = await chat(env, "platform", conversation(1), **{field: 5000})
+    raw = await chat(env, "platform", conversation(1), **{field: 5000})  # type: ignore[arg-type]
     assert raw.status_code == 200
     sent = env.upstream.chat[-1].body
     assert sent[field] == 1000
     other = "max_tokens" if field == "max_completion_tokens" else "max_completion_tokens"
     assert other not in sent
-    raw = await chat(env, "platform", conversation(1), **{field: 999})
+    raw = await chat(env, "platform", conversation(1), **{field: 999})  # type: ignore[arg-type]
     assert env.upstream.chat[-1].body[field] == 999
-    raw = await chat(env, "research", conversation(1), **{field: 5000})  # no limit for research
+    raw = await chat(env, "research", conversation(1), **{field: 5000})  # type: ignore[arg-type]  # no limit for research
     assert env.upstream.chat[-1].body[field] == 5000
 
 
