@@ -13,6 +13,7 @@ import hashlib
 import ipaddress
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -239,9 +240,15 @@ def _is_loopback(host: str) -> bool:
     if host in LOOPBACK_NAMES:
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(host)
     except ValueError:
-        return False
+        try:  # the shorthands a resolver accepts too: 127.1, 2130706433
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback or address.is_unspecified  # a connection to 0.0.0.0 reaches this host
 
 
 def redis_url_problem(url: str) -> str | None:

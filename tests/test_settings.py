@@ -348,6 +348,10 @@ def test_the_first_matching_upstream_takes_a_model_and_routes_name_their_own() -
     ("0.0.0.0", "http://127.0.0.1:8080/v1"),
     ("0.0.0.0", "http://[::1]:8080/v1"),
     ("::", "http://127.0.0.2:8080/v1"),
+    ("127.0.0.1", "http://0.0.0.0:8080/v1"),  # a connection to the unspecified address reaches this host
+    ("127.0.0.1", "http://LOCALHOST:8080/v1"),
+    ("127.0.0.1", "http://[::ffff:127.0.0.1]:8080/v1"),
+    ("127.0.0.1", "http://127.1:8080/v1"),  # a shorthand the resolver expands
     ("10.1.2.3", "http://10.1.2.3:8080/v1"),
 ])
 def test_an_upstream_at_the_proxys_own_address_is_refused(host: str, url: str) -> None:
