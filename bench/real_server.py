@@ -501,8 +501,7 @@ async def run(python: Path, gguf: Path, *, turns: int = TURNS, trajectories: lis
             statuses[m.group(1)] += 1
     figures["server_status_counts"] = dict(statuses)
     # ctxproxy's own warnings (not the one-JSON-line-per-request log), in order, and the requests that failed
-    figures["proxy_warnings"] = [line[:300] for line in log_lines if line and not line.startswith("{")
-                                 and "listening on" not in line]
+    figures["proxy_warnings"] = [line[:300] for line in log_lines if line.startswith('{"event":"log"')]
     figures["proxy_log"] = [line[:400] for line in log_lines]
     budgets = {json.loads(line).get("hard_budget") for line in log_lines if line.startswith('{"event":"request"')}
     budgets.discard(None)
@@ -511,7 +510,8 @@ async def run(python: Path, gguf: Path, *, turns: int = TURNS, trajectories: lis
         t["budget_ctxproxy"] = max(budgets)
         ratio = t["server_over_ctxproxy_ratio"]
         t["server_tokens_at_budget"] = round(ratio["max"] * t["budget_ctxproxy"]) if ratio else None
-    figures["proxy_request_errors"] = [line[:300] for line in log_lines if line.startswith("{") and '"error"' in line]
+    figures["proxy_request_errors"] = [line[:300] for line in log_lines
+                                       if line.startswith('{"event":"request"') and '"error"' in line]
     figures["proxy_tracebacks"] = sum("Traceback" in line for line in log_lines)
     figures["notes"] = _notes(figures)
     return figures

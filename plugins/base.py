@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
@@ -147,7 +148,7 @@ class HistoryView:
     counter: TokenCounter
     services: Services
     summary_item: Callable[[str, int], Item]  # (text, covered turns) -> the wire's own summary item, counted
-    offload: bool = False  # a large conversation: hash it off the event loop
+    offload: bool = False  # a large conversation: do any work on its items off the event loop
 
     @cached_property
     def chain(self) -> list[str]:
@@ -160,9 +161,18 @@ class HistoryView:
             self.__dict__["chain"] = await asyncio.to_thread(self.chain_fn)
         return self.chain
 
+    _suffix_tokens: list[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # _suffix_tokens[i] = sum(turn_tokens[i:]), so a plugin may try every cut point in linear time
+        self._suffix_tokens = list(accumulate(reversed(self.turn_tokens), initial=0))
+        self._suffix_tokens.reverse()
+
     def payload_tokens(self, start: int = 0, extra: int = 0) -> int:
-        """Tokens of the request if it kept turns[start:] plus ``extra`` (a summary)."""
-        return self.pinned_tokens + extra + sum(self.turn_tokens[start:])
+        """Tokens of the request if it kept turns[start:] plus ``extra`` (a summary); O(1) after the first call."""
+        n = len(self.turn_tokens)
+        start = min(start, n) if start >= 0 else max(0, n + start)  # as turn_tokens[start:] reads it
+        return self.pinned_tokens + extra + self._suffix_tokens[start]
 
 
 @dataclass

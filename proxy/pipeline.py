@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from plugins.base import HistoryView, Services
+from plugins.base import HistoryResult, HistoryView, Services
 from proxy.core.bands import Bands, assign_groups, split_bands, split_turns, tool_groups
 from proxy.core.budget import Budget, compute_budget, why
 from proxy.core.conversation import Conversation, WireAdapter
 from proxy.core.errors import BadRequest, ContextLengthExceeded, OutputLimitExceeded, PayloadError
 from proxy.core.fields import case_variant
-from proxy.core.items import Item, atom_digests, turn_digest
+from proxy.core.items import USER, Item, atom_digests, turn_digest
+from proxy.core.offload import run_step
 from proxy.core.pairing import check, repair
 from proxy.core.tokens import TokenCounter
 from proxy.policy import ModelRoute, Policy
@@ -177,8 +177,8 @@ def chain_hashes(turns: list[list[Item]], counter: TokenCounter | None = None) -
 class Prepared:
     """The policy-independent, CPU-heavy first step: parse, pairing repair, counting.
 
-    It is synchronous and touches nothing shared but the counter's LRU, so the
-    server runs it in a worker thread for large bodies (tiktoken releases the GIL).
+    It is synchronous and touches nothing shared but the counter's LRU (behind its lock), so
+    it runs in a worker thread for large bodies with the rest of the synchronous pipeline.
     """
 
     received: list[Item]
@@ -219,15 +219,51 @@ async def assemble(
     policy: Policy,
     counter: TokenCounter,
     services: Services,
-    prepared: Prepared | None = None,
+    offload: bool = False,
     calibration: float = 1.0,
 ) -> Assembly:
-    """Run the whole pipeline on one body of ``wire`` (raises a CtxProxyError to refuse)."""
+    """Run the whole pipeline on one body of ``wire`` (raises a CtxProxyError to refuse).
+
+    Everything but the context manager's ``manage_history`` (which may await the summary cache or the
+    summariser) is synchronous and linear in the number of items. With ``offload`` (a large body) the
+    synchronous steps run in a worker thread, before and after that await, so the event loop keeps
+    serving other requests while a long conversation is parsed, counted, trimmed and rendered.
+    """
+    planned = await run_step(offload, _plan, body, wire, route, policy, counter, services, calibration, offload)
+    if isinstance(planned, Assembly):
+        return planned
+    result = await policy.manager.manage_history(planned.view)
+    return await run_step(offload, _finish, planned, result)
+
+
+@dataclass
+class _Plan:
+    """What the steps before ``manage_history`` decided, for the steps after it."""
+
+    body: dict[str, Any]
+    wire: WireAdapter
+    policy: Policy
+    report: Report
+    prepared: Prepared
+    changes: dict[str, Any]
+    budget: Budget
+    bands: Bands
+    live: WorkingMemory
+    view: HistoryView
+
+
+def _tokens(items: list[Item]) -> int:
+    return sum(item.tokens for item in items)
+
+
+def _plan(
+    body: dict[str, Any], wire: WireAdapter, route: ModelRoute, policy: Policy, counter: TokenCounter,
+    services: Services, calibration: float, offload: bool,
+) -> Assembly | _Plan:
+    """Parse, repair, budget and bands; the finished Assembly when nothing needs managing."""
     report = Report(model=route.name, tenant=policy.tenant, context_manager=policy.binding.type, wire=wire.name,
                     warnings=list(policy.warnings), calibration=calibration)
-    offloaded = prepared is not None  # the caller prepared it off the event loop: a large body
-    if prepared is None:
-        prepared = prepare(body, wire, counter)
+    prepared = prepare(body, wire, counter)
     received, repaired, repairs, fixed = prepared.received, prepared.repaired, prepared.repairs, prepared.fixed
     report.warnings.extend(prepared.notes)
 
@@ -243,7 +279,7 @@ async def assemble(
             "tool-call pairing is invalid (" + ", ".join(f"{k}={v}" for k, v in sorted(repairs.items()))
             + ") and this policy is pairing: strict", param=wire.field, code="invalid_tool_pairing")
 
-    total = fixed + sum(item.tokens for item in repaired)
+    total = fixed + _tokens(repaired)
     report.tokens_before = total
 
     budget = _budget(route, policy, max_tokens, calibration)
@@ -260,31 +296,36 @@ async def assemble(
         out = wire.render(body, repaired, changes) if changed else body
         return Assembly(out, repaired, changed, report, received, wire.field, changes)
 
-    def toks(items: list[Item]) -> int:
-        return sum(item.tokens for item in items)
-
     live = WorkingMemory(bands.working_memory)
-    pinned = fixed + toks(bands.system) + toks(bands.working_memory)
+    pinned = fixed + _tokens(bands.system) + _tokens(bands.working_memory)
     if bands.current is not None:
         pinned += bands.current.tokens
     # what can never be dropped: refuse now, before a summariser is called (and billed) for nothing
-    _fits(pinned - toks(bands.working_memory) + toks(live.pinned_items()) + toks(_pinned(bands.history)), budget, wire)
+    _fits(pinned - _tokens(bands.working_memory) + _tokens(live.pinned_items()) + _tokens(_pinned(bands.history)),
+          budget, wire)
 
     def summary_item(text: str, covered: int) -> Item:
         return wire.summary(text, covered, counter)
 
     view = HistoryView(
         turns=turns,
-        turn_tokens=[toks(t) for t in turns],
+        turn_tokens=[_tokens(t) for t in turns],
         chain_fn=lambda: chain_hashes(turns, counter),
         pinned_tokens=pinned,
         budget=budget,
         counter=counter,
         services=services,
         summary_item=summary_item,
-        offload=offloaded,
+        offload=offload,
     )
-    result = await policy.manager.manage_history(view)
+    return _Plan(body, wire, policy, report, prepared, changes, budget, bands, live, view)
+
+
+def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
+    """From the context manager's history to the body to forward: WM cap, trim, whole turns, checks, render."""
+    body, wire, report, budget, bands, live = plan.body, plan.wire, plan.report, plan.budget, plan.bands, plan.live
+    received, repairs, fixed, changes = (plan.prepared.received, plan.prepared.repairs, plan.prepared.fixed,
+                                         plan.changes)
     report.summary = result.summary_status
     report.summary_detail = dict(result.detail)
     report.turns_summarised = result.turns_summarised
@@ -292,19 +333,23 @@ async def assemble(
     removed: Counter[str] = Counter(result.removed)
     history = [item for t in result.turns for item in t]
     history = _keep_pinned(bands.history, history)
+    history, cut = whole_turns(bands.history, history)
+    removed["windowed"] += _tokens(cut)
 
-    cap = policy.manager.working_memory_messages
+    cap = plan.policy.manager.working_memory_messages
     if cap is not None and live.rows() > cap:
         while live.rows() > cap and (dropped := live.drop_next()) is not None:
             report.wm_rows_dropped += len(dropped)
-            removed["wm_capped"] += toks(dropped)
-    wm = live.items()
+            removed["wm_capped"] += _tokens(dropped)
 
     summary = result.summary
     head = list(bands.system) + ([summary] if summary is not None else [])
     tail = [bands.current] if bands.current is not None else []
-    size = fixed + toks(head) + toks(history) + toks(tail) + toks(wm)
-    history, size = _trim(history, live, size, budget, toks, report, removed)
+    size = fixed + _tokens(head) + _tokens(history) + _tokens(tail) + _tokens(live.items())
+    history, size = _trim(history, live, size, budget, report, removed)
+    history, cut = whole_turns(bands.history, history)
+    size -= _tokens(cut)
+    removed["trimmed"] += _tokens(cut)
     wm = live.items()
     if size > budget.hard_budget and summary is not None:
         # the summary is the last thing to go: better the recent turns without it than a refusal
@@ -324,23 +369,78 @@ async def assemble(
     return Assembly(out, final, changed, report, received, wire.field, changes)
 
 
+def whole_turns(history: list[Item], kept: list[Item]) -> tuple[list[Item], list[Item]]:
+    """``kept`` without what is left of a turn whose start was cut, and what that removed.
+
+    A cut (by the trimmer or a context manager) may fall inside a turn: the user's question goes and
+    the answer, its tool calls or its results stay, and the forwarded history then opens with an
+    answer to nothing. A turn of ``history`` (the committed history before the cut; items before
+    the first user item form a preamble turn) is kept from its start or not at all: a kept item
+    whose turn's first item was cut goes too, by whole tool groups. Pinned items stay wherever they
+    are, as do items that are not in ``history`` (a context manager's own). Linear in the items.
+    """
+    if not kept:
+        return kept, []
+    present = {id(item) for item in kept}
+    start_of: dict[int, Item] = {}
+    start: Item | None = None
+    for item in history:
+        if start is None or item.role == USER:
+            start = item
+        start_of[id(item)] = start
+    out: list[Item] = []
+    cut: list[Item] = []
+    for group in tool_groups(kept):
+        starts = [start_of.get(id(item)) for item in group]
+        orphaned = any(s is not None and id(s) not in present for s in starts)
+        if orphaned and not any(item.pinned for item in group):
+            cut.extend(group)
+        else:
+            out.extend(group)
+    return (out, cut) if cut else (kept, cut)
+
+
 def _unmanaged(
     body: dict[str, Any], prepared: Prepared, wire: WireAdapter, route: ModelRoute, policy: Policy, report: Report,
     max_tokens: int | None, changes: dict[str, Any], calibration: float,
 ) -> Assembly:
     """The provider holds part of this history: forward the conversation as sent; only the body's rules apply.
 
-    The proxy cannot see or count what the provider holds, so it neither manages, repairs nor
-    refuses the history; output caps, the model allow-list and the upstream model name still hold.
+    The proxy cannot see or count what the provider holds, so it neither manages nor repairs the
+    history; output caps, the model allow-list, the upstream model name and the tenant's
+    ``max_context_tokens`` (on the part it can see) still hold.
     """
     report.unmanaged = prepared.unmanaged
-    visible = prepared.fixed + sum(item.tokens for item in prepared.received)
+    visible = prepared.fixed + _tokens(prepared.received)
     report.tokens_before = report.tokens_after = visible
     budget = _budget(route, policy, max_tokens, calibration)
     report.window, report.reserve, report.margin = budget.window, budget.reserve, budget.margin
     report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
+    check_visible(visible, policy, calibration, wire.field, prepared.unmanaged)
     out = {**body, **changes} if changes else body
     return Assembly(out, prepared.received, bool(changes), report, prepared.received, wire.field, changes)
+
+
+def check_visible(visible: int, policy: Policy, calibration: float, param: str, held: str | None) -> None:
+    """Refuse a body whose visible part alone is over the tenant's ``max_context_tokens``.
+
+    The cap is a hard cap on what is forwarded, on every path, including those where the proxy cannot
+    manage the history (the provider holds part of it: ``held``) and ``/responses/compact``. What the
+    provider holds is not counted: ctxproxy cannot see it. Like B, the cap holds in the provider's
+    count, so in the proxy's own count it is the cap / ``calibration``.
+    """
+    cap = policy.max_context_tokens
+    if cap is None:
+        return
+    limit = int(cap / calibration) if calibration > 0 and calibration != 1.0 else cap
+    if visible <= limit:
+        return
+    unseen = f" What the provider holds ({held}) is not counted: ctxproxy cannot see it." if held else ""
+    raise ContextLengthExceeded(
+        f"This request's input is {visible} tokens, over this key's context cap (max_context_tokens) of {limit}, "
+        f"and it cannot be trimmed here.{unseen} Shorten the input or start a new conversation.",
+        param=param,
+    )
 
 
 def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibration: float) -> Budget:
@@ -386,7 +486,6 @@ def _trim(
     live: WorkingMemory,
     size: int,
     budget: Budget,
-    toks: Callable[[list[Item]], int],
     report: Report,
     removed: Counter[str],
 ) -> tuple[list[Item], int]:
@@ -403,7 +502,7 @@ def _trim(
             break
         if any(item.pinned for item in group):
             continue
-        dropped += toks(group)
+        dropped += _tokens(group)
         drop.add(i)
     if drop:
         report.groups_trimmed += len(drop)
@@ -411,7 +510,7 @@ def _trim(
         history = [item for i, g in enumerate(groups) if i not in drop for item in g]
         size -= dropped
     while size > budget.hard_budget and (wm_group := live.drop_next()) is not None:
-        n = toks(wm_group)
+        n = _tokens(wm_group)
         size -= n
         removed["trimmed"] += n
         report.wm_rows_dropped += len(wm_group)
@@ -423,7 +522,9 @@ class WorkingMemory:
 
     Kept always: the last group, the live tool round (the last group with calls: an assistant
     prefill may follow the results the model is working on), and any group with a pinned item.
-    The others go oldest first (docs/design.md#7-working-memory-cap-and-token-trim).
+    The others go oldest first (docs/design.md#7-working-memory-cap-and-token-trim). Dropping is
+    O(1) amortised: a cursor walks the groups once and the row count is kept up to date, so a
+    working memory of thousands of tool groups is capped or trimmed in linear time.
     """
 
     def __init__(self, wm: list[Item]) -> None:
@@ -431,29 +532,36 @@ class WorkingMemory:
         keep: set[int] = set()
         if self.groups:
             keep.add(len(self.groups) - 1)
-            calls = [i for i, g in enumerate(self.groups) if g[0].call_ids]
-            if calls:
-                keep.add(calls[-1])
+            last_calls = next((i for i in range(len(self.groups) - 1, -1, -1) if self.groups[i][0].call_ids), None)
+            if last_calls is not None:
+                keep.add(last_calls)
             keep.update(i for i, g in enumerate(self.groups) if any(item.pinned for item in g))
         self.keep = keep
-        self.kept = set(range(len(self.groups)))
+        self.dropped: set[int] = set()
+        self._next = 0  # every group before it is dropped or kept for good
+        self._rows = len(wm)
 
     def pinned_items(self) -> list[Item]:
         return [item for i in sorted(self.keep) for item in self.groups[i]]
 
     def rows(self) -> int:
-        return sum(len(self.groups[i]) for i in self.kept)
+        return self._rows
 
     def drop_next(self) -> list[Item] | None:
         """Drop the oldest droppable group and return it (None when only kept groups are left)."""
-        for i in range(len(self.groups)):
-            if i in self.kept and i not in self.keep:
-                self.kept.discard(i)
+        while self._next < len(self.groups):
+            i = self._next
+            self._next += 1
+            if i not in self.keep:
+                self.dropped.add(i)
+                self._rows -= len(self.groups[i])
                 return self.groups[i]
         return None
 
     def items(self) -> list[Item]:
-        return [item for i, g in enumerate(self.groups) if i in self.kept for item in g]
+        if not self.dropped:
+            return [item for g in self.groups for item in g]
+        return [item for i, g in enumerate(self.groups) if i not in self.dropped for item in g]
 
 
 def _fits(size: int, budget: Budget, wire: WireAdapter) -> None:

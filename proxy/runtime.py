@@ -9,7 +9,6 @@ summary cache, calibration); requests in flight keep the Runtime they started on
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Protocol
 
 from plugins.base import Engine, Services, SummaryStore
@@ -17,7 +16,7 @@ from proxy.core.conversation import WireAdapter
 from proxy.core.errors import AuthenticationError, BadRequest, ModelNotFound, SummarizerFailed
 from proxy.core.modelinfo import ModelMap
 from proxy.core.tokens import Tokenizers
-from proxy.pipeline import Assembly, Prepared, assemble, prepare
+from proxy.pipeline import Assembly, assemble
 from proxy.policy import ModelRoute, Policy, Routes, policy_for
 from proxy.settings import Config, Tenant
 
@@ -113,6 +112,13 @@ class Runtime:
             dry_run=dry_run,
         )
 
+    async def calibration_factor(self, route: ModelRoute, tenant: str) -> float:
+        """The route's provider-over-proxy token ratio for ``tenant`` (1.0 without calibration)."""
+        if self.calibration is None:
+            return 1.0
+        await self.calibration.prime(route, tenant)
+        return self.calibration.factor(route, tenant)
+
     async def assemble(
         self,
         wire: WireAdapter,
@@ -124,24 +130,19 @@ class Runtime:
         request_id: str = "",
         dry_run: bool = False,
     ) -> tuple[Assembly, ModelRoute, Policy]:
-        """Policy, route and the whole pipeline for one body of ``wire``."""
+        """Policy, route and the whole pipeline for one body of ``wire`` (its synchronous steps in a worker
+        thread with ``offload``: a large body)."""
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise BadRequest("'model' is required and must be a string", param="model", code="missing_model")
         route = self.route(model)
         policy = self.policy(tenant, model, override)
         counter = self.tokenizers.get(route.encoding)
-        prepared: Prepared | None = None
-        if offload:
-            prepared = await asyncio.get_running_loop().run_in_executor(None, prepare, body, wire, counter)
-        calibration = 1.0
-        if self.calibration is not None:
-            await self.calibration.prime(route, policy.tenant)
-            calibration = self.calibration.factor(route, policy.tenant)
+        calibration = await self.calibration_factor(route, policy.tenant)
         assembly = await assemble(
             body, wire=wire, route=route, policy=policy, counter=counter,
             services=self.services(route, policy, request_id=request_id, dry_run=dry_run),
-            prepared=prepared, calibration=calibration,
+            offload=offload, calibration=calibration,
         )
         if assembly.report.summary == "failed" and policy.on_summarizer_error == "fail":
             raise SummarizerFailed("the summariser failed and this proxy is configured with on_summarizer_error: fail")

@@ -309,7 +309,9 @@ class TenantSettings(Strict):
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     keys: list[str] = Field(..., min_length=1, description="Proxy keys: plain, or sha256:<hex>.")
     context_manager: Any = None
-    max_context_tokens: int | None = Field(None, ge=1, description="Hard cap on forwarded input tokens.")
+    max_context_tokens: int | None = Field(None, ge=1, description="Hard cap on forwarded input tokens, on every "
+                                           "path (where the provider holds part of the history, on the part "
+                                           "ctxproxy can see; /responses/compact too).")
     max_output_tokens: int | None = Field(None, ge=1, description="Cap on max_tokens/max_completion_tokens.")
     max_output_policy: Literal["clamp", "refuse"] = Field(
         "clamp", description="Requests above max_output_tokens are clamped, or refused."
@@ -370,9 +372,16 @@ class AdminSettings(Strict):
     keys: list[str] = Field(default_factory=list, description="Keys for /admin/* (plain or sha256:<hex>).")
 
 
+LOG_QUEUE_LINES = 10_000  # log lines held while stderr is not read (about 5 MB of request lines)
+
+
 class LoggingSettings(Strict):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     requests: bool = Field(True, description="One JSON line per request.")
+    queue_lines: int = Field(
+        LOG_QUEUE_LINES, ge=1, le=1_000_000, description="Log lines held in memory while stderr is not read as "
+        "fast as they come (read at start). When they are all waiting, new lines are dropped and counted "
+        "(ctxproxy_log_lines_dropped_total) rather than slowing the proxy down.")
 
 
 class Settings(Strict):

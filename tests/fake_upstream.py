@@ -12,7 +12,8 @@ and ``POST /v1/messages`` (Anthropic events ending with ``message_stop``), plus
 ``/v1/sse-clean-close`` (an unknown SSE path that simply ends); ``sent`` holds
 the exact bytes written and ``wire_mode = "break"`` cuts those streams mid-way.
 Every ``/v1/responses`` request (managed since issue 13, streaming or not) is recorded in
-``responses`` and in ``other`` (as every relayed request always was); a non-streaming one
+``responses`` and in ``other`` (as every relayed request always was) and, in modes ``hang`` and
+``slow_first_byte``, answered after ``delay`` as chat requests are; a non-streaming one
 is answered with a Response object as OpenAI sends it, its ``output`` taken from
 ``responses_script`` (one list of output items per request, e.g. function calls) or the
 fixed reply. ``POST /v1/responses/compact`` answers a ``response.compaction`` object as
@@ -402,6 +403,8 @@ class FakeUpstream:
             payload = self.status_body if self.status_body is not None else {
                 "error": {"message": "upstream failure", "type": "server_error", "param": None, "code": None}}
             return web.json_response(payload, status=self.status, headers=self.status_headers)
+        if self.mode == "hang" or self.mode == "slow_first_byte":
+            await asyncio.sleep(self.delay or 3600)
         output = self.responses_script.pop(0) if self.responses_script else None
         if not body.get("stream"):
             return web.json_response(response_object(model, "completed", output))

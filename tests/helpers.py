@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import gzip
 import itertools
 import json
 import math
+import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,37 @@ def make_config(**kwargs: Any) -> Config:
 def hard_budget(window: int, reserve: int = 256, ratio: float = 0.1) -> int:
     """B = window - reserve - ceil(ratio * window), computed here independently."""
     return window - reserve - math.ceil(ratio * window)
+
+
+# --------------------------------------------------------------------------- cost per item
+
+LINEAR = 2.5  # how much the time per item may grow over a size ladder (linear: about 1; quadratic: the factor)
+
+
+def per_item_growth(setup: Callable[[int], Callable[[], object]], small: int, factor: int = 8,
+                    repeat: int = 3) -> float:
+    """How much the CPU time per item grows from ``small`` items to ``factor`` times as many.
+
+    ``setup(n)`` builds the input for n items and returns the step to time. About 1 when the step is
+    linear (or n log n), about ``factor`` when it is quadratic. Robust on a loaded machine: the
+    process's own CPU time (other processes do not count), the best of ``repeat`` runs, with the
+    cyclic GC paused while timing (its pauses grow with the heap, not with the code under test).
+    """
+    def best(n: int) -> float:
+        step = setup(n)
+        times = []
+        for _ in range(repeat):
+            gc.collect()
+            gc.disable()
+            try:
+                t0 = time.process_time()
+                step()
+                times.append(time.process_time() - t0)
+            finally:
+                gc.enable()
+        return max(min(times), 1e-4)
+
+    return (best(small * factor) / (small * factor)) / (best(small) / small)
 
 
 # --------------------------------------------------------------------------- data

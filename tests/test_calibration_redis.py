@@ -8,6 +8,8 @@ starts from it. The cost ledger is shared the same way: one report sums both rep
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -30,6 +32,20 @@ def shared_config(upstream: FakeUpstream, redis: RedisServer) -> dict[str, Any]:
                   admin={"keys": [ADMIN]})
 
 
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait (polling the loop) until ``condition()`` holds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def samples(proxy: RunningProxy, tenant: str) -> int:
+    """How many samples of ``tenant`` this replica has learned (its after-answer step may still be pending)."""
+    entry = proxy.state.shared.calibration._entries.get((tenant, "fake", MODEL))
+    return len(entry.samples) if entry is not None else 0
+
+
 async def explain_budget(s: aiohttp.ClientSession, proxy: RunningProxy) -> dict[str, Any]:
     async with s.post(proxy.url + "/v1/ctxproxy/explain", json={"model": MODEL, "messages": conversation(5)},
                       headers={"Authorization": "Bearer sk-client"}) as r:
@@ -49,6 +65,7 @@ async def test_two_replicas_share_the_factor_and_a_restart_keeps_it(
         for n in range(3, 8):
             status, _, _ = await post(s, a, conversation(n))
             assert status == 200
+        await until(lambda: samples(a, "acme") == 5)
         await a.state.shared.calibration.flush()  # A's background write to Redis
         # B read the shared record once (the explain above); once that read is older than REFRESH_SECONDS, a
         # request refreshes it in the background (and still uses what B had), and the next one uses A's factor
@@ -65,6 +82,8 @@ async def test_two_replicas_share_the_factor_and_a_restart_keeps_it(
             async with s.post(b.url + "/v1/chat/completions", json={"model": MODEL, "messages": conversation(n)},
                               headers={"Authorization": "Bearer sk-globex"}) as r:
                 assert r.status == 200
+        # the answer's usage is learned once the handler has finished, which may be after the client read it
+        await until(lambda: samples(b, "globex") == 3)
         await b.state.shared.calibration.flush()
     record = await a.state.shared.cache.get(cache_key(POOLED, "fake", MODEL))
     assert record is not None

@@ -13,6 +13,7 @@ import asyncio
 import copy
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,7 +25,12 @@ from proxy.pipeline import Assembly, assemble
 from proxy.policy import Routes, policy_for
 from proxy.wire.chat import WIRE as CHAT
 from proxy.wire.chat import repair_messages as repair
+from proxy.wire.messages import WIRE as MESSAGES
+from proxy.wire.responses import WIRE as RESPONSES
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
 from tests.helpers import (
+    LINEAR,
     MANAGERS,
     MODEL,
     AgentSim,
@@ -41,6 +47,7 @@ from tests.helpers import (
     legacy_result,
     make_config,
     minimal_payload,
+    per_item_growth,
     recount,
     services,
     system,
@@ -49,6 +56,7 @@ from tests.helpers import (
     user,
     words,
 )
+from tests.outside import post, text_of
 
 WINDOWS = (2_000, 4_000, 8_000)
 COUNTER = TokenCounter("o200k_base")  # one counter: per-message counts are LRU-cached
@@ -483,3 +491,125 @@ async def test_refusal_message_explains_an_explicit_budget_correctly() -> None:
     assert "500" in message
     m = re.search(r"window (\d+) - completion reserve (\d+) - safety margin (\d+)", message)
     assert m is None or int(m[1]) - int(m[2]) - int(m[3]) == 500, message
+
+
+# --------------------------------------------------------------------------- a cut keeps whole turns, over HTTP
+
+ANSWER = "Done, I read it."
+SHORT_TURNS = [
+    ("user", "Read this file and tell me when you have read it.\n" + text_of(700)),
+    ("assistant", ANSWER),
+    ("user", "Now list the three largest invoices. " + text_of(60, seed=1)),
+    ("assistant", "Invoices 12, 7 and 3."),
+    ("user", "And the smallest one?"),
+]
+WIRE_CALLS: dict[str, tuple[str, Callable[[list[dict[str, str]]], dict[str, Any]],
+                            Callable[[FakeUpstream], list[dict[str, Any]]]]] = {
+    "chat": ("/v1/chat/completions",
+             lambda turns: {"model": "gpt-4o-mini", "messages": [{"role": "system", "content": "Be terse."}, *turns]},
+             lambda up: up.chat[-1].body["messages"][1:]),
+    "responses": ("/v1/responses",
+                  lambda turns: {"model": "gpt-4o-mini", "instructions": "Be terse.", "input": turns},
+                  lambda up: up.responses[-1].body["input"]),
+    "messages": ("/v1/messages",
+                 lambda turns: {"model": "gpt-4o-mini", "max_tokens": 100, "system": "Be terse.", "messages": turns},
+                 lambda up: up.messages[-1].body["messages"]),
+}
+
+
+@pytest.mark.parametrize("wire", sorted(WIRE_CALLS))
+async def test_trim_over_http_never_forwards_an_answer_whose_question_it_dropped(
+    wire: str, upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """The trimmer drops the oldest groups; a user message is a group of its own, so a cut between a question
+    and its answer left "Done, I read it." at the head of the forwarded history, answering nothing. The rest
+    of a turn whose user message was cut goes with it, on every wire."""
+    proxy = await start_proxy(base_config(upstream.base_url, context_manager={
+        "type": "summarising", "params": {"summarizer": "drop", "trimmer": {"max_tokens": 400}}}))
+    path, make, forwarded_of = WIRE_CALLS[wire]
+    status, headers, payload = await post(proxy, make([{"role": r, "content": t} for r, t in SHORT_TURNS]), path=path)
+    assert status == 200, payload
+    assert int(headers["x-ctxproxy-tokens-out"]) <= 400 < int(headers["x-ctxproxy-tokens-in"])
+    forwarded = forwarded_of(upstream)
+    assert [m["role"] for m in forwarded] == ["user", "assistant", "user"]
+    assert forwarded[0]["content"] == SHORT_TURNS[2][1] and ANSWER not in str(forwarded)
+
+
+# --------------------------------------------------------------------------- linear in the items
+
+
+def _chat_loop(n: int, displaced: bool = False) -> dict[str, Any]:
+    msgs: list[dict[str, Any]] = [system("You are an agent."), user("Read every file.")]
+    results = [tool(f"c{i}", f"line {i}: ok") for i in range(n)]
+    for i in range(n):
+        msgs.append(call((f"c{i}", "read_file", f'{{"path": "src/m{i}.py"}}')))
+        if not displaced:
+            msgs.append(results[i])
+        elif i:
+            msgs.append(results[i - 1])  # each result one call late: the repair moves it back
+    return {"model": MODEL, "messages": msgs + (results[-1:] if displaced else [])}
+
+
+def _responses_loop(n: int, displaced: bool = False) -> dict[str, Any]:
+    items: list[dict[str, Any]] = [{"role": "user", "content": "Read every file."}]
+    outputs = [{"type": "function_call_output", "call_id": f"c{i}", "output": f"line {i}: ok"} for i in range(n)]
+    for i in range(n):
+        items.append({"type": "function_call", "call_id": f"c{i}", "name": "read_file",
+                      "arguments": f'{{"path": "src/m{i}.py"}}'})
+        if not displaced:
+            items.append(outputs[i])
+        elif i:
+            items += [{"role": "assistant", "content": "next"}, outputs[i - 1]]
+    return {"model": MODEL, "input": items + (outputs[-1:] if displaced else [])}
+
+
+def _messages_loop(n: int, displaced: bool = False) -> dict[str, Any]:
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "Read every file."}]
+    for i in range(n):
+        msgs.append({"role": "assistant", "content": [
+            {"type": "tool_use", "id": f"t{i}", "name": "read_file", "input": {"path": f"src/m{i}.py"}}]})
+        msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}", "content": f"ok {i}"}]})
+    return {"model": MODEL, "max_tokens": 1000, "messages": msgs}
+
+
+def _chat_turns(n: int, displaced: bool = False) -> dict[str, Any]:
+    msgs: list[dict[str, Any]] = [system("You are an agent.")]
+    for i in range(n):
+        msgs += [user(f"question {i}"), call((f"c{i}", "f")), tool(f"c{i}", f"result {i}"), assistant(f"answer {i}")]
+    return {"model": MODEL, "messages": [*msgs, user("current")]}
+
+
+LADDERS: dict[str, tuple[Any, Callable[..., dict[str, Any]], bool, Any]] = {
+    # name: (wire, body of n pairs, displaced, context manager)
+    "chat-tool-loop": (CHAT, _chat_loop, False, None),
+    "chat-displaced-results": (CHAT, _chat_loop, True, None),
+    "responses-tool-loop": (RESPONSES, _responses_loop, False, None),
+    "responses-displaced-outputs": (RESPONSES, _responses_loop, True, None),
+    "messages-tool-loop": (MESSAGES, _messages_loop, False, None),
+    "chat-turns-stack": (CHAT, _chat_turns, False, {"type": "stack", "params": {"max_messages": 40}}),
+    "chat-turns-trimmed": (CHAT, _chat_turns, False, {"type": "summarising", "params": {"summarizer": "drop",
+                                                                                        "keep_turns": 100_000}}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LADDERS))
+def test_a_long_conversation_is_assembled_in_linear_time(case: str) -> None:
+    """Thousands of small tool groups (a long agent loop in one turn, or a long history) must cost the same per
+    item at any size: the working-memory cap dropped one group per pass over all groups, so 8,000 pairs took
+    16 s and 12,000 took 31 s while the event loop waited. Time per item over a size ladder must not grow."""
+    wire, make, displaced, manager = LADDERS[case]
+    config = make_config(window=8_000, context_manager=manager) if manager else make_config(window=8_000)
+    route = Routes(config, MODEL_MAP).resolve(MODEL)
+    policy = policy_for(config, None, MODEL, None)
+
+    def setup(n: int) -> Callable[[], object]:
+        body = make(n, displaced)
+
+        def step() -> Assembly:
+            return asyncio.run(assemble(body, wire=wire, route=route, policy=policy, counter=COUNTER,
+                                        services=services(COUNTER)))
+        assert step().report.tokens_after < step().report.tokens_before  # the ladder exercises the cuts
+        return step
+
+    growth = per_item_growth(setup, 500)
+    assert growth < LINEAR, f"time per item grew {growth:.1f}x from 500 to 4,000 pairs"

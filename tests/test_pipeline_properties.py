@@ -7,8 +7,9 @@ unknown keys. For every context manager and a range of budgets the forwarded pay
 (a) passes the payload check and an independent pairing checker, (b) fits the hard budget
 by an independent recount or is refused with ContextLengthExceeded (and only when the
 unremovable part does not fit), (c) keeps the system band and current user turn verbatim,
-(d) keeps the last working-memory tool group (after repair), and (e) is the input itself
-when the input is valid and under the threshold.
+(d) keeps the last working-memory tool group (after repair), (e) is the input itself
+when the input is valid and under the threshold, and (f) forwards whole turns of the history:
+a cut never leaves an answer, a tool call or a result whose user message it dropped.
 """
 
 from __future__ import annotations
@@ -159,3 +160,42 @@ def test_repair_output_always_passes_both_checkers(messages: list[dict[str, Any]
         assert repaired is messages
     again, more = repair(repaired)
     assert not more and again is repaired  # idempotent
+
+
+def _history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What lies between the leading system/developer messages (a summary included) and the last user message."""
+    start = 0
+    while start < len(messages) and messages[start].get("role") in ("system", "developer"):
+        start += 1
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    return messages[start:last] if last >= start else []
+
+
+def _turns(history: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A turn starts at a user message; what comes before the first one is a preamble turn."""
+    turns: list[list[dict[str, Any]]] = []
+    for m in history:
+        if not turns or m.get("role") == "user":
+            turns.append([])
+        turns[-1].append(m)
+    return turns
+
+
+@pytest.mark.parametrize("manager", sorted(ALL_MANAGERS))
+@PROPERTY
+@given(messages=conversations(), budget=st.sampled_from(BUDGETS))
+def test_forwarded_history_is_the_last_whole_turns(manager: str, messages: list[dict[str, Any]], budget: int) -> None:
+    """Whatever cuts the history (the trimmer, a window, the stack's message cap, a summary), it cuts between
+    turns: the forwarded history is the last k whole turns of the (repaired) history, for some k, so it opens
+    with a user message (after the system band and any summary) unless it is the whole history."""
+    setup = SETUPS[(manager, budget)]
+    before = copy.deepcopy(messages)
+    try:
+        a = setup.run(messages)
+    except ContextLengthExceeded:
+        return
+    repaired, _ = repair(before)
+    turns = _turns(_history(repaired))
+    forwarded = _history(a.messages)
+    suffixes = [[m for t in turns[k:] for m in t] for k in range(len(turns) + 1)]
+    assert forwarded in suffixes, f"the forwarded history is not whole turns: {[m.get('role') for m in forwarded]}"

@@ -595,6 +595,15 @@ async def test_reload_names_the_settings_that_need_a_restart(upstream: FakeUpstr
     assert (await rewrite_and_reload(proxy, path, config))["restart_required"] == []
 
 
+async def test_the_log_queue_keeps_its_size_until_a_restart(upstream: FakeUpstream, start_proxy: Any,
+                                                             tmp_path: Path) -> None:
+    """The log's queue is made when the server starts: a new logging.queue_lines is said to need a restart."""
+    config = base_config(upstream.base_url)
+    proxy, path = await reloadable(start_proxy, tmp_path, config)
+    answer = await rewrite_and_reload(proxy, path, {**config, "logging": {"level": "INFO", "queue_lines": 7}})
+    assert answer == {"reloaded": True, "restart_required": ["logging.queue_lines"]}
+
+
 @pytest.mark.timeout(120)
 async def test_reload_applies_the_log_level(upstream: FakeUpstream, tmp_path: Path) -> None:
     """logging.level was set once at start: a reload to INFO showed no request lines, one to ERROR kept them."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import signal
 import socket
@@ -351,3 +352,16 @@ async def test_a_sighup_before_the_server_listens_is_handled_once_it_does(upstre
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_port_in_use_is_said_in_one_log_line(upstream: FakeUpstream, tmp_path: Path) -> None:
+    """A failure to start is logged through the same queue as everything else, before it is stopped: exit 1 and
+    one JSON line naming the cause, not a traceback printed after the log writer is gone (or nothing)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        rc, out, err = await _run("serve", "--config", str(write_config(tmp_path, upstream)), "--port", str(port))
+    assert rc == 1 and out == ""
+    (line,) = [json.loads(text) for text in err.splitlines()]
+    assert line["level"] == "CRITICAL" and "address already in use" in line["message"]

@@ -6,11 +6,14 @@ import asyncio
 import functools
 import gzip
 import json
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import tiktoken
 
 from tests.conftest import base_config
@@ -145,3 +148,133 @@ async def test_no_stall_anywhere_in_huge_request_with_llm_summariser(upstream: F
     check_big_answer(out, upstream)
     worst = max(out["probes"])
     assert worst < PROMPT_LIMIT, f"a small request took {1000 * worst:.0f} ms during a huge one"
+
+
+# --------------------------------------------------------------------------- a long tool loop, on every wire
+
+TOOL_LOOP_MODEL = "gpt-4o-mini"
+
+
+def tool_loop(wire: str, pairs: int) -> tuple[str, dict[str, Any]]:
+    """(path, body) of one user question followed by ``pairs`` small call/result pairs, on ``wire``."""
+    question = "Read every file and tell me what they do."
+    if wire == "messages":
+        msgs: list[Any] = [{"role": "user", "content": question}]
+        for i in range(pairs):
+            msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{i}", "name": "read_file",
+                                                        "input": {"path": f"src/mod_{i}.py"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}",
+                                                   "content": f"line {i}: ok"}]}]
+        return "/v1/messages", {"model": TOOL_LOOP_MODEL, "max_tokens": 1024, "messages": msgs}
+    if wire == "chat":
+        msgs = [{"role": "user", "content": question}]
+        for i in range(pairs):
+            msgs += [{"role": "assistant", "content": None, "tool_calls": [{
+                "id": f"call_{i}", "type": "function",
+                "function": {"name": "read_file", "arguments": json.dumps({"path": f"src/mod_{i}.py"})}}]},
+                {"role": "tool", "tool_call_id": f"call_{i}", "content": f"line {i}: ok"}]
+        return "/v1/chat/completions", {"model": TOOL_LOOP_MODEL, "messages": msgs}
+    items: list[Any] = [{"role": "user", "content": question}]
+    for i in range(pairs):
+        items += [{"type": "function_call", "call_id": f"call_{i}", "name": "read_file",
+                   "arguments": json.dumps({"path": f"src/mod_{i}.py"})},
+                  {"type": "function_call_output", "call_id": f"call_{i}", "output": f"line {i}: ok"}]
+    path = "/v1/ctxproxy/explain/responses" if wire == "explain" else "/v1/responses"
+    return path, {"model": TOOL_LOOP_MODEL, "input": items}
+
+
+LARGE = {
+    "chat": lambda: tool_loop("chat", 300),
+    "responses": lambda: tool_loop("responses", 300),
+    "messages": lambda: tool_loop("messages", 300),
+    "messages-context-management": lambda: (tool_loop("messages", 300)[0], {
+        **tool_loop("messages", 300)[1], "context_management": {"edits": [
+            {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 1000}}]}}),
+    "count-tokens": lambda: ("/v1/messages/count_tokens", tool_loop("messages", 300)[1]),
+    "explain": lambda: tool_loop("explain", 300),
+    "compact": lambda: ("/v1/responses/compact", tool_loop("responses", 300)[1]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LARGE))
+async def test_every_synchronous_step_of_a_large_request_runs_off_the_event_loop(
+    upstream: FakeUpstream, start_proxy: Any, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Only the parse ran in a worker thread for a large body: the working-memory cap, the trim, the pairing
+    check, rendering and serialising ran on the event loop and held up every other request. For a body over
+    server.offload_bytes, the pipeline's steps before and after the context manager, the Messages
+    context_management edits, the compact input and the forwarded bytes are all made in worker threads."""
+    import proxy.pipeline as pipeline
+    import proxy.serve.compact as compact
+    import proxy.serve.managed as handler
+    import proxy.wire.messages.emulate as emulate
+
+    seen: dict[str, list[bool]] = {}
+
+    def spy(module: Any, name: str) -> None:
+        real = getattr(module, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            seen.setdefault(name, []).append(threading.current_thread() is threading.main_thread())
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapper)
+
+    for module, name in [(pipeline, "prepare"), (pipeline, "_trim"), (pipeline, "check"),
+                         (handler, "forward_bytes"), (emulate, "clear_tool_uses"), (compact, "split_bands")]:
+        spy(module, name)
+    upstream.compact_mode = "404"  # compact: relayed, then emulated
+    proxy = await start_proxy(base_config(upstream.base_url, server={"offload_bytes": 4096}, context_manager={
+        "type": "summarising", "params": {"trimmer": {"max_tokens": 3000}}}))
+    path, body = LARGE[case]()
+    async with aiohttp.ClientSession() as s:
+        status, _, raw = await post(s, proxy.url + path, json.dumps(body).encode())
+    assert status == 200, raw[:300]
+    assert seen and all(not on_loop for calls in seen.values() for on_loop in calls), seen
+    managed = {"prepare", "_trim", "check", "forward_bytes"}
+    expected = {"compact": {"split_bands"}, "count-tokens": {"prepare", "_trim"}, "explain": {"prepare", "_trim"},
+                "messages-context-management": {"clear_tool_uses", *managed}}.get(case, managed)
+    assert expected <= set(seen), seen
+
+
+class HealthProbe(threading.Thread):
+    """GET /healthz every 10 ms from a thread of its own (its own blocking client, not the test's event loop,
+    which the in-process proxy shares), so a stall of the proxy's loop shows in full as one slow answer."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.worst, self.count = url + "/healthz", 0.0, 0
+        self.done = threading.Event()
+        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # straight to 127.0.0.1
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            t0 = time.perf_counter()
+            with self.opener.open(self.url, timeout=120) as r:
+                assert r.status == 200
+            self.worst = max(self.worst, time.perf_counter() - t0)
+            self.count += 1
+            self.done.wait(0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wire", ["chat", "responses", "messages", "explain"])
+async def test_a_long_tool_loop_does_not_hold_up_healthz(upstream: FakeUpstream, start_proxy: Any,
+                                                         wire: str) -> None:
+    """8,000 call/result pairs in the current turn (about 2 MB): the quadratic working-memory cap held the event
+    loop for seconds (16 s on the reviewer's machine) and /healthz waited as long. Probed every 10 ms, /healthz
+    must answer within half a second while the request is assembled off the loop."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    path, body = tool_loop(wire, 8000)
+    data = json.dumps(body).encode()
+    async with aiohttp.ClientSession() as s:
+        await post(s, proxy.url + path, json.dumps(tool_loop(wire, 50)[1]).encode())  # warm-up
+        probe = HealthProbe(proxy.url)
+        probe.start()
+        try:
+            status, _, raw = await post(s, proxy.url + path, data)
+        finally:
+            probe.done.set()
+            await asyncio.to_thread(probe.join)
+    print(f"\n{wire}: {probe.count} probes, worst /healthz {1000 * probe.worst:.0f} ms")
+    assert status == 200, raw[:300]
+    assert probe.count > 0 and probe.worst < 0.5, f"/healthz waited {1000 * probe.worst:.0f} ms behind a tool loop"

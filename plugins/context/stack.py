@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
@@ -27,6 +28,11 @@ class Stack(ContextManager):
     Params = StackParams
 
     async def manage_history(self, view: HistoryView) -> HistoryResult:
+        if view.offload:  # a large conversation: its items are walked in a worker thread
+            return await asyncio.to_thread(self._cut, view)
+        return self._cut(view)
+
+    def _cut(self, view: HistoryView) -> HistoryResult:
         params: Any = self.params
         cap = params.max_messages
         flat = [item for turn in view.turns for item in turn]

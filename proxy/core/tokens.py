@@ -21,6 +21,9 @@ from proxy.core.errors import PayloadError
 from proxy.core.modelinfo import offline_environment
 
 REPLY_PRIMING = 3
+# keys looked up per hold of a counter's lock: a worker thread counting a large body lets a small request on
+# the event loop in between chunks, instead of holding the lock for the whole body
+LOCK_CHUNK = 1024
 
 O200K = "o200k_base"
 CL100K = "cl100k_base"
@@ -131,16 +134,18 @@ class TokenCounter:
         """
         out: list[int] = []
         missing: list[int] = []
-        with self._lock:
-            cache = self._cache
-            for i, key in enumerate(keys):
-                n = cache.get(key)
-                if n is None:
-                    missing.append(i)
-                    out.append(0)
-                else:
-                    cache.move_to_end(key)
-                    out.append(n)
+        cache = self._cache
+        for start in range(0, len(keys), LOCK_CHUNK):  # a large body holds the lock a chunk at a time
+            with self._lock:
+                for i in range(start, min(start + LOCK_CHUNK, len(keys))):
+                    key = keys[i]
+                    n = cache.get(key)
+                    if n is None:
+                        missing.append(i)
+                        out.append(0)
+                    else:
+                        cache.move_to_end(key)
+                        out.append(n)
         for i in missing:
             out[i] = self.cached(keys[i], raws[i], formula)
         return out
@@ -149,23 +154,25 @@ class TokenCounter:
         """Wire-neutral digests remembered per content key (chained summary-cache hashes reuse them), for many keys
         under one lock; ``compute(i)`` makes the i-th (key 0: never kept)."""
         out: list[bytes | None] = []
-        with self._lock:
-            cache = self._digests
-            for key in keys:
-                d = cache.get(key) if key else None
-                if d is not None:
-                    cache.move_to_end(key)
-                out.append(d)
+        cache = self._digests
+        for start in range(0, len(keys), LOCK_CHUNK):
+            with self._lock:
+                for key in keys[start:start + LOCK_CHUNK]:
+                    d = cache.get(key) if key else None
+                    if d is not None:
+                        cache.move_to_end(key)
+                    out.append(d)
         missing = [i for i, d in enumerate(out) if d is None]
         if missing:
             made = [(i, compute(i)) for i in missing]
-            with self._lock:
-                for i, d in made:
-                    out[i] = d
-                    if keys[i]:
-                        self._digests[keys[i]] = d
-                while len(self._digests) > self._cache_size:
-                    self._digests.popitem(last=False)
+            for start in range(0, len(made), LOCK_CHUNK):
+                with self._lock:
+                    for i, d in made[start:start + LOCK_CHUNK]:
+                        out[i] = d
+                        if keys[i]:
+                            cache[keys[i]] = d
+                    while len(cache) > self._cache_size:
+                        cache.popitem(last=False)
         return out  # type: ignore[return-value]  # every None was filled
 
     def tools(self, tools: Any, field: str = "tools") -> int:

@@ -21,6 +21,7 @@ from proxy.core.errors import (
     NotFound,
     ReportUnavailable,
 )
+from proxy.core.offload import run_step
 from proxy.runtime import Runtime
 from proxy.serve.explain import calibration_detail, explain
 from proxy.serve.http import (
@@ -71,7 +72,9 @@ async def explain_handler(request: web.Request) -> web.Response:
         record.model = report.get("model")
         record.wire = report.get("wire") or record.wire  # the wire picked from the body, when none was named
         status = 200
-        return json_response(out, headers={"x-request-id": rid})
+        # the answer holds the whole forwarded conversation: written off the loop when it is large
+        data = await run_step(len(raw) > st.config.settings.server.offload_bytes, orjson.dumps, out)
+        return web.Response(body=data, content_type="application/json", headers={"x-request-id": rid})
     except CtxProxyError as exc:
         status, record.error = exc.status, exc.code
         raise

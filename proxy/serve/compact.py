@@ -15,6 +15,11 @@ writes; the Responses wire recognises it on later requests and pins it, as it pi
 provider's own ``compaction`` item. The summary comes from the same content-addressed
 cache and single flight as the pipeline's, so compacting a conversation twice, or
 compacting one whose prefix the pipeline already summarised, costs no second call.
+
+Either way the input is read and counted first (in a worker thread for a large body), and
+the tenant's ``max_context_tokens`` holds: a compaction sends the whole input to a model,
+so one whose visible input exceeds the cap is refused (what the provider holds is not
+counted: ctxproxy cannot see it).
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ from plugins.base import CachedSummary, Summarizer, SummaryScope
 from plugins.context.summarising import summary_text
 from plugins.summarizers.llm import LLMParams, LLMSummarizer
 from proxy.core.bands import split_bands, split_turns
+from proxy.core.conversation import Conversation
 from proxy.core.errors import BadRequest, CtxProxyError, SummarizerFailed, SummaryUnavailable, UpstreamStatus
 from proxy.core.items import USER, Item
+from proxy.core.offload import run_step
 from proxy.core.pairing import repair
-from proxy.pipeline import chain_hashes
+from proxy.pipeline import chain_hashes, check_visible
 from proxy.policy import ModelRoute, Policy
 from proxy.runtime import Runtime
 from proxy.serve.http import (
@@ -74,13 +81,19 @@ async def compact_handler(request: web.Request) -> web.StreamResponse:
         tenant = runtime.authenticate(client_keys(request))
         record.tenant = tenant.name if tenant else "default"
         raw = await read_body(request)
-        body = parse_body(raw)
+        offload = len(raw) > runtime.config.settings.server.offload_bytes
+        body = await run_step(offload, parse_body, raw)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise BadRequest("'model' is required and must be a string", param="model", code="missing_model")
         route = runtime.route(model)
         policy = runtime.policy(tenant, model, request.headers.get(OVERRIDE_HEADER))  # the tenant's allow-list
         record.model = route.name
+        counter = runtime.tokenizers.get(route.encoding)
+        conversation = await run_step(offload, WIRE.parse, body, counter)
+        # the tenant's cap holds for a compaction too, relayed or emulated, on what ctxproxy can see
+        check_visible(conversation.fixed_tokens + sum(item.tokens for item in conversation.items), policy,
+                      await runtime.calibration_factor(route, policy.tenant), WIRE.field, conversation.unmanaged)
         mode = compact_mode(runtime, route)
         if mode != "emulate":
             try:
@@ -92,7 +105,7 @@ async def compact_handler(request: web.Request) -> web.StreamResponse:
                     raise
                 headers["x-ctxproxy-warning"] = header_safe(
                     f"the upstream answered {exc.status} to /responses/compact: compacted by ctxproxy's summariser")
-        out = await emulate(runtime, body, route, policy, rid)
+        out = await emulate(runtime, body, route, policy, rid, conversation, offload)
         headers["x-ctxproxy-compact"] = "emulated"
         status = 200
         return json_response(out, headers=headers)
@@ -138,27 +151,24 @@ def summarizer_for(policy: Policy) -> Summarizer:
 
 
 async def emulate(runtime: Runtime, body: dict[str, Any], route: ModelRoute, policy: Policy,
-                  rid: str) -> dict[str, Any]:
-    """A ``response.compaction`` object from ctxproxy's summariser (nothing is forwarded)."""
+                  rid: str, conversation: Conversation, offload: bool = False) -> dict[str, Any]:
+    """A ``response.compaction`` object from ctxproxy's summariser (nothing is forwarded).
+
+    ``conversation`` is ``body`` parsed; with ``offload`` (a large body) the work on its items runs in a
+    worker thread.
+    """
     held = provider_state(body)
     if held is not None:
         raise BadRequest(f"This conversation continues from {held}: its history is held by the provider, and "
                          "the upstream does not serve /responses/compact, so it cannot be compacted here.",
                          param=held, code="unsupported_compaction")
-    counter = runtime.tokenizers.get(route.encoding)
-    conversation = WIRE.parse(body, counter)
     if conversation.unmanaged is not None:
         raise BadRequest("The input refers to items held by the provider (item_reference), and the upstream does "
                          "not serve /responses/compact, so it cannot be compacted here.", param="input",
                          code="unsupported_compaction")
-    items = conversation.items
-    if not conversation.paired:
-        items, _ = repair(items, WIRE, WIRE.merge_call_runs)
-    bands = split_bands(items)
-    turns = split_turns(items[len(bands.system):])
-    summary = await _summary(runtime, route, policy, rid, turns, counter) if turns else None
-    output: list[Any] = [user_message(item) for item in items
-                         if item.role == USER and not is_compact_summary(_main(item))]
+    counter = runtime.tokenizers.get(route.encoding)
+    items, turns, output = await run_step(offload, _compaction_input, conversation)
+    summary = await _summary(runtime, route, policy, rid, turns, counter, offload) if turns else None
     received = conversation.fixed_tokens + sum(item.tokens for item in items)
     produced = 0
     if summary is not None:
@@ -176,8 +186,20 @@ async def emulate(runtime: Runtime, body: dict[str, Any], route: ModelRoute, pol
     }
 
 
+def _compaction_input(conversation: Conversation) -> tuple[list[Item], list[list[Item]], list[Any]]:
+    """The input's items (repaired), its turns after the system band, and its user messages as output items."""
+    items = conversation.items
+    if not conversation.paired:
+        items, _ = repair(items, WIRE, WIRE.merge_call_runs)
+    bands = split_bands(items)
+    turns = split_turns(items[len(bands.system):])
+    output: list[Any] = [user_message(item) for item in items
+                         if item.role == USER and not is_compact_summary(_main(item))]
+    return items, turns, output
+
+
 async def _summary(runtime: Runtime, route: ModelRoute, policy: Policy, rid: str, turns: list[list[Item]],
-                   counter: Any) -> CachedSummary:
+                   counter: Any, offload: bool) -> CachedSummary:
     """The summary of every turn: from the cache when it holds one, else made once (single flight)."""
     store = runtime.summaries
     services = runtime.services(route, policy, request_id=rid)
@@ -186,7 +208,7 @@ async def _summary(runtime: Runtime, route: ModelRoute, policy: Policy, rid: str
     if store is None or summarize is None:
         raise SummarizerFailed("ctxproxy has no summariser to compact this conversation with.")
     scope = SummaryScope(policy.tenant, summarizer.settings_id(services))
-    chain = chain_hashes(turns, counter)
+    chain = await run_step(offload, chain_hashes, turns, counter)
     found = await store.lookup(scope, chain)
     if found is not None and found.covered_turns == len(turns):
         return found

@@ -22,10 +22,10 @@ explain gives the net before it.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Protocol
 
 from proxy.core.conversation import WireAdapter
+from proxy.core.offload import run_step
 from proxy.pipeline import Report
 from proxy.policy import ModelRoute
 from proxy.runtime import Runtime
@@ -57,7 +57,8 @@ class DryRunHook(Protocol):
     """``proxy.serve.managed.RequestHook`` that can also run without calling (billing) anyone."""
 
     async def begin(self, runtime: Runtime, tenant: Tenant | None, body: dict[str, Any], *,
-                    override: str | None, request_id: str, dry_run: bool = False) -> ExplainedExchange | None: ...
+                    override: str | None, request_id: str, dry_run: bool = False,
+                    offload: bool = False) -> ExplainedExchange | None: ...
 
 
 # The hooks the managed handler runs, by wire (``proxy.serve.routes.HOOKS``: the same ones, a test keeps them equal;
@@ -77,13 +78,13 @@ async def explain(
     """What ``wire`` (None: the body's, ``wire_of``) would forward for ``raw``, and the report; nothing is sent."""
     # large bodies are parsed and assembled off the event loop, as on the managed path
     offload = len(raw) > runtime.config.settings.server.offload_bytes
-    body = (await asyncio.get_running_loop().run_in_executor(None, parse_body, raw)) if offload else parse_body(raw)
+    body = await run_step(offload, parse_body, raw)
     wire = wire if wire is not None else wire_of(body)
     hook = HOOKS.get(wire.name)
     exchange = None
     if hook is not None:  # as the managed handler does, and as cheaply as the pipeline below (dry-run)
         exchange = await hook.begin(runtime, tenant, body, override=override, request_id=request_id,
-                                    dry_run=not summarize)
+                                    dry_run=not summarize, offload=offload)
     if exchange is not None and exchange.edited:
         body = exchange.body  # what the handler would run the pipeline on (and forward)
     assembly, route, _policy = await runtime.assemble(wire, body, tenant=tenant, override=override, offload=offload,

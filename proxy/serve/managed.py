@@ -17,6 +17,7 @@ from multidict import CIMultiDict
 
 from proxy.core.conversation import WireAdapter
 from proxy.core.errors import CtxProxyError, PayloadError, UpstreamStatus
+from proxy.core.offload import run_step
 from proxy.core.refusal import length_refusal
 from proxy.pipeline import Assembly
 from proxy.policy import ModelRoute
@@ -71,7 +72,7 @@ class RequestHook(Protocol):
     """What a wire does around the pipeline (Messages: ``context_management`` emulation); None: nothing."""
 
     async def begin(self, runtime: Runtime, tenant: Tenant | None, body: dict[str, Any], *,
-                    override: str | None, request_id: str) -> Exchange | None: ...
+                    override: str | None, request_id: str, offload: bool = False) -> Exchange | None: ...
 
 
 def forward_bytes(raw: bytes | None, assembly: Assembly) -> bytes:
@@ -79,6 +80,11 @@ def forward_bytes(raw: bytes | None, assembly: Assembly) -> bytes:
     if not assembly.changed and raw is not None:
         return raw
     return dumps_body(assembly.body)
+
+
+def _outgoing(st: State, raw: bytes | None, assembly: Assembly, tenant: str) -> tuple[bool | None, bytes]:
+    """Whether the forwarded prefix is stable, and the bytes to forward (both linear in the items)."""
+    return st.prefix.observe(assembly.received, assembly.items, tenant), forward_bytes(raw, assembly)
 
 
 def report_headers(assembly: Assembly, overhead: float) -> dict[str, str]:
@@ -120,11 +126,11 @@ async def _handle(request: web.Request, wire: ManagedWire, hook: RequestHook | N
         record.tenant = tenant.name if tenant else "default"
         raw = await read_body(request)
         offload = len(raw) > runtime.config.settings.server.offload_bytes
-        body: dict[str, Any] = (await asyncio.get_running_loop().run_in_executor(None, parse_body, raw)) \
-            if offload else parse_body(raw)
+        body: dict[str, Any] = await run_step(offload, parse_body, raw)
         record.model = body.get("model") if isinstance(body.get("model"), str) else None
         override = request.headers.get(OVERRIDE_HEADER)
-        exchange = await hook.begin(runtime, tenant, body, override=override, request_id=rid) if hook else None
+        exchange = await hook.begin(runtime, tenant, body, override=override, request_id=rid,
+                                    offload=offload) if hook else None
         local = exchange.local_answer() if exchange is not None else None
         if local is not None:  # answered by the proxy itself (a paused compaction): no pipeline, nothing forwarded
             headers0: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
@@ -145,10 +151,9 @@ async def _handle(request: web.Request, wire: ManagedWire, hook: RequestHook | N
         record.report = assembly.report
         record.model = route.name
         st.metrics.assembled(record.tenant, route.name, assembly.report, route.upstream_model)
-        stable = st.prefix.observe(assembly.received, assembly.items, record.tenant)
+        stable, data = await run_step(offload, _outgoing, st, forwardable, assembly, record.tenant)
         if stable is not None:
             st.metrics.prefix(record.tenant, route.name, stable)
-        data = forward_bytes(forwardable, assembly)
         overhead = time.perf_counter() - started
         record.overhead = overhead
         headers: CIMultiDict[str] = CIMultiDict(report_headers(assembly, overhead))

@@ -20,7 +20,6 @@ reports it. It never answers 404: Claude Code breaks on that.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from typing import Any
@@ -30,6 +29,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.core.errors import BadRequest, ContextLengthExceeded
+from proxy.core.offload import run_step
 from proxy.core.tokens import TokenCounter
 from proxy.serve.http import (
     ERROR_SHAPE,
@@ -65,10 +65,8 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
     request[RESPONSE_HEADERS] = CIMultiDict({"x-request-id": rid})
     tenant = runtime.authenticate(client_keys(request))
     raw = await read_body(request)
-    if len(raw) > runtime.config.settings.server.offload_bytes:
-        body = await asyncio.get_running_loop().run_in_executor(None, parse_body, raw)
-    else:
-        body = parse_body(raw)
+    offload = len(raw) > runtime.config.settings.server.offload_bytes
+    body = await run_step(offload, parse_body, raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model: Field required", param="model", code="missing_model")
@@ -79,7 +77,8 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
         probe["max_tokens"] = COUNT_RESERVE
     override = request.headers.get(OVERRIDE_HEADER)
     unedited = probe
-    exchange = await HOOK.begin(runtime, tenant, probe, override=override, request_id=rid, dry_run=True)
+    exchange = await HOOK.begin(runtime, tenant, probe, override=override, request_id=rid, dry_run=True,
+                                offload=offload)
     if exchange is not None:
         probe = exchange.body
     counter = runtime.tokenizers.get(route.encoding)
@@ -88,10 +87,10 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
         exchange.compaction == "would_create" else 0
     try:
         assembly, route, _policy = await runtime.assemble(WIRE, probe, tenant=tenant, override=override,
-                                                          request_id=rid, dry_run=True)
+                                                          offload=offload, request_id=rid, dry_run=True)
     except ContextLengthExceeded:
         # too large to forward: still say how large, so the client can compact it itself
-        forwarded, after = probe, _count(probe, counter)
+        forwarded, after = probe, await run_step(offload, _count, probe, counter)
     else:
         forwarded, after = assembly.body, assembly.report.tokens_after
         if assembly.report.summary == "would_create":  # counted at its largest, not as the placeholder
@@ -101,13 +100,14 @@ async def count_tokens_handler(request: web.Request) -> web.StreamResponse:
     name = tenant.name if tenant else "default"
     factor = runtime.calibration.factor(route, name) if runtime.calibration is not None else 1.0
     # emulated context_management: Anthropic reports the body's size before its edits too
-    original = math.ceil(_count(unedited, counter) * factor) if exchange is not None and \
-        body.get("context_management") is not None else None
+    original = math.ceil(await run_step(offload, _count, unedited, counter) * factor) if exchange is not None \
+        and body.get("context_management") is not None else None
     provider = served.providers.for_route(route)
     upstream_count = getattr(provider, "count_tokens", None)
     if upstream_count is not None:
         sent = {k: v for k, v in forwarded.items() if not (added and k == "max_tokens") and k != "stream"}
-        call = Outgoing(WIRE.name, "/messages/count_tokens", sent, orjson.dumps(sent), False, request.headers, rid)
+        call = Outgoing(WIRE.name, "/messages/count_tokens", sent, await run_step(offload, orjson.dumps, sent), False,
+                        request.headers, rid)
         answer = await upstream_count(route, call)
         if answer is not None:
             idle = st.config.settings.server.idle_timeout

@@ -145,6 +145,9 @@ class Metrics:
         self.cache_breaker = counter(
             "ctxproxy_cache_breaker_opened", "Times the cache's circuit breaker opened (its operations timed out: "
             "the cache is bypassed until a probe answers).", ())
+        self.log_lines_dropped = counter(
+            "ctxproxy_log_lines_dropped", "Log lines dropped because stderr was not read as fast as they came "
+            "(logging.queue_lines were waiting).", ())
         self.prefix_stable = counter(
             "ctxproxy_prefix_stable", "Whether the forwarded prefix matched the previous request's.", (*TM, "result"))
         self.overhead = histogram(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from proxy.pipeline import Report
+from proxy.serve.logsink import STRUCTURED
 
 if TYPE_CHECKING:
     from proxy.core.refusal import Refusal
@@ -85,4 +86,4 @@ class RequestRecord:
 
     def log(self) -> None:
         if log.isEnabledFor(logging.INFO):
-            log.info(orjson.dumps(self.fields()).decode())
+            log.info(orjson.dumps(self.fields()).decode(), extra=STRUCTURED)

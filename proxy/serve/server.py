@@ -7,14 +7,14 @@ import gc
 import logging
 import os
 import signal
-import sys
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from proxy.serve.logsink import LogSink, capture_stdio, install_log_sink
 from proxy.serve.workers import HELD_UNTIL_READY, SUPERVISOR_ENV
-from proxy.settings import Config
+from proxy.settings import LOG_QUEUE_LINES, Config
 
 if TYPE_CHECKING:
     from proxy.serve.state import State
@@ -36,13 +36,14 @@ class MalformedRequestLine(logging.Filter):
         return True
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr,
-                        format="%(message)s" if level != "DEBUG" else "%(levelname)s %(name)s %(message)s")
+def setup_logging(level: str, queue_lines: int = LOG_QUEUE_LINES) -> LogSink:
+    """Every log record as one JSON line on stderr, through a bounded queue that a thread writes out."""
+    sink = install_log_sink(level, queue_lines)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, MalformedRequestLine) for f in server_log.filters):
         server_log.addFilter(MalformedRequestLine())
+    return sink
 
 
 def serve(config: Config, *, host: str | None = None, port: int | None = None, workers: int | None = None) -> int:
@@ -50,41 +51,49 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None, w
     host = host or s.host
     port = s.port if port is None else port
     workers = workers or s.workers
-    setup_logging(config.settings.logging.level)
-    if workers > 1 and os.environ.get(SUPERVISOR_ENV) is None:
-        from proxy.serve.supervisor import supervise
-
-        return supervise(config, host, port, workers)
-    main = _run(config, host, port, reuse_port=workers > 1)
+    sink = setup_logging(config.settings.logging.level, config.settings.logging.queue_lines)
+    capture_stdio(sink)  # a library's print() must not write to a stderr nobody reads, on the event loop
     try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is optional (not on Windows)
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
-    return 0
+        if workers > 1 and os.environ.get(SUPERVISOR_ENV) is None:
+            from proxy.serve.supervisor import supervise
+
+            return supervise(config, host, port, workers)
+        main = _run(config, host, port, reuse_port=workers > 1, sink=sink)
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is optional (not on Windows)
+            asyncio.run(main)
+        else:
+            uvloop.run(main)
+        return 0
+    except Exception as exc:  # a port in use, ...: said here, as a log line (after sink.stop() nothing is written)
+        log.critical("ctxproxy serve failed: %s", exc, exc_info=True)
+        return 1
+    finally:
+        sink.stop()
 
 
-async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> None:
+async def _run(config: Config, host: str, port: int, *, reuse_port: bool, sink: LogSink) -> None:
     from proxy.serve.app import create_app
     from proxy.serve.state import STATE
 
     app = create_app(config, config_path=None if config.source == "<memory>" else config.source)
     state = app[STATE]
+    sink.count_drops(state.metrics.log_lines_dropped.inc)
     drain = config.settings.server.drain_timeout
     runner = make_runner(app, config)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=2048)
     await site.start()
     bound = _bound_port(site) or port
-    metrics_runner = await _metrics_listener(app, config, reuse_port=reuse_port)
+    metrics_runner = await _metrics_listener(app, config, reuse_port=reuse_port, sink=sink)
     # load the default tokenizer and litellm's model map in the background: the first request
     # must not pay ~0.5 s for them
     warm = asyncio.get_running_loop().run_in_executor(None, _warm_up, state)
     state.announce()  # before the line below: a worker that says it listens is ready for its supervisor too
-    # one write: workers share stderr, and print() writes the line and its newline apart
-    sys.stderr.write(f"ctxproxy listening on http://{host}:{bound} (pid {os.getpid()})\n")
-    sys.stderr.flush()
+    url, pid = f"http://{host}:{bound}", os.getpid()
+    sink.event({"event": "listening", "level": "INFO", "message": f"ctxproxy listening on {url} (pid {pid})",
+                "url": url, "pid": pid})
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -103,7 +112,8 @@ async def _run(config: Config, host: str, port: int, *, reuse_port: bool) -> Non
     log.info("stopped")
 
 
-async def _metrics_listener(app: web.Application, config: Config, *, reuse_port: bool) -> web.AppRunner | None:
+async def _metrics_listener(app: web.Application, config: Config, *, reuse_port: bool,
+                            sink: LogSink) -> web.AppRunner | None:
     """The ``server.metrics_port`` listener (GET /metrics with no key), started; None when not configured."""
     from proxy.serve.app import create_metrics_app
 
@@ -116,8 +126,9 @@ async def _metrics_listener(app: web.Application, config: Config, *, reuse_port:
     site = web.TCPSite(runner, s.metrics_host, s.metrics_port, reuse_port=reuse_port or None)
     await site.start()
     bound = _bound_port(site) or s.metrics_port
-    sys.stderr.write(f"ctxproxy metrics on http://{s.metrics_host}:{bound}/metrics (no key)\n")  # one write
-    sys.stderr.flush()
+    url = f"http://{s.metrics_host}:{bound}/metrics"
+    sink.event({"event": "metrics_listening", "level": "INFO", "message": f"ctxproxy metrics on {url} (no key)",
+                "url": url})
     return runner
 
 

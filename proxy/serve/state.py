@@ -122,6 +122,7 @@ RESTART_ONLY = (
     "server.header_timeout", "server.drain_timeout",  # given to aiohttp's runner when it is built
     "cache.backend", "cache.path", "cache.url", "cache.size_limit_mb",  # the open cache holds summaries, locks, ledger
     "cache.timeout_seconds", "cache.breaker_timeouts", "cache.breaker_cooldown_seconds",  # the backend's breaker
+    "logging.queue_lines",  # the log's queue is made when the server starts
 )
 
 

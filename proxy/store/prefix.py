@@ -9,6 +9,7 @@ conversation, the length and hash of the last forwarded list in a bounded LRU.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 from proxy.core.items import SYSTEM, Item
@@ -18,12 +19,14 @@ class PrefixTracker:
     def __init__(self, size: int = 10_000) -> None:
         self._last: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._size = size
+        self._lock = threading.Lock()  # a large request is observed from a worker thread
 
     def observe(self, received: list[Item], forwarded: list[Item], tenant: str = "") -> bool | None:
         """True/False: the forwarded list does/does not extend the previous one; None: first request seen.
 
         Conversations are told apart by tenant, system band and first item (identical agent runs of one
-        tenant share a record: the share they report is still that of the forwarded prefixes).
+        tenant share a record: the share they report is still that of the forwarded prefixes). The
+        linear part (the keys and their hashes) runs outside the lock.
         """
         if not received or not forwarded:
             return None
@@ -34,12 +37,14 @@ class PrefixTracker:
                 break
         conversation = hash(tuple(head))
         sent = tuple(item.key for item in forwarded)
-        previous = self._last.get(conversation)
-        self._last[conversation] = (len(sent), hash(sent))
-        self._last.move_to_end(conversation)
-        if len(self._last) > self._size:
-            self._last.popitem(last=False)
+        digest = hash(sent)
+        with self._lock:
+            previous = self._last.get(conversation)
+            self._last[conversation] = (len(sent), digest)
+            self._last.move_to_end(conversation)
+            if len(self._last) > self._size:
+                self._last.popitem(last=False)
         if previous is None:
             return None
-        n, digest = previous
-        return len(sent) >= n and hash(sent[:n]) == digest
+        n, before = previous
+        return len(sent) >= n and hash(sent[:n]) == before

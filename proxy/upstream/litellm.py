@@ -5,35 +5,42 @@ Messages requests, in Anthropic's shapes, to any provider litellm knows.
 The Responses wire goes through ``litellm.aresponses`` (litellm translates it for
 providers without a Responses API); its stream is re-emitted as named SSE events.
 
+The HTTP route's contract (``proxy.upstream.http``) holds here too: no retries of litellm's or
+of the SDKs under it (``num_retries`` and ``max_retries`` 0: the client decides, and a request a
+provider received is billed once); ``server.connect_timeout`` to connect, then the whole answer
+(non-streaming) or its first event (streaming) within ``server.first_byte_timeout`` (504 after),
+then ``server.idle_timeout`` between events; ``upstreams.<name>.headers`` and ``X-Request-Id`` sent
+with every call; failures mapped by ``proxy.upstream.litellm_errors`` (502 unreachable, 504 timeout,
+the provider's status with its ``Retry-After`` and rate-limit headers), and the provider's headers
+relayed with a successful answer where litellm keeps them (Chat Completions, Responses).
+
 litellm is imported on first use only (its import costs seconds and ~150 MB),
-with its local model map so nothing is fetched at run time.
+with its local model map so nothing is fetched at run time. Its loggers lose the
+stream handler litellm gives them, so their records reach the process's own
+handlers (the server's JSON lines) and nothing writes to stdout or stderr on the
+event loop; its per-call INFO line is kept only when the process logs at DEBUG.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import orjson
 from multidict import CIMultiDict
 
 from plugins.base import Completion
 from proxy.core.deadline import deadline
-from proxy.core.errors import (
-    BadRequest,
-    CtxProxyError,
-    UpstreamError,
-    UpstreamStatus,
-    UpstreamTimeout,
-    UpstreamUnreachable,
-    normalise_error_body,
-)
+from proxy.core.errors import BadRequest, CtxProxyError, UpstreamTimeout
 from proxy.core.modelinfo import offline_environment
-from proxy.settings import UpstreamSettings
+from proxy.settings import ServerSettings, UpstreamSettings
 from proxy.upstream.base import Outgoing
-from proxy.upstream.http import completion_from
+from proxy.upstream.http import REDACTED, Redactor, completion_from
+from proxy.upstream.litellm_errors import answer_headers, upstream_error
 
 if TYPE_CHECKING:
     from proxy.policy import ModelRoute
@@ -62,6 +69,7 @@ MESSAGES_FIELDS = frozenset({
     "cache_control", "inference_geo", "speed",
 })
 FIELDS = {"chat": CHAT_FIELDS, "responses": RESPONSES_FIELDS, "messages": MESSAGES_FIELDS}
+LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")
 log = logging.getLogger("ctxproxy")
 
 
@@ -71,7 +79,25 @@ def _litellm() -> Any:
 
     litellm.telemetry = False
     litellm.suppress_debug_info = True
+    _log_through_the_process()
     return litellm
+
+
+def _log_through_the_process() -> None:
+    """litellm's loggers without the stream handler it gives them (plain text, INFO to stdout, written on the
+    caller's thread): their records go to the process's handlers like every other library's."""
+    for name in LITELLM_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if isinstance(handler, logging.StreamHandler):
+                logger.removeHandler(handler)
+        if _warnings_or_debug not in logger.filters:
+            logger.addFilter(_warnings_or_debug)
+
+
+def _warnings_or_debug(record: logging.LogRecord) -> bool:
+    """litellm logs one INFO line per call: only warnings and errors, unless the process logs at DEBUG."""
+    return record.levelno >= logging.WARNING or logging.getLogger().isEnabledFor(logging.DEBUG)
 
 
 def _kwargs(route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None,
@@ -87,168 +113,125 @@ def _kwargs(route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings 
     return kwargs
 
 
-def _error(exc: Exception, upstream: UpstreamSettings | None = None) -> CtxProxyError:
-    """A litellm failure in the error tree, with the same rules as the HTTP path (``upstream.http.read_error``):
-    the operator's key is blanked out of every message, and a refusal of it is the gateway's fault (502)."""
-    name = type(exc).__name__
-    secret = upstream.api_key if upstream is not None else None
-    if "Timeout" in name:
-        return UpstreamTimeout("The upstream did not answer in time.")
-    status = getattr(exc, "status_code", None)
-    if secret and status in (401, 403):
-        log.error("the upstream rejected the proxy's configured API key (HTTP %d, through litellm)", status)
-        return UpstreamError("The upstream rejected the proxy's credentials; the proxy's operator must fix "
-                             "its configuration.", code="upstream_auth_failed")
-    if isinstance(status, int) and 400 <= status < 500:
-        message = _redact(_plain(str(getattr(exc, "message", None) or exc)), secret)
-        return UpstreamStatus(status, normalise_error_body(status, {"error": {"message": message, "code": None}}))
-    log.warning("litellm route failed: %s", _redact(_plain(f"{name}: {exc}"), secret))
-    if isinstance(status, int) and 500 <= status < 600 and "APIConnectionError" not in name:
-        return UpstreamStatus(status, normalise_error_body(status, {"error": {
-            "message": f"The upstream failed ({name}).", "code": None}}))
-    return UpstreamUnreachable(f"The upstream is unreachable or failed ({name}).")
+def upstream_call_headers(upstream: UpstreamSettings | None, request_id: str,
+                          purpose: str | None = None) -> dict[str, str]:
+    """The headers the HTTP route adds to every call: the upstream's configured ones and the request id.
+
+    With a configured key, a configured ``Authorization`` is left out, as on the HTTP route: litellm puts
+    the key where the provider wants it.
+    """
+    out = dict(upstream.headers) if upstream is not None else {}
+    if upstream is not None and upstream.api_key:
+        out = {k: v for k, v in out.items() if k.lower() != "authorization"}
+    for name in [k for k in out if k.lower() in ("x-request-id", "x-ctxproxy-purpose")]:
+        del out[name]
+    out["X-Request-Id"] = request_id
+    if purpose:
+        out["x-ctxproxy-purpose"] = purpose
+    return out
 
 
-def _redact(text: str, secret: str | None) -> str:
-    return text.replace(secret, "[redacted]") if secret else text
-
-
-def _plain(message: str) -> str:
-    """litellm's messages may embed a traceback: keep the first line of substance, never the traceback."""
-    return message.split("\nTraceback", 1)[0].split("Traceback (most recent call last)", 1)[0].strip()[:1000]
-
-
-async def chat(route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None) -> dict[str, Any]:
-    """A non-streaming completion, as an OpenAI chat.completion object."""
+def _entry(wire: str) -> Any:
+    """The litellm function for ``wire``, imported now (seconds, the first time: never inside a deadline)."""
     litellm = _litellm()
-    try:
-        response = await litellm.acompletion(**_kwargs(route, body, upstream))
-    except CtxProxyError:
-        raise
-    except Exception as exc:
-        raise _error(exc, upstream) from None
-    out: dict[str, Any] = response.model_dump(exclude_none=True)
+    if wire == "messages":
+        from litellm.anthropic_interface import messages as anthropic_messages
+
+        return anthropic_messages.acreate
+    return litellm.aresponses if wire == "responses" else litellm.acompletion
+
+
+def _call_kwargs(route: ModelRoute, call: Outgoing, upstream: UpstreamSettings | None, *, timeout: httpx.Timeout,
+                 purpose: str | None = None) -> dict[str, Any]:
+    """Everything litellm is given for ``call``: the wire's fields, the route, the headers, no retries."""
+    kwargs = _kwargs(route, call.body, upstream, call.wire)
+    kwargs.update(stream=call.stream, num_retries=0, max_retries=0, timeout=timeout,
+                  extra_headers=upstream_call_headers(upstream, call.request_id, purpose))
+    return kwargs
+
+
+def _answer_body(wire: str, route: ModelRoute, result: Any) -> dict[str, Any]:
+    """A non-streaming result as the wire's answer object (under the route's model name)."""
+    if wire == "messages":
+        out: dict[str, Any] = dict(result) if isinstance(result, dict) else result.model_dump(exclude_none=True)
+    elif wire == "responses":
+        out = result.model_dump(mode="json", exclude_none=True)
+    else:
+        out = result.model_dump(exclude_none=True)
     out["model"] = route.name
     return out
 
 
-async def open_stream(
-    route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None
-) -> AsyncIterator[bytes]:
-    """Start a streaming completion (errors before the first chunk raise); yields SSE events."""
-    litellm = _litellm()
-    try:
-        stream = await litellm.acompletion(**_kwargs(route, body, upstream), stream=True)
-    except Exception as exc:
-        raise _error(exc, upstream) from None
+def _event(wire: str, route: ModelRoute, item: Any) -> bytes:
+    """One streamed item as the wire's SSE event: Chat chunks, Responses' and Anthropic's named events."""
+    if wire == "chat":
+        data = item.model_dump(exclude_none=True)
+        data["model"] = route.name
+        return b"data: " + orjson.dumps(data) + b"\n\n"
+    if wire == "responses":
+        data = item.model_dump(mode="json", exclude_none=True)
+        name = data.get("type") if isinstance(data.get("type"), str) else "message"
+        return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+    if isinstance(item, bytes):
+        return item
+    if isinstance(item, str):
+        return item.encode()
+    data = item if isinstance(item, dict) else item.model_dump(exclude_none=True)
+    return f"event: {data.get('type', 'message')}\n".encode() + b"data: " + orjson.dumps(data) + b"\n\n"
 
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in stream:
-                data = chunk.model_dump(exclude_none=True)
-                data["model"] = route.name
-                yield b"data: " + orjson.dumps(data) + b"\n\n"
-        except Exception as exc:
-            raise _error(exc, upstream) from None
+
+async def _events(wire: str, route: ModelRoute, first: list[Any], rest: AsyncIterator[Any],
+                  upstream: UpstreamSettings | None) -> AsyncIterator[bytes]:
+    """The stream's events from its first (already read) on; a failure raises in the error tree."""
+    try:
+        for item in first:
+            yield _event(wire, route, item)
+        async for item in rest:
+            yield _event(wire, route, item)
+    except CtxProxyError:
+        raise
+    except Exception as exc:
+        raise upstream_error(exc, upstream) from None
+    if wire == "chat":
         yield b"data: [DONE]\n\n"
-
-    return events()
-
-
-async def responses(route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None) -> dict[str, Any]:
-    """A non-streaming Responses call, as an OpenAI response object."""
-    litellm = _litellm()
-    try:
-        response = await litellm.aresponses(**_kwargs(route, body, upstream, "responses"))
-    except CtxProxyError:
-        raise
-    except Exception as exc:
-        raise _error(exc, upstream) from None
-    out: dict[str, Any] = response.model_dump(mode="json", exclude_none=True)
-    out["model"] = route.name
-    return out
-
-
-async def open_responses_stream(
-    route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None
-) -> AsyncIterator[bytes]:
-    """Start a streaming Responses call (errors before the first event raise); yields named SSE events."""
-    litellm = _litellm()
-    try:
-        stream = await litellm.aresponses(**_kwargs(route, body, upstream, "responses"), stream=True)
-    except Exception as exc:
-        raise _error(exc, upstream) from None
-
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            async for event in stream:
-                data = event.model_dump(mode="json", exclude_none=True)
-                name = data.get("type") if isinstance(data.get("type"), str) else "message"
-                yield b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-        except Exception as exc:
-            raise _error(exc, upstream) from None
-
-    return events()
-
-
-async def messages_call(
-    route: ModelRoute, body: dict[str, Any], upstream: UpstreamSettings | None, stream: bool
-) -> LiteLLMAnswer:
-    """A Messages request through litellm's Anthropic-messages interface: to any provider, in Anthropic's shapes."""
-    _litellm()
-    from litellm.anthropic_interface import messages as anthropic_messages
-
-    kwargs = _kwargs(route, body, upstream, "messages")
-    try:
-        result: Any = await anthropic_messages.acreate(**kwargs, stream=stream)
-    except Exception as exc:
-        raise _error(exc, upstream) from None
-    if not stream:
-        out = dict(result) if isinstance(result, dict) else result.model_dump(exclude_none=True)
-        out["model"] = route.name
-        return LiteLLMAnswer(body=orjson.dumps(out))
-
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in result:
-                if isinstance(chunk, bytes):
-                    yield chunk
-                elif isinstance(chunk, str):
-                    yield chunk.encode()
-                else:  # an event object: as Anthropic's named SSE event
-                    data = chunk if isinstance(chunk, dict) else chunk.model_dump(exclude_none=True)
-                    yield f"event: {data.get('type', 'message')}\n".encode() + b"data: " + orjson.dumps(data) + b"\n\n"
-        except Exception as exc:
-            raise _error(exc, upstream) from None
-
-    return LiteLLMAnswer(events=events())
 
 
 class LiteLLMAnswer:
-    """A litellm result as an ``Answer``: a JSON body, or SSE events as litellm yields them."""
+    """A litellm result as an ``Answer``: a JSON body, or SSE events as litellm yields them; the upstream's key
+    (``secret``) blanked out of both, as on the HTTP route."""
 
-    def __init__(self, body: bytes | None = None, events: AsyncIterator[bytes] | None = None) -> None:
+    def __init__(self, body: bytes | None = None, events: AsyncIterator[bytes] | None = None,
+                 headers: CIMultiDict[str] | None = None, secret: str | None = None) -> None:
         self.status = 200
         self.streaming = events is not None
-        self.headers: CIMultiDict[str] = CIMultiDict(
-            {"Content-Type": "text/event-stream" if self.streaming else "application/json"})
+        self.headers: CIMultiDict[str] = CIMultiDict(headers or {})
+        self.headers["Content-Type"] = "text/event-stream" if self.streaming else "application/json"
         self._body = body or b""
+        if secret and secret.encode() in self._body:
+            self._body = self._body.replace(secret.encode(), REDACTED)
         self._events = events
+        self._secret = secret
 
     async def chunks(self, idle_timeout: float) -> AsyncIterator[bytes]:
         if self._events is None:
             yield self._body
             return
+        redactor = Redactor(self._secret)
         iterator = self._events.__aiter__()
         while True:
             try:
                 async with deadline(idle_timeout):
                     event = await iterator.__anext__()
             except StopAsyncIteration:
+                tail = redactor.flush()
+                if tail:
+                    yield tail
                 return
             except asyncio.TimeoutError:
                 raise UpstreamTimeout(f"The upstream stream stalled for more than {idle_timeout:g}s.") from None
-            yield event
+            out = redactor.feed(event)
+            if out:
+                yield out
 
     async def read(self, idle_timeout: float) -> bytes:
         return self._body
@@ -259,11 +242,13 @@ class LiteLLMAnswer:
 
 class LiteLLMProvider:
     """Any provider through litellm (``provider: litellm`` routes); the Chat Completions, Responses and Messages
-    wires."""
+    wires, with the HTTP route's timeouts (``server``), headers and error mapping."""
 
-    def __init__(self, upstream: UpstreamSettings | None) -> None:
+    def __init__(self, upstream: UpstreamSettings | None, server: ServerSettings | None = None) -> None:
         self.upstream = upstream
+        self.server = server if server is not None else ServerSettings()
         self._dropped: set[str] = set()  # field names already logged as not passed on (bounded)
+        self._secret = upstream.api_key if upstream is not None else None
 
     def _note_dropped(self, route: ModelRoute, call: Outgoing) -> None:
         """Say once per field name, at WARNING, which request fields litellm is not given (``FIELDS``)."""
@@ -275,26 +260,57 @@ class LiteLLMProvider:
             log.warning("litellm route %s (%s): request fields not passed on to litellm: %s", route.name, call.wire,
                         ", ".join(sorted(repr(k)[:40] for k in new)[:10]))
 
+    def _timeout(self, read: float) -> httpx.Timeout:
+        """litellm's own socket timeouts: connect as the HTTP route does, then ``read`` between two reads."""
+        return httpx.Timeout(read, connect=min(self.server.connect_timeout, read))
+
     async def send(self, route: ModelRoute, call: Outgoing) -> LiteLLMAnswer:
         self._note_dropped(route, call)
-        if call.wire == "messages":
-            return await messages_call(route, call.body, self.upstream, call.stream)
-        if call.wire == "responses" and call.path == "/responses":
-            if call.stream:
-                return LiteLLMAnswer(events=await open_responses_stream(route, call.body, self.upstream))
-            return LiteLLMAnswer(body=orjson.dumps(await responses(route, call.body, self.upstream)))
-        if call.wire != "chat":
+        if call.wire not in FIELDS or (call.wire == "responses" and call.path != "/responses"):
             raise BadRequest(f"The model {route.name!r} is served through litellm, which this proxy offers on "
                              "the Chat Completions, Responses and Messages wires only.", param="model",
                              code="unsupported_wire")
-        if call.stream:
-            return LiteLLMAnswer(events=await open_stream(route, call.body, self.upstream))
-        return LiteLLMAnswer(body=orjson.dumps(await chat(route, call.body, self.upstream)))
+        server = self.server
+        entry = _entry(call.wire)
+        # streaming: the first byte bounds the first event, then idle_timeout bounds each gap (LiteLLMAnswer)
+        read = max(server.first_byte_timeout, server.idle_timeout) if call.stream else server.first_byte_timeout
+        first: list[Any] = []
+        try:
+            async with deadline(server.first_byte_timeout):
+                result = await entry(**_call_kwargs(route, call, self.upstream, timeout=self._timeout(read)))
+                if not call.stream:
+                    body = orjson.dumps(_answer_body(call.wire, route, result))
+                    return LiteLLMAnswer(body=body, headers=answer_headers(result), secret=self._secret)
+                rest = result.__aiter__()
+                with contextlib.suppress(StopAsyncIteration):  # errors before the first event keep their status
+                    first.append(await rest.__anext__())
+        except TimeoutError:
+            raise UpstreamTimeout("The upstream did not answer in time.") from None
+        except CtxProxyError:
+            raise
+        except Exception as exc:
+            raise upstream_error(exc, self.upstream) from None
+        events = _events(call.wire, route, first, rest, self.upstream)
+        return LiteLLMAnswer(events=events, headers=answer_headers(result), secret=self._secret)
 
     async def complete(
         self, route: ModelRoute, messages: list[dict[str, Any]], *, max_tokens: int, timeout: float,
         request_id: str,
     ) -> Completion:
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
-        out = await asyncio.wait_for(chat(route, body, self.upstream), timeout=timeout)
-        return completion_from(out, route)
+        call = Outgoing("chat", "/chat/completions", body, b"", False, {}, request_id)
+        entry = _entry(call.wire)
+        kwargs = _call_kwargs(route, call, self.upstream, timeout=self._timeout(timeout), purpose="summarize")
+        try:
+            async with deadline(timeout):
+                result = await entry(**kwargs)
+        except TimeoutError:
+            raise UpstreamTimeout("The upstream did not answer in time.") from None
+        except CtxProxyError:
+            raise
+        except Exception as exc:
+            raise upstream_error(exc, self.upstream) from None
+        raw = orjson.dumps(_answer_body("chat", route, result))
+        if self._secret:  # never into a cached summary
+            raw = raw.replace(self._secret.encode(), REDACTED)
+        return completion_from(orjson.loads(raw), route)

@@ -29,7 +29,7 @@ class Providers:
         if route.provider == "litellm":
             from proxy.upstream.litellm import LiteLLMProvider
 
-            return LiteLLMProvider(upstreams.get(route.upstream))
+            return LiteLLMProvider(upstreams.get(route.upstream), self.pool.server)
         upstream = upstreams[route.upstream]
         forward = self.config.forwards_client_auth(upstream)
         if upstream.api == "anthropic":

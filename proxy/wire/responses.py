@@ -12,7 +12,8 @@ placeholder outputs.
 
 A request that continues state held by the provider (``previous_response_id``,
 ``conversation``, or ``item_reference`` items) carries history the proxy cannot see:
-it is marked unmanaged and forwarded as sent, output caps and model rules aside.
+it is marked unmanaged and forwarded as sent, output caps, model rules and the
+tenant's context cap (on the visible part) aside.
 Errors have OpenAI's shape; a stream ends with ``response.completed`` /
 ``response.failed`` / ``response.incomplete``.
 """

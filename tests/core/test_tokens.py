@@ -246,3 +246,35 @@ def test_tools_nested_deeper_than_orjson_writes_are_still_counted(counter: Token
         deep = {"x": deep}
     tools = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
     assert counter.tools(tools) == counter.text(json.dumps(tools, separators=(",", ":")))
+
+
+class _CountingLock:
+    """A lock that counts how often it is taken."""
+
+    def __init__(self) -> None:
+        self.lock, self.taken = threading.Lock(), 0
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        self.taken += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+def test_counting_a_large_body_lets_go_of_the_lock_between_chunks() -> None:
+    """A large body is counted in a worker thread while small requests are counted on the event loop, with the
+    same counter: holding its lock across all of a body's items made the event loop wait for the whole body.
+    The lock is taken a chunk of items at a time, for counts and for digests alike."""
+    counter = TokenCounter(O200K)
+    raws = [f"message {i}" for i in range(10_000)]
+    keys = [content_key(r) for r in raws]
+    counter.many(keys, raws, lambda c, raw: c.text(raw))
+    counter.many_digests(keys, lambda i: raws[i].encode())
+    lock = _CountingLock()
+    counter._lock = lock  # type: ignore[assignment]
+    assert counter.many(keys, raws, lambda c, raw: c.text(raw)) == [counter.text(r) for r in raws]
+    assert lock.taken >= 5, lock.taken  # all cached: lookups only, in several holds of the lock
+    lock.taken = 0
+    assert counter.many_digests(keys, lambda i: b"") == [r.encode() for r in raws]
+    assert lock.taken >= 5, lock.taken

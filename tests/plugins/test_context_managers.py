@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from plugins.registry import BindingError, default_registry
 from proxy.core.bands import assign_groups, split_bands, split_turns
 from proxy.core.budget import TrimmerParams, compute_budget
 from proxy.core.errors import ContextLengthExceeded
+from proxy.core.items import USER, Item
 from proxy.core.modelinfo import ModelMap
 from proxy.core.tokens import TokenCounter
 from proxy.pipeline import Assembly, assemble, chain_hashes
@@ -21,6 +23,7 @@ from proxy.policy import Routes, policy_for
 from proxy.wire.chat import WIRE as CHAT
 from proxy.wire.chat import items_of
 from tests.helpers import (
+    LINEAR,
     MODEL,
     AgentSim,
     FakeEngine,
@@ -29,6 +32,7 @@ from tests.helpers import (
     call,
     make_config,
     pairing_problems,
+    per_item_growth,
     recount,
     running,
     services,
@@ -145,6 +149,8 @@ async def test_stack_default_step_cuts_on_a_grid(cap: int) -> None:
 
 
 async def test_stack_through_the_pipeline_never_forwards_a_leading_tool_message() -> None:
+    """The stack cuts at a group boundary, which may fall inside a turn: what it keeps of a turn whose user
+    message it cut goes too, so the forwarded history opens with a user message (or is empty)."""
     pipe = Pipe(window=3_000, context_manager={"type": "stack", "params": {"max_messages": 7}})
     msgs = agent_history(12, rounds=3)
     msgs[1]["content"] = words(1_500)  # push the payload over the threshold
@@ -152,7 +158,8 @@ async def test_stack_through_the_pipeline_never_forwards_a_leading_tool_message(
     a = await pipe(msgs)
     assert not assembly_problems(before, msgs, a)
     history = a.messages[1:-1]
-    assert len(history) <= 7 and history[0]["role"] != "tool"
+    assert len(history) <= 7
+    assert not history or history[0]["role"] == "user"
 
 
 # --------------------------------------------------------------------------- sliding-window
@@ -448,3 +455,28 @@ async def test_explicit_summary_threshold_is_t() -> None:
     assert a.report.tokens_before > 700 and a.report.turns_dropped == 4
     small = await pipe(_summary_history(1))
     assert small.report.tokens_before <= 700 and not small.changed
+
+
+def test_summarising_finds_its_cut_in_linear_time() -> None:
+    """The summarising manager tries cut points one turn at a time while the rest does not fit; each try summed
+    every kept turn again, so a history of many short turns (and a large keep_turns) took quadratic time.
+    The view's payload_tokens answers from suffix sums: time per turn must not grow with the history."""
+    summarising = manager({"type": "summarising", "params": {"keep_turns": 10**9}})
+    svc = services(COUNTER, engine=FakeEngine(), summaries=summary_service(), dry_run=True)
+
+    def setup(n: int) -> Callable[[], object]:
+        turns = [[Item({"role": "user", "content": str(i)}, USER, tokens=50)] for i in range(n)]
+        budget = compute_budget(window=10**7, request_max_tokens=None, model_max_output=None,
+                                trimmer=TrimmerParams(max_tokens=5_000), tenant_cap=None)
+
+        def step() -> object:
+            v = HistoryView(turns=turns, turn_tokens=[50] * n, chain_fn=lambda: [str(i) for i in range(n)],
+                            pinned_tokens=0, budget=budget, counter=COUNTER, services=svc,
+                            summary_item=lambda text, covered: CHAT.summary(text, covered, COUNTER))
+            result = asyncio.run(summarising.manage_history(v))
+            assert result.summary_status == "would_create" and len(result.turns) < 100
+            return result
+        return step
+
+    growth = per_item_growth(setup, 2_000)
+    assert growth < LINEAR, f"time per turn grew {growth:.1f}x from 2,000 to 16,000 turns"

@@ -7,12 +7,17 @@ httpx transport so respx can see its calls.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import time
 from typing import Any
 
 import aiohttp
 import httpx
 import pytest
+
+from tests.fake_upstream import FakeUpstream
 
 respx = pytest.importorskip("respx")
 # litellm's own pydantic models warn about a TypedDict qualifier at first use; not ours to fix
@@ -203,3 +208,226 @@ async def test_a_provider_echoing_the_key_in_a_4xx_never_shows_it(start_proxy: A
             raw = await r.text()
             got = r.status
     assert got == 400 and "sk-ant-test" not in raw and "[redacted]" in raw
+
+
+# --------------------------------------------------------------------------- the HTTP route's contract
+# A real fake OpenAI upstream on 127.0.0.1 that litellm calls (``openai/`` models): timeouts, retries and
+# connections are litellm's own HTTP, not a mock's. Messages bodies reach it as /v1/responses (litellm's
+# adapter for providers without a Messages API).
+
+WIRES: dict[str, tuple[str, dict[str, Any]]] = {"chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+         "responses": ("/v1/responses", {"input": "hi"}),
+         "messages": ("/v1/messages", {"max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]})}
+WIRE_STREAM = [(wire, stream) for wire in WIRES for stream in (False, True)]
+WIRE_IDS = [f"{wire}-{'stream' if stream else 'json'}" for wire, stream in WIRE_STREAM]
+
+
+def fake_config(base_url: str, **server: Any) -> dict[str, Any]:
+    return {
+        "server": {"first_byte_timeout": 30.0, "idle_timeout": 30.0, **server},
+        "upstreams": {"fake": {"base_url": base_url, "api_key": "sk-upstream-secret",
+                               "headers": {"X-Org": "acme-org"}}},
+        "models": [{"name": "ll", "provider": "litellm", "upstream": "fake", "model": "openai/gpt-4o-mini",
+                    "context_window": 128000, "max_output_tokens": 1000}],
+        "cache": {"backend": "memory"},
+        "summarizer": {"retry_backoff_seconds": 0},
+    }
+
+
+async def call(proxy: Any, wire: str, stream: bool, **headers: str) -> tuple[int, dict[str, str], Any]:
+    """One request on ``wire``; the answer's status, headers and JSON body (or raw text when it is not JSON)."""
+    path, body = WIRES[wire]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s, s.post(
+            proxy.url + path, json={"model": "ll", "stream": stream, **body},
+            headers={"Authorization": "Bearer sk-client", **headers}) as r:
+        raw = await r.read()
+        try:
+            payload: Any = json.loads(raw)
+        except ValueError:
+            payload = raw.decode()
+        return r.status, {k.lower(): v for k, v in r.headers.items()}, payload
+
+
+async def warm(start_proxy: Any, upstream: FakeUpstream, wire: str, stream: bool) -> None:
+    """One answered request first, through a proxy with the default deadlines: litellm's first call on a path
+    spends a second or more in its own set-up (imports, clients), which a 1 s deadline would count."""
+    status, _, body = await call(await start_proxy(fake_config(upstream.base_url)), wire, stream)
+    assert status == 200, body
+    upstream.chat.clear()
+    upstream.responses.clear()
+
+
+def error_code(wire: str, body: Any) -> Any:
+    """The error's code in the wire's shape (Anthropic's names it in ``type``)."""
+    return body["error"]["type"] if wire == "messages" else body["error"]["code"]
+
+
+def upstream_calls(upstream: FakeUpstream, wire: str) -> list[Any]:
+    return upstream.chat if wire == "chat" else upstream.responses
+
+
+@pytest.mark.parametrize(("wire", "stream"), WIRE_STREAM, ids=WIRE_IDS)
+async def test_a_silent_upstream_is_a_504_after_first_byte_timeout(
+        start_proxy: Any, upstream: FakeUpstream, wire: str, stream: bool) -> None:
+    """litellm had no timeout but its own (10 minutes): a silent upstream kept the client waiting. Now, as on the
+    HTTP route, nothing within server.first_byte_timeout is a 504 upstream_timeout, and it is not retried."""
+    await warm(start_proxy, upstream, wire, stream)
+    proxy = await start_proxy(fake_config(upstream.base_url, first_byte_timeout=1.0))
+    upstream.mode = "hang"
+    status, _, body = await call(proxy, wire, stream)
+    assert status == 504, body
+    assert error_code(wire, body) in ("upstream_timeout", "timeout_error", "api_error")
+    assert "did not answer in time" in body["error"]["message"]
+    assert len(upstream_calls(upstream, wire)) == 1
+    if wire == "chat":  # and the upstream request is dropped, so the provider stops working on it
+        for _ in range(100):
+            if upstream.cancelled:
+                break
+            await asyncio.sleep(0.05)
+        assert upstream.cancelled == 1
+
+
+async def test_a_stream_that_stalls_ends_with_a_timeout_event(start_proxy: Any, upstream: FakeUpstream) -> None:
+    """After the first event, server.idle_timeout bounds each gap, as on the HTTP route."""
+    proxy = await start_proxy(fake_config(upstream.base_url, idle_timeout=1.0))
+    upstream.mode = "stall"
+    status, _, raw = await call(proxy, "chat", True)
+    assert status == 200
+    assert "upstream_timeout" in raw and "[DONE]" not in raw
+
+
+@pytest.mark.parametrize(("wire", "stream"), WIRE_STREAM, ids=WIRE_IDS)
+async def test_a_429_is_relayed_at_once_with_its_rate_limit_headers(
+        start_proxy: Any, upstream: FakeUpstream, wire: str, stream: bool) -> None:
+    """A 429 was retried twice behind the client's back (seconds of hidden waiting), then relayed without
+    Retry-After. Now it is one upstream call, relayed with the provider's message and rate-limit headers:
+    the client decides when to retry."""
+    upstream.mode, upstream.status = "status", 429
+    upstream.status_body = {"error": {"message": "Rate limit reached for requests", "type": "requests",
+                                      "param": None, "code": "rate_limit_exceeded"}}
+    upstream.status_headers = {"Retry-After": "30", "x-ratelimit-remaining-requests": "0",
+                               "x-ratelimit-reset-requests": "30s", "Set-Cookie": "tracker=1"}
+    proxy = await start_proxy(fake_config(upstream.base_url))
+    status, headers, body = await call(proxy, wire, stream)
+    assert status == 429, body
+    assert headers["retry-after"] == "30"
+    assert headers["x-ratelimit-remaining-requests"] == "0" and headers["x-ratelimit-reset-requests"] == "30s"
+    assert "set-cookie" not in headers  # dropped as on the HTTP route
+    assert "Rate limit reached for requests" in body["error"]["message"]
+    assert len(upstream_calls(upstream, wire)) == 1
+
+
+@pytest.mark.parametrize("status", [500, 503])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_5xx_is_relayed_after_one_upstream_call(
+        start_proxy: Any, upstream: FakeUpstream, status: int, stream: bool) -> None:
+    """A 5xx was retried too, so a request the provider had received could be billed more than once."""
+    upstream.mode, upstream.status = "status", status
+    upstream.status_body = {"error": {"message": "The engine is overloaded", "type": "server_error",
+                                      "param": None, "code": None}}
+    proxy = await start_proxy(fake_config(upstream.base_url))
+    got, _, body = await call(proxy, "chat", stream)
+    assert got == status
+    assert body["error"]["message"] == "The engine is overloaded"
+    assert len(upstream.chat) == 1
+
+
+@pytest.mark.parametrize(("wire", "stream"), WIRE_STREAM, ids=WIRE_IDS)
+async def test_an_unreachable_upstream_is_a_502(start_proxy: Any, wire: str, stream: bool) -> None:
+    """A refused connection came back as litellm's 500 InternalServerError; the HTTP route says 502."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    proxy = await start_proxy(fake_config(f"http://127.0.0.1:{closed}/v1"))
+    status, _, body = await call(proxy, wire, stream)
+    assert status == 502, body
+    assert error_code(wire, body) in ("upstream_unreachable", "api_error")
+    assert "unreachable" in body["error"]["message"]
+    assert "Traceback" not in json.dumps(body)
+
+
+@pytest.mark.parametrize(("wire", "stream"), [("chat", False), ("chat", True), ("responses", False),
+                                              ("responses", True), ("messages", False)])
+async def test_the_upstreams_headers_and_the_request_id_are_sent(
+        start_proxy: Any, upstream: FakeUpstream, wire: str, stream: bool) -> None:
+    """upstreams.<name>.headers and X-Request-Id never reached a provider through litellm."""
+    proxy = await start_proxy(fake_config(upstream.base_url))
+    status, headers, body = await call(proxy, wire, stream, **{"X-Request-Id": "client-chosen-id-1"})
+    assert status == 200, body
+    sent = {k.lower(): v for k, v in upstream_calls(upstream, wire)[-1].headers.items()}
+    assert sent["x-org"] == "acme-org"
+    assert sent["x-request-id"] == headers["x-request-id"] == "client-chosen-id-1"
+    assert sent["authorization"] == "Bearer sk-upstream-secret"
+
+
+async def test_the_summarisers_calls_carry_the_headers_too(upstream: FakeUpstream) -> None:
+    """The summariser's calls through litellm: the configured headers, its own request id and its purpose."""
+    from proxy.core.modelinfo import ModelMap
+    from proxy.policy import Routes
+    from proxy.settings import load_config
+    from proxy.upstream.litellm import LiteLLMProvider
+
+    cfg = load_config(fake_config(upstream.base_url))
+    route = Routes(cfg, ModelMap()).resolve("ll")
+    provider = LiteLLMProvider(cfg.settings.upstreams["fake"], cfg.settings.server)
+    done = await provider.complete(route, [{"role": "user", "content": "summarise"}], max_tokens=50, timeout=30,
+                                   request_id="3b8f6a4e-0000-4000-8000-000000000001")
+    assert done.text
+    (summary,) = upstream.summaries
+    sent = {k.lower(): v for k, v in summary.headers.items()}
+    assert sent["x-org"] == "acme-org" and sent["x-ctxproxy-purpose"] == "summarize"
+    assert sent["x-request-id"] == "3b8f6a4e-0000-4000-8000-000000000001"
+
+
+async def test_anthropic_rate_limit_headers_are_relayed_through_litellm(start_proxy: Any, litellm_httpx: None) -> None:
+    """The same through litellm's Anthropic provider (respx): one call, Retry-After and Anthropic's rate-limit
+    headers relayed with the 429; on a success, its rate-limit headers reach the client as well."""
+    proxy = await start_proxy(config())
+    limits = {"retry-after": "12", "anthropic-ratelimit-requests-remaining": "0"}
+    with respx.mock(assert_all_called=True) as mock:
+        provider = mock.post(ANTHROPIC).mock(side_effect=[
+            httpx.Response(429, headers=limits, json={"type": "error", "error": {
+                "type": "rate_limit_error", "message": "slow down"}}),
+            httpx.Response(200, headers={"anthropic-ratelimit-requests-remaining": "41"}, json=MESSAGE)])
+        async with aiohttp.ClientSession() as s:
+            async with s.post(proxy.url + "/v1/chat/completions", json={
+                    "model": "claude", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}) as r:
+                refused = (r.status, dict(r.headers), await r.json())
+            async with s.post(proxy.url + "/v1/chat/completions", json={
+                    "model": "claude", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}) as r:
+                answered = (r.status, dict(r.headers))
+    assert provider.call_count == 2  # one each: nothing retried
+    assert refused[0] == 429 and refused[1]["Retry-After"] == "12"
+    assert refused[1]["anthropic-ratelimit-requests-remaining"] == "0"
+    assert refused[2]["error"]["message"] == "slow down" and refused[2]["error"]["type"] == "rate_limit_error"
+    assert answered[0] == 200 and answered[1]["anthropic-ratelimit-requests-remaining"] == "41"
+    assert answered[1]["Content-Type"] == "application/json"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("provider", ["litellm", "openai"])
+async def test_a_20s_upstream_is_answered_504_at_first_byte_timeout(
+        start_proxy: Any, upstream: FakeUpstream, provider: str) -> None:
+    """The figure behind the contract: a 20 s upstream, first_byte_timeout 3 s, on the litellm and HTTP routes."""
+    await warm(start_proxy, upstream, "chat", False)  # litellm's import and set-up are not the upstream's time
+    cfg = fake_config(upstream.base_url, first_byte_timeout=3.0)
+    cfg["models"].append({"name": "direct", "upstream": "fake", "model": "gpt-4o-mini",
+                          "context_window": 128000, "max_output_tokens": 1000})
+    proxy = await start_proxy(cfg)
+    upstream.mode, upstream.delay = "slow_first_byte", 20
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/chat/completions", json={
+            "model": "ll" if provider == "litellm" else "direct", "messages": [{"role": "user", "content": "hi"}]}) as r:
+        status = r.status
+    elapsed = time.monotonic() - started
+    assert status == 504
+    assert 3.0 <= elapsed < 4.0, elapsed
+
+
+async def test_an_upstream_echoing_its_key_in_a_stream_never_shows_it(start_proxy: Any, upstream: FakeUpstream) -> None:
+    """As on the HTTP route, the upstream's key is blanked out of a litellm answer, streamed or not."""
+    upstream.mode = "echo_key"
+    proxy = await start_proxy(fake_config(upstream.base_url))
+    status, _, raw = await call(proxy, "chat", True)
+    assert status == 200
+    assert "sk-upstream-secret" not in raw and "[redacted]" in raw

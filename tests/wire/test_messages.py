@@ -26,7 +26,16 @@ from proxy.wire import WIRES
 from proxy.wire.chat import WIRE as CHAT
 from proxy.wire.messages import WIRE
 from tests import media_files as mf
-from tests.helpers import AgentSim, FakeEngine, make_config, running, services, summary_service
+from tests.helpers import (
+    LINEAR,
+    AgentSim,
+    FakeEngine,
+    make_config,
+    per_item_growth,
+    running,
+    services,
+    summary_service,
+)
 from tests.wire.messages_helpers import (
     CLAUDE,
     assistant,
@@ -506,6 +515,30 @@ def test_assemble_cli_speaks_the_messages_wire(tmp_path: Any, capsys: pytest.Cap
     assert main(["assemble", "--offline", "--wire", "messages", "--config", str(cfg), str(path)]) == 1
     error = json.loads(capsys.readouterr().out)
     assert error == {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"}}
+
+
+def test_a_user_message_with_thousands_of_results_renders_in_linear_time() -> None:
+    """Render gathers the result items that answer one assistant message into one user message; it checked the
+    whole gathered run again for each item, so a parallel round of thousands of calls (half of them answered:
+    the other half get placeholders, so the message is rebuilt) took quadratic time. Time per result must not
+    grow."""
+    def setup(n: int) -> Any:
+        request = {"model": CLAUDE, "max_tokens": 100, "messages": [
+            {"role": "user", "content": "Read them all."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": "read", "input": {"i": i}}
+                                              for i in range(n)]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}", "content": "ok"}
+                                         for i in range(0, n, 2)]}]}
+
+        def step() -> Any:
+            prepared = prepare(request, WIRE, COUNTER)
+            out = WIRE.render(request, prepared.repaired, {})["messages"]
+            assert len(out) == 3 and len(out[2]["content"]) == n
+            return out
+        return step
+
+    growth = per_item_growth(setup, 1_000)
+    assert growth < LINEAR, f"time per result grew {growth:.1f}x from 1,000 to 8,000 calls"
 
 
 # --------------------------------------------------------------------------- media, as Anthropic bills them

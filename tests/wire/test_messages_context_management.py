@@ -13,10 +13,11 @@ from typing import Any
 import anthropic
 import pytest
 
-from proxy.wire.messages.context import CLEARED, MARKER
+from proxy.core.tokens import TokenCounter
+from proxy.wire.messages.context import CLEAR_TOOL_USES, CLEARED, MARKER, Edit, clear_tool_uses
 from tests.conftest import RunningProxy, StartProxy
 from tests.fake_upstream import REPLY, FakeUpstream
-from tests.helpers import words
+from tests.helpers import LINEAR, per_item_growth, words
 from tests.outside import share_model_map
 from tests.wire.messages_helpers import CLAUDE, pairing_problems, recount
 
@@ -294,3 +295,30 @@ async def test_an_upstream_with_context_management_gets_it_unchanged(
     assert sent.body["context_management"] == {"edits": edits}
     assert {k.lower(): v for k, v in sent.headers.items()}["anthropic-beta"] == "context-management-2025-06-27"
     assert reply.context_management is None  # the upstream's answer, untouched
+
+
+def test_clearing_thousands_of_results_in_one_message_takes_linear_time() -> None:
+    """clear_tool_uses_20250919 replaced each cleared result in a fresh copy of its whole message, so a user
+    message with thousands of results (a parallel round) took quadratic time; a message is now copied once.
+    Time per result must not grow, and the client's own objects stay untouched."""
+    counter = TokenCounter("o200k_base")
+    edit = Edit(CLEAR_TOOL_USES, {"type": CLEAR_TOOL_USES, "keep": {"type": "tool_uses", "value": 1},
+                                  "clear_tool_inputs": True})
+
+    def setup(n: int) -> Any:
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": "Read them all."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": "read", "input": {"i": i}}
+                                              for i in range(n)]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}", "content": "done"}
+                                         for i in range(n)]}]
+
+        def step() -> Any:
+            out, report = clear_tool_uses(messages, edit, counter, input_tokens=10**6)
+            assert report is not None and report["cleared_tool_uses"] == n - 1
+            assert out[2]["content"][0]["content"] == CLEARED and messages[2]["content"][0]["content"] == "done"
+            return out
+        return step
+
+    growth = per_item_growth(setup, 2_000)
+    assert growth < LINEAR, f"time per result grew {growth:.1f}x from 2,000 to 16,000 results"

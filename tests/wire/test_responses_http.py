@@ -18,7 +18,7 @@ from tests import media_files as mf
 from tests.conftest import RunningProxy, StartProxy, base_config
 from tests.fake_upstream import REPLY, FakeUpstream
 from tests.helpers import words
-from tests.outside import metric_total, post, scrape, share_model_map
+from tests.outside import metric_total, post, scrape, share_model_map, text_of
 from tests.wire.responses_helpers import chat_to_responses, pairing_problems, recount
 
 MODEL = "gpt-4o-mini"
@@ -296,7 +296,8 @@ async def test_compact_emulate_and_relay_settings(upstream: FakeUpstream, start_
     async with client(proxy) as c:
         with pytest.raises(openai.BadRequestError):
             await c.responses.compact(model=SMALL, input=[{"role": "nobody", "content": "x"}])  # type: ignore[list-item]
-    assert len(upstream.compactions) == 2  # the 404 relayed, the auto proxy's attempt; never the emulate one
+    # the 404 relayed; never the emulate one, nor a malformed input (read and counted first, refused here)
+    assert len(upstream.compactions) == 1
 
 
 async def test_compact_when_the_summariser_fails_is_a_502_in_openai_shape(upstream: FakeUpstream,
@@ -327,6 +328,72 @@ def test_ctxproxy_assemble_on_the_responses_wire(tmp_path: Any, capsys: pytest.C
     assert result["report"]["tokens_after"] == recount({"input": result["input"]}) <= HARD_BUDGET
     assert result["input"][0] == items[0] and result["input"][-1] == items[-1]
     assert not pairing_problems(result["input"])
+
+
+# --------------------------------------------------------------------------- a tenant's context cap on every path
+
+CAPPED_KEY = "sk-capped-tenant-key"
+CAP = 3000
+
+
+def capped(upstream: FakeUpstream, **extra: Any) -> dict[str, Any]:
+    return config(upstream, tenants=[{"name": "capped", "keys": [CAPPED_KEY], "max_context_tokens": CAP}], **extra)
+
+
+def input_of(tokens: int) -> list[dict[str, Any]]:
+    """A short conversation of about ``tokens`` tokens, ending with a user question."""
+    return [{"role": "user", "content": "Summarise this log.\n" + text_of(tokens)},
+            {"role": "assistant", "content": "It lists failed logins."},
+            {"role": "user", "content": "Which accounts?"}]
+
+
+HELD: dict[str, tuple[dict[str, Any], list[Any]]] = {
+    "previous_response_id": ({"previous_response_id": "resp_123"}, []),
+    "conversation": ({"conversation": {"id": "conv_123"}}, []),
+    "item_reference": ({}, [{"type": "item_reference", "id": "msg_123"}]),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("held", sorted(HELD))
+async def test_a_tenants_context_cap_holds_when_the_provider_holds_part_of_the_conversation(
+    upstream: FakeUpstream, start_proxy: StartProxy, held: str, stream: bool
+) -> None:
+    """A history the provider holds is forwarded unmanaged, but max_context_tokens is a hard cap on what is
+    forwarded: the part ctxproxy can see is counted against it (what the provider holds cannot be) and a body
+    over it is refused, not forwarded, as a plain /v1/responses body is."""
+    proxy = await start_proxy(capped(upstream))
+    fields, extra = HELD[held]
+    status, _, payload = await post(proxy, {"model": MODEL, "input": input_of(12_000) + extra, "stream": stream,
+                                            **fields}, path="/v1/responses", key=CAPPED_KEY)
+    assert status == 400, payload
+    error = payload["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "input"
+    assert "max_context_tokens" in error["message"] and f"({held}) is not counted" in error["message"]
+    assert upstream.responses == []
+    # under the cap the same shape is forwarded as sent
+    status, _, payload = await post(proxy, {"model": MODEL, "input": input_of(1_000) + extra, **fields},
+                                    path="/v1/responses", key=CAPPED_KEY)
+    assert status == 200, payload
+    assert upstream.responses[-1].body["input"] == input_of(1_000) + extra
+
+
+@pytest.mark.parametrize("mode", ["relay", "emulate"])
+async def test_a_tenants_context_cap_holds_for_compact(upstream: FakeUpstream, start_proxy: StartProxy,
+                                                       mode: str) -> None:
+    """/responses/compact sends the whole input to a model (the upstream's, or ctxproxy's summariser): the
+    tenant's max_context_tokens holds there too, relayed or emulated."""
+    proxy = await start_proxy(capped(upstream, upstreams={"fake": {
+        "base_url": upstream.base_url, "api_key": "sk-upstream-secret", "responses_compact": mode}}))
+    status, _, payload = await post(proxy, {"model": MODEL, "input": input_of(12_000)},
+                                    path="/v1/responses/compact", key=CAPPED_KEY)
+    assert status == 400, payload
+    assert payload["error"]["code"] == "context_length_exceeded" and "max_context_tokens" in payload["error"]["message"]
+    assert upstream.compactions == [] and upstream.summaries == []
+    status, _, payload = await post(proxy, {"model": MODEL, "input": input_of(1_000)},
+                                    path="/v1/responses/compact", key=CAPPED_KEY)
+    assert status == 200 and payload["object"] == "response.compaction", payload
+    assert len(upstream.compactions if mode == "relay" else upstream.summaries) == 1
 
 
 # --------------------------------------------------------------------------- files and images, as billed

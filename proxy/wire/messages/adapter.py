@@ -84,30 +84,36 @@ def split_message(message: Message, source: int, *, after_assistant: bool = True
 
 
 def render_messages(items: list[Item]) -> list[Message]:
-    """The ``messages`` array for ``items``: the client's own dicts wherever a message is kept whole."""
+    """The ``messages`` array for ``items``: the client's own dicts wherever a message is kept whole.
+
+    One pass: whether the open run of user-side items holds only results, and which client messages
+    it came from, are kept up to date, so a user message with thousands of results renders in linear time.
+    """
     out: list[Message] = []
     run: list[AnthropicItem] = []  # user-side items gathered into one user message
-
-    def flush() -> None:
-        if run:
-            out.append(_user_message(run))
-            run.clear()
+    only_results = True  # every item of the run is a result
+    sources: set[int] = set()  # the client messages the run's items came from
 
     for item in items:
         assert isinstance(item, AnthropicItem)
         if item.role == OTHER:
             continue  # a boundary: nothing to send
         if item.role not in (USER, TOOL):  # an assistant or system message: always a message of its own
-            flush()
+            if run:
+                out.append(_user_message(run))
+                run, only_results, sources = [], True, set()
             out.append(item.raw)
             continue
         if run:
-            joins = (all(r.role == TOOL for r in run) if item.role == TOOL
-                     else item.source >= 0 and any(r.source == item.source for r in run))
+            joins = only_results if item.role == TOOL else item.source >= 0 and item.source in sources
             if not joins:
-                flush()
+                out.append(_user_message(run))
+                run, only_results, sources = [], True, set()
         run.append(item)
-    flush()
+        only_results = only_results and item.role == TOOL
+        sources.add(item.source)
+    if run:
+        out.append(_user_message(run))
     return out
 
 

@@ -228,11 +228,12 @@ def clear_tool_uses(messages: list[Message], edit: Edit, counter: TokenCounter,
     if not plan or total < least:
         return messages, None
     out = list(messages)
+    copies: dict[int, list[Any]] = {}
     for use, clear_result, clear_input in plan:
         if clear_input:
-            _replace(out, use.message, use.block, lambda b: {**b, "input": {}})
+            _replace(out, copies, use.message, use.block, lambda b: {**b, "input": {}})
         if clear_result and use.result is not None:
-            _replace(out, use.result[0], use.result[1], lambda b: {**b, "content": CLEARED})
+            _replace(out, copies, use.result[0], use.result[1], lambda b: {**b, "content": CLEARED})
     return out, {"type": CLEAR_TOOL_USES, "cleared_tool_uses": len(plan), "cleared_input_tokens": total}
 
 
@@ -241,11 +242,18 @@ def _block(messages: list[Message], where: tuple[int, int]) -> dict[str, Any] | 
     return block if isinstance(block, dict) else None
 
 
-def _replace(messages: list[Message], i: int, j: int, change: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-    """Edit block j of message i in a copy of that message (the client's objects are never changed)."""
-    content = list(messages[i]["content"])
+def _replace(messages: list[Message], copies: dict[int, list[Any]], i: int, j: int,
+             change: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Edit block j of message i in a copy of that message (the client's objects are never changed).
+
+    ``copies`` holds the content lists already copied, by message: a message is copied once however
+    many of its blocks are edited (a user message may hold thousands of results).
+    """
+    content = copies.get(i)
+    if content is None:
+        content = copies[i] = list(messages[i]["content"])
+        messages[i] = {**messages[i], "content": content}
     content[j] = change(content[j])
-    messages[i] = {**messages[i], "content": content}
 
 
 # -- compaction ----------------------------------------------------------------------------------------

@@ -21,8 +21,9 @@ from typing import Any
 
 from plugins.base import Services, SummarizeFn, Summarizer, SummaryScope, SummaryStore, SummaryUnavailable
 from plugins.summarizers.llm import PROMPT, LLMParams, LLMSummarizer
-from proxy.core.bands import split_bands, split_turns
+from proxy.core.bands import Bands, split_bands, split_turns
 from proxy.core.items import Item
+from proxy.core.offload import run_step
 from proxy.pipeline import chain_hashes, prepare
 from proxy.policy import ModelRoute, Policy
 from proxy.runtime import Runtime
@@ -86,7 +87,10 @@ class ContextManagementHook:
     """``proxy.serve.managed.RequestHook`` for the Messages wire."""
 
     async def begin(self, runtime: Runtime, tenant: Tenant | None, body: dict[str, Any], *,
-                    override: str | None, request_id: str, dry_run: bool = False) -> Exchange | None:
+                    override: str | None, request_id: str, dry_run: bool = False,
+                    offload: bool = False) -> Exchange | None:
+        """The request as the pipeline should see it, or None when nothing is emulated; with ``offload`` (a
+        large body) the edits, which walk every message, run in a worker thread."""
         if "context_management" not in body or not isinstance(body.get("model"), str):
             return None
         route = runtime.route(body["model"])
@@ -97,20 +101,22 @@ class ContextManagementHook:
             out = {k: v for k, v in body.items() if k != "context_management"}
             return Exchange(out, True, ResponseEdits(None, None))
         edits = parse_edits(body["context_management"])
-        check_body(body)  # the edits read the messages: refuse a malformed body first, as the pipeline would
+        # the edits read the messages: refuse a malformed body first, as the pipeline would
+        await run_step(offload, check_body, body)
         policy = runtime.policy(tenant, body["model"], override)
         services = runtime.services(route, policy, request_id=request_id, dry_run=dry_run)
         calibration = runtime.calibration.factor(route, policy.tenant) if runtime.calibration is not None else 1.0
-        session = _Session(body, services, calibration)
-        messages = resume_compaction(body["messages"])
+        session = _Session(body, services, calibration, offload)
+        messages = await run_step(offload, resume_compaction, body["messages"])
         compaction: dict[str, Any] | None = None
         pause = False
         for edit in edits:
             if edit.type == CLEAR_THINKING:
-                messages, report = clear_thinking(messages, edit, session.counter)
+                messages, report = await run_step(offload, clear_thinking, messages, edit, session.counter)
                 session.applied.append(session.scaled(report))
             elif edit.type == CLEAR_TOOL_USES:
-                messages, maybe = clear_tool_uses(messages, edit, session.counter, session.measure(messages))
+                measured = await run_step(offload, session.measure, messages)
+                messages, maybe = await run_step(offload, clear_tool_uses, messages, edit, session.counter, measured)
                 if maybe is not None:
                     session.applied.append(session.scaled(maybe))
             else:
@@ -128,8 +134,9 @@ class ContextManagementHook:
 
 
 class _Session:
-    def __init__(self, body: dict[str, Any], services: Services, calibration: float) -> None:
+    def __init__(self, body: dict[str, Any], services: Services, calibration: float, offload: bool) -> None:
         self.body = body
+        self.offload = offload
         self.services = services
         self.calibration = calibration
         assert services.counter is not None
@@ -150,13 +157,11 @@ class _Session:
     async def compact(self, messages: list[Message], edit: Edit,
                       policy: Policy) -> tuple[list[Message], dict[str, Any]] | None:
         trigger = (edit.params.get("trigger") or {}).get("value", COMPACT_TRIGGER)
-        if self.measure(messages) <= trigger:
+        if await run_step(self.offload, self.measure, messages) <= trigger:
             return None
         client = self.body["messages"]
         start = next((i for i in range(len(client) - 1, -1, -1) if starts_turn(client[i])), -1)
-        prepared = prepare({**self.body, "messages": messages}, WIRE, self.counter)
-        bands = split_bands(prepared.repaired)
-        turns = split_turns(bands.history)
+        bands, turns = await run_step(self.offload, self._turns, messages)
         if start < 0 or bands.current is None or not turns:
             return None  # nothing before the current turn to summarise
         summarizer = _summarizer(policy, edit.params.get("instructions"))
@@ -174,10 +179,16 @@ class _Session:
         kept = messages[bands.current.source:]
         return [summary_message(text), *kept], compaction_block(text, start)
 
+    def _turns(self, messages: list[Message]) -> tuple[Bands, list[list[Item]]]:
+        """The bands of the body with these messages, and its history's turns."""
+        prepared = prepare({**self.body, "messages": messages}, WIRE, self.counter)
+        bands = split_bands(prepared.repaired)
+        return bands, split_turns(bands.history)
+
     async def _summary(self, store: SummaryStore, scope: SummaryScope, turns: list[list[Item]],
                        summarize: SummarizeFn) -> str:
         """The summary of every turn: cached, else made (single flight); in dry-run never made, a placeholder."""
-        chain = chain_hashes(turns, self.counter)
+        chain = await run_step(self.offload, chain_hashes, turns, self.counter)
         found = await store.lookup(scope, chain)
         if found is not None and found.covered_turns == len(turns):
             self.compaction = "reused"
