@@ -102,7 +102,7 @@ class UpstreamSettings(Strict):
             if not pattern.strip():
                 raise ValueError("a model pattern is empty")
             if pattern != pattern.strip():
-                raise ValueError(f"{pattern!r}: a model pattern has no leading or trailing spaces")
+                raise ValueError(f"{pattern!r}: a model pattern may not start or end with a space")
         return patterns
 
     @field_validator("base_url")

@@ -314,7 +314,7 @@ def test_a_config_nested_in_itself_or_too_deep_is_refused_in_one_line(tmp_path: 
 @pytest.mark.parametrize(("models", "why"), [
     ([""], "a model pattern is empty"),
     (["  "], "a model pattern is empty"),
-    ([" claude-*"], "no leading or trailing spaces"),
+    ([" claude-*"], "may not start or end with a space"),
     ("claude-*", "valid list"),
 ])
 def test_a_bad_model_pattern_names_its_upstream(models: Any, why: str) -> None:
