@@ -37,7 +37,8 @@ run: $(VENV)/.installed
 	@$(PY) -m proxy.cli where --config $(CONFIG)
 	$(VENV)/bin/ctxproxy serve --config $(CONFIG)
 
-test: $(VENV)/.installed-dev
+# the suite, after the habits it keeps: ruff and the commit subjects, then mypy
+test: lint typecheck
 	@command -v redis-server >/dev/null || echo "note: redis-server not found; Redis tests will be skipped (.ci/run installs it)"
 	$(PY) -m pytest -q -p no:cacheprovider
 
