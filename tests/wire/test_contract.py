@@ -224,7 +224,7 @@ async def test_the_toy_wire_is_served_with_its_key_header_and_the_model_in_its_p
 async def test_the_toy_wire_is_managed_and_its_nested_cap_applies(upstream: FakeUpstream, start_proxy: Any) -> None:
     proxy = await start_proxy(toy_config(upstream, context_manager={
         "type": "summarising", "params": {"keep_turns": 2}}), wires=ALL)
-    body = {"turns": turns(12, 150), "options": {"max_tokens": 200}}
+    body: dict[str, Any] = {"turns": turns(12, 150), "options": {"max_tokens": 200}}
     status, headers, _ = await post(proxy.url + "/v1/toy/tiny/chat", body, **{"x-toy-key": "sk-toy"})
     assert status == 200 and headers["x-ctxproxy-summary"] == "created"
     assert int(headers["x-ctxproxy-tokens-out"]) < int(headers["x-ctxproxy-tokens-in"])
