@@ -14,17 +14,19 @@ them). A result is masked only when its masked copy is smaller, and only if the 
 its output as text (``WireAdapter.mask``: not a screenshot or an approval).
 
 The grid: the results of the committed history are numbered from the first one of the
-conversation, and the number masked is always a multiple of ``step``: the smallest multiple
-that brings the conversation under T, and never past the last multiple that leaves
-``keep_recent`` results unmasked. Between ``keep_recent`` and ``keep_recent + step - 1`` results
-stay verbatim at most, and as a conversation grows the masked set moves only once every
-``step`` results, so consecutive requests forward the same prefix in between (providers'
-prompt caches keep hitting). The grid is a function of the content alone: replicas and
-restarts agree on it.
+conversation, and a grid line falls after every run of at least ``step`` results that holds at
+least one hysteresis step of output (``Budget.step``, ⌈hysteresis_ratio × B⌉ tokens, the
+trimmer's step). The number masked is always on a line: the first line that brings the
+conversation under T, and never past the last line that leaves ``keep_recent`` results
+unmasked. As a conversation grows the masked set moves only from one line to the next, each
+move masking at least a step of tokens, so consecutive requests forward the same prefix in
+between (providers' prompt caches keep hitting). The lines are a function of the content (and
+of B, as the trimmer's grid is) alone: replicas and restarts agree on them.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,9 +54,9 @@ def _short(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-# Results masked at once by default. The masked set moves about once every MASK_STEP results, so in
-# a steady tool loop about nine requests in ten forward the previous request's prefix unchanged
-# (measured on chained tau-bench conversations: docs/design.md, "Observation masking").
+# Results masked at once, at least, by default: in a steady tool loop the masked set then moves
+# about once every ten results, so about nine requests in ten forward the previous request's prefix
+# unchanged (measured on tau-bench sessions: docs/design.md, "Observation masking").
 MASK_STEP = 10
 
 
@@ -94,8 +96,8 @@ def mask_observations(view: HistoryView, keep_recent: int, step: int) -> Masking
         return None
     results = _results(view.turns)
     maskable = len(results) - max(0, keep_recent - view.working_memory_results)
-    step = max(1, step)
-    line = maskable // step * step if maskable > 0 else 0  # the last grid line that keeps keep_recent
+    lines = grid(results, maskable, step, budget.step)
+    line = lines[-1]  # the last grid line that keeps keep_recent
     need = total - budget.threshold
     copies: list[tuple[_Result, Item, str]] = []
     saved = 0
@@ -103,7 +105,7 @@ def mask_observations(view: HistoryView, keep_recent: int, step: int) -> Masking
     while count < line and saved < need:
         saved += _mask_one(results[count], mask, copies)
         count += 1
-    end = min(line, -(-count // step) * step)  # the smallest grid line at or past what T needs
+    end = lines[bisect.bisect_left(lines, count)]  # the first grid line at or past what T needs
     while count < end:
         saved += _mask_one(results[count], mask, copies)
         count += 1
@@ -122,6 +124,24 @@ def mask_observations(view: HistoryView, keep_recent: int, step: int) -> Masking
         records.append({"call_id": _short(result.item.result_id or "", 200), "tool": _short(tool, 200),
                         "tokens_removed": removed})
     return Masking(dataclasses.replace(view, turns=turns, turn_tokens=turn_tokens), records, saved)
+
+
+def grid(results: list[_Result], maskable: int, step: int, tokens: int) -> list[int]:
+    """The grid lines: how many of the first results may be masked together, from 0.
+
+    A line falls after every run of at least ``step`` results holding at least ``tokens`` tokens of
+    output, counted from the conversation's first result: a function of the content alone, so a
+    growing conversation keeps its lines (and a line never moves once placed).
+    """
+    lines = [0]
+    count = size = 0
+    for j in range(max(0, maskable)):
+        count += 1
+        size += results[j].item.tokens
+        if count >= step and size >= tokens:
+            lines.append(j + 1)
+            count = size = 0
+    return lines
 
 
 def _results(turns: list[list[Item]]) -> list[_Result]:

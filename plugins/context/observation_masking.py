@@ -2,7 +2,8 @@
 
 Under the summary threshold T nothing changes. Over it, the outputs of the oldest tool results
 give way to a placeholder naming the tool, the call id and the size removed, on the grid of
-``plugins.masking`` (``mask_step`` results at a time), until the conversation is under T or only
+``plugins.masking`` (at least ``mask_step`` results and a hysteresis step of tokens at a time), until the
+conversation is under T or only
 the last ``keep_recent`` results are left. Calls, reasoning, messages, the current turn and
 the working memory are never touched; when masking is not enough the trimmer still drops whole
 tool groups, oldest first. No summariser is ever called.
@@ -24,10 +25,10 @@ class ObservationMaskingParams(Params):
     keep_recent: int = Field(10, ge=0, description="The most recent tool results of the conversation never "
                              "masked (those in the working memory count toward them).")
     mask_step: int = Field(
-        MASK_STEP, ge=1, description="Results masked at once: the number masked is a multiple of mask_step "
-        "counted from the conversation's first result, so between keep_recent and keep_recent + mask_step - 1 "
-        "results stay verbatim and the forwarded prefix changes about once every mask_step results. "
-        "1 = mask one at a time (the prefix then changes on almost every request)."
+        MASK_STEP, ge=1, description="Results masked at once, at least: counted from the conversation's first "
+        "result, a grid line falls after every run of at least mask_step results holding at least one hysteresis "
+        "step (hysteresis_ratio x B tokens) of output, and the number masked is always on a line; the forwarded "
+        "prefix changes only when the masked set moves to the next line. 1 = as few as the step of tokens allows."
     )
     hysteresis_ratio: float = Field(0.1, ge=0.0, le=1.0, description="T = B/(1+ratio): masking starts over T.")
     summary_threshold: int = Field(0, ge=0, description="Explicit T in tokens; 0 derives it from B.")

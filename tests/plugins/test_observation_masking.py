@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from typing import Any
 
@@ -82,6 +83,18 @@ def masked_ids(messages: list[dict[str, Any]]) -> list[str]:
     return [m["tool_call_id"] for m in messages if is_masked(m)]
 
 
+def grid_lines(results: list[dict[str, Any]], step: int, tokens: int) -> list[int]:
+    """Where the masked count may stop, reckoned here: after every run of at least ``step`` results holding at
+    least ``tokens`` tokens (the hysteresis step), counted from the first result."""
+    lines, count, size = [0], 0, 0
+    for k, message in enumerate(results):
+        count, size = count + 1, size + count_message(COUNTER, message)
+        if count >= step and size >= tokens:
+            lines.append(k + 1)
+            count = size = 0
+    return lines
+
+
 def same_but_outputs(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[str]:
     """Everything but tool outputs forwarded as sent: same messages, in order; masked ones differ only in content."""
     problems = []
@@ -127,13 +140,28 @@ async def test_over_the_threshold_older_outputs_are_masked_and_everything_else_k
 
 
 async def test_masking_stops_at_the_first_grid_line_under_the_threshold() -> None:
-    """With mask_step 1 the fewest outputs are masked: one fewer would leave the request over T."""
-    pipe = Pipe({"type": "observation-masking", "params": {"keep_recent": 1, "mask_step": 1}})
+    """With mask_step 1 and no hysteresis (a step of one token) every result is a grid line: the fewest outputs
+    are masked, and one fewer would leave the request over T."""
+    pipe = Pipe({"type": "observation-masking", "params": {"keep_recent": 1, "mask_step": 1,
+                                                           "hysteresis_ratio": 0.0}})
     msgs = support_chat(20)
     a = await pipe(msgs)
     n = len(a.report.masked)
     assert 0 < n < 19 and a.report.tokens_after <= a.report.threshold
     assert a.report.tokens_after + a.report.masked[-1]["tokens_removed"] > a.report.threshold
+
+
+@pytest.mark.parametrize("result_words", [60, 150, 400])
+async def test_a_grid_line_holds_at_least_one_hysteresis_step_of_output(result_words: int) -> None:
+    """Small outputs are masked several at a time: each move of the masked set frees at least the trimmer's step
+    (hysteresis_ratio x B tokens) of output, so a large budget does not break the prefix every few requests."""
+    pipe = Pipe({"type": "observation-masking", "params": {"keep_recent": 0, "mask_step": 1}}, window=6_000)
+    msgs = support_chat(60, result_words=result_words)
+    a = await pipe(msgs)
+    size = count_message(COUNTER, msgs[3])  # every output has about this size
+    per_line = max(1, math.ceil(math.ceil(0.1 * a.report.hard_budget) / size))
+    n = len(a.report.masked)
+    assert n > 0 and n % per_line == 0, (n, per_line)
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 4, 5])
@@ -149,8 +177,8 @@ async def test_the_number_masked_moves_on_a_grid_as_the_conversation_grows(step:
         msgs = [*full[:end], user("and now?")]
         a = await pipe(msgs)
         n = len(masked_ids(a.messages))
-        results = sum(1 for m in msgs if m["role"] == "tool")
-        assert n % step == 0 and n <= max(0, results - 2)
+        results = [m for m in msgs if m["role"] == "tool"]
+        assert n in grid_lines(results, step, math.ceil(0.1 * a.report.hard_budget)) and n <= max(0, len(results) - 2)
         if counts and n == counts[-1] and previous is not None:
             assert a.messages[: len(previous) - 1] == previous[:-1]  # the same prefix, grown at the end
         counts.append(n)
@@ -164,7 +192,9 @@ async def test_the_default_grid_keeps_between_keep_recent_and_keep_recent_plus_s
     a = await pipe(msgs)
     assert a.report.context_manager == "observation-masking"
     n = len(masked_ids(a.messages))
-    assert n % MASK_STEP == 0 and 10 <= 40 - n <= 10 + MASK_STEP - 1
+    results = [m for m in msgs if m["role"] == "tool"]
+    lines = grid_lines(results, MASK_STEP, math.ceil(0.1 * a.report.hard_budget))
+    assert n in lines and n == max(line for line in lines if line <= 40 - 10)  # as far as keep_recent allows
     assert a.report.removed.get("trimmed", 0) == 0
 
 
