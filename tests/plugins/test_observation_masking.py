@@ -320,3 +320,38 @@ async def test_summarising_without_masking_is_as_before() -> None:
     pipe = Pipe({"type": "summarising", "params": {"keep_turns": 2, "mask_observations": False}}, engine=engine)
     a = await pipe(support_chat(20))
     assert a.report.summary == "created" and not masked_ids(a.messages) and "masked" not in a.report.removed
+
+
+def test_masking_is_linear_in_the_results() -> None:
+    """Masking walks the results once (grid lines, the tool names, the copies): time per result must not grow
+    with the history (a history of one long turn included, where every copy lands in the same turn)."""
+    from plugins.base import HistoryView
+    from plugins.context.observation_masking import ObservationMasking, ObservationMaskingParams
+    from proxy.core.bands import assign_groups, split_bands, split_turns
+    from proxy.core.budget import TrimmerParams, compute_budget
+    from proxy.wire.chat import items_of
+    from tests.helpers import LINEAR, per_item_growth
+
+    masking = ObservationMasking(ObservationMaskingParams(keep_recent=10))
+
+    def setup(n: int) -> Any:
+        msgs: list[dict[str, Any]] = [system("s"), user("go")]
+        for t in range(n):
+            msgs += [call((f"c{t}", "lookup", json.dumps({"t": t}))), tool(f"c{t}", words(120, t))]
+        msgs.append(user("now"))
+        items = items_of(msgs, COUNTER)
+        assign_groups(items, merge_call_runs=False)
+        turns = split_turns(split_bands(items).history)
+        budget = compute_budget(window=10**8, request_max_tokens=None, model_max_output=None,
+                                trimmer=TrimmerParams(max_tokens=1_000), tenant_cap=None)
+
+        def step() -> object:
+            view = HistoryView(turns=turns, turn_tokens=[sum(i.tokens for i in t) for t in turns],
+                               chain_fn=lambda: [], pinned_tokens=0, budget=budget, counter=COUNTER,
+                               services=services(COUNTER), summary_item=lambda text, n: CHAT.summary(text, n, COUNTER),
+                               mask=lambda item, text: CHAT.mask(item, text, COUNTER))
+            return masking._mask(view)
+        return step
+
+    growth = per_item_growth(setup, 500)
+    assert growth < LINEAR, f"time per result grew {growth:.1f}x from 500 to 4,000 results"
