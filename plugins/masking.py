@@ -1,4 +1,4 @@
-"""Observation masking (DESIGN §8): the outputs of older tool calls give way to a short placeholder.
+"""Observation masking (docs/design.md#observation-masking): the outputs of older tool calls give way to a short placeholder.
 
 Tool outputs are where an agent's tokens go, and the cheapest thing to forget: the model
 still sees every call it made (name, id, arguments), its reasoning and every message, and a
@@ -56,7 +56,7 @@ def _short(text: str, limit: int) -> str:
 
 # Results masked at once, at least, by default: in a steady tool loop the masked set then moves
 # about once every ten results, so about nine requests in ten forward the previous request's prefix
-# unchanged (measured on tau-bench sessions: docs/design.md, "Observation masking").
+# unchanged (measured on tau-bench sessions: docs/design.md#observation-masking).
 MASK_STEP = 10
 
 

@@ -332,7 +332,7 @@ def test_masking_is_linear_in_the_results() -> None:
     from proxy.wire.chat import items_of
     from tests.helpers import LINEAR, per_item_growth
 
-    masking = ObservationMasking(ObservationMaskingParams(keep_recent=10))
+    masking = ObservationMasking(ObservationMaskingParams.model_validate({"keep_recent": 10}))
 
     def setup(n: int) -> Any:
         msgs: list[dict[str, Any]] = [system("s"), user("go")]

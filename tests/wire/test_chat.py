@@ -239,7 +239,9 @@ def test_placeholders_answer_in_the_calls_own_form() -> None:
 
 @pytest.mark.parametrize("result", [
     tool("call_7", "4°C in Oslo " * 50, name="get_weather", cache_control={"type": "ephemeral"}),
-    tool("call_7", [{"type": "text", "text": "chart:"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64," + mf.b64(mf.png(800, 600))}}]),
+    {"role": "tool", "tool_call_id": "call_7", "content": [
+        {"type": "text", "text": "chart:"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + mf.b64(mf.png(800, 600))}}]},
 ])
 def test_mask_replaces_only_the_content_of_a_tool_message(counter: TokenCounter, result: Message) -> None:
     """Observation masking: the result keeps its tool_call_id and every other key; only its content (text,
@@ -465,7 +467,7 @@ PDF = mf.b64(mf.pdf(PAGES))
 def test_images_count_by_their_size_and_pdfs_by_their_pages(
         counter: TokenCounter, part: dict[str, Any], tokens: int | str) -> None:
     """OpenAI's formulas: an image's 512-px tiles after scaling; a PDF's text plus a 765-token image per page."""
-    expected = counter.text("\n".join(PAGES) + "\n") + 5 * 765 if tokens == "pdf" else tokens
+    expected = counter.text("\n".join(PAGES) + "\n") + 5 * 765 if tokens == "pdf" else int(tokens)
     message = {"role": "user", "content": [part]}
     assert count_message(counter, message) == 3 + counter.text("user") + expected
 

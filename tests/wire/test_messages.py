@@ -232,7 +232,7 @@ def test_mask_replaces_the_content_of_a_tool_result_and_keeps_its_id_and_error_f
 def test_a_masked_result_is_rendered_in_place_in_a_rebuilt_user_message() -> None:
     """The user message that held the result is written anew (never the client's own dict, which still
     holds the output), with its other blocks, in order, and its other keys."""
-    message = {"role": "user", "content": [tool_result("t1", "long " * 100), tool_result("t2", "kept"),
+    message: dict[str, Any] = {"role": "user", "content": [tool_result("t1", "long " * 100), tool_result("t2", "kept"),
                                            text_block("and now?")], "x_meta": 1}
     request = body([user("hi"), assistant([tool_use("t1"), tool_use("t2")]), message, assistant("ok"),
                     user("next")])
