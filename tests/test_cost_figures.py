@@ -14,7 +14,6 @@ import pytest
 
 from tests.cost_run import run
 
-
 MANAGERS = {  # the default (tool outputs masked before anything is summarised), and summaries alone
     "default": None,
     "summaries-only": {"type": "summarising", "params": {"mask_observations": False}},
