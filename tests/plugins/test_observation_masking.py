@@ -186,7 +186,7 @@ async def test_the_number_masked_moves_on_a_grid_as_the_conversation_grows(step:
     assert counts == sorted(counts) and counts[-1] > 0
 
 
-async def test_the_default_grid_keeps_between_keep_recent_and_keep_recent_plus_step_minus_one_verbatim() -> None:
+async def test_the_default_grid_masks_up_to_its_last_line_before_keep_recent() -> None:
     pipe = Pipe("mask-observations", window=9_000)
     msgs = support_chat(40, result_words=120)
     a = await pipe(msgs)
