@@ -31,6 +31,9 @@ from tests.wire.chat_helpers import is_valid  # noqa: E402
 MANAGERS: dict[str, Any] = {
     "summarising (llm)": {"type": "summarising", "params": {"keep_turns": 10}},
     "summarising (drop)": {"type": "summarising", "params": {"keep_turns": 10, "summarizer": "drop"}},
+    "summarising (llm, no masking)": {"type": "summarising", "params": {"keep_turns": 10,
+                                                                        "mask_observations": False}},
+    "observation-masking": {"type": "observation-masking"},
     "sliding-window": {"type": "sliding-window", "params": {"keep_turns": 10}},
     "stack (max_messages 120)": {"type": "stack", "params": {"max_messages": 120}},
     "trimmer alone (stack, no cap)": {"type": "stack"},
@@ -43,7 +46,7 @@ def request_points(messages: list[dict[str, Any]]) -> list[int]:
     return [*points, len(messages)]
 
 
-async def share(manager: Any, budget: int, count: int, payload: str) -> tuple[float, int, int]:
+async def share(manager: Any, budget: int, count: int, payload: str) -> tuple[float, int, int, int]:
     body = read_payload(payload)
     messages = body["messages"]
     cfg = load_config({
@@ -57,7 +60,7 @@ async def share(manager: Any, budget: int, count: int, payload: str) -> tuple[fl
     tracker = PrefixTracker()
     points = request_points(messages)
     results: list[bool] = []
-    compacted = 0
+    compacted = created = 0
     for n in points[1:]:
         request = dict(body, messages=messages[:n])
         assembly, _, _ = await runtime.assemble(CHAT, request, tenant=None)
@@ -67,11 +70,12 @@ async def share(manager: Any, budget: int, count: int, payload: str) -> tuple[fl
             if stable is not None:
                 results.append(stable)
                 compacted += assembly.changed
+                created += assembly.report.summary == "created"
         else:
             tracker.observe(assembly.received, assembly.items)
         if len(results) >= count:
             break
-    return sum(results) / max(1, len(results)), len(results), compacted
+    return sum(results) / max(1, len(results)), len(results), compacted, created
 
 
 async def main() -> None:
@@ -80,11 +84,11 @@ async def main() -> None:
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--payload", default="agent_long.json")
     a = ap.parse_args()
-    print("| context manager | payload | budget | requests | compacted | prefix kept |")
-    print("|---|---|---|---|---|---|")
+    print("| context manager | payload | budget | requests | compacted | summaries made | prefix kept |")
+    print("|---|---|---|---|---|---|---|")
     for name, manager in MANAGERS.items():
-        s, n, compacted = await share(manager, a.budget, a.requests, a.payload)
-        print(f"| {name} | {a.payload} | {a.budget} | {n} | {compacted} | {s:.1%} |")
+        s, n, compacted, created = await share(manager, a.budget, a.requests, a.payload)
+        print(f"| {name} | {a.payload} | {a.budget} | {n} | {compacted} | {created} | {s:.1%} |")
 
 
 if __name__ == "__main__":

@@ -183,6 +183,10 @@ class HistoryView:
     services: Services
     summary_item: Callable[[str, int], Item]  # (text, covered turns) -> the wire's own summary item, counted
     offload: bool = False  # a large conversation: do any work on its items off the event loop
+    # (result, text) -> the wire's copy of a result with ``text`` as its output, counted (None: it cannot be
+    # masked); None when the caller offers no masking (observation masking is then skipped)
+    mask: Callable[[Item, str], Item | None] | None = None
+    working_memory_results: int = 0  # tool results in the working memory (never masked; they count as recent)
 
     @cached_property
     def chain(self) -> list[str]:
@@ -220,6 +224,7 @@ class HistoryResult:
     summary_status: str = "none"
     removed: dict[str, int] = field(default_factory=dict)
     detail: dict[str, Any] = field(default_factory=dict)  # for explain: what was (or would be) summarised
+    masked: list[dict[str, Any]] = field(default_factory=list)  # for explain: {call_id, tool, tokens_removed}
 
     @classmethod
     def unchanged(cls, view: HistoryView) -> HistoryResult:

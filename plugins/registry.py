@@ -133,6 +133,7 @@ def _import_ref(kind: str, ref: Any, path: str) -> type[Any]:
 
 def default_registry() -> Registry:
     """Every built-in plugin."""
+    from plugins.context.observation_masking import ObservationMasking
     from plugins.context.sliding_window import SlidingWindow
     from plugins.context.stack import Stack
     from plugins.context.summarising import Summarising
@@ -143,6 +144,7 @@ def default_registry() -> Registry:
     registry.register("context_manager", Summarising, aliases=("summarizing",))
     registry.register("context_manager", SlidingWindow, aliases=("sliding_window",))
     registry.register("context_manager", Stack, aliases=("full-history",))
+    registry.register("context_manager", ObservationMasking, aliases=("mask-observations",))
     registry.register("summarizer", LLMSummarizer)
     registry.register("summarizer", DropSummarizer)
     return registry

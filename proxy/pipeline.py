@@ -32,7 +32,7 @@ from proxy.policy import ModelRoute, Policy
 
 # What a report's ``summary`` may say, and how removed tokens are counted (the one list of each).
 SUMMARY_STATUSES = frozenset({"none", "reused", "created", "failed", "pending", "would_create"})
-REMOVED_HOW = frozenset({"summarised", "windowed", "trimmed", "wm_capped"})
+REMOVED_HOW = frozenset({"masked", "summarised", "windowed", "trimmed", "wm_capped"})
 
 
 @dataclass
@@ -61,6 +61,7 @@ class Report:
     removed: dict[str, int] = field(default_factory=dict)
     summary: str = "none"
     summary_detail: dict[str, Any] = field(default_factory=dict)
+    masked: list[dict[str, Any]] = field(default_factory=list)  # tool outputs masked: {call_id, tool, tokens_removed}
     max_tokens_clamped: bool = False
     warnings: list[str] = field(default_factory=list)
     unmanaged: str | None = None  # why the history was forwarded unmanaged (the provider holds part of it)
@@ -297,6 +298,9 @@ def _plan(
     def summary_item(text: str, covered: int) -> Item:
         return wire.summary(text, covered, counter)
 
+    def mask(item: Item, text: str) -> Item | None:
+        return wire.mask(item, text, counter)
+
     view = HistoryView(
         turns=turns,
         turn_tokens=[_tokens(t) for t in turns],
@@ -307,6 +311,8 @@ def _plan(
         services=services,
         summary_item=summary_item,
         offload=offload,
+        mask=mask,
+        working_memory_results=sum(1 for item in bands.working_memory if item.result_id is not None),
     )
     return _Plan(body, wire, policy, report, prepared, changes, budget, bands, live, view)
 
@@ -320,6 +326,7 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     report.summary_detail = dict(result.detail)
     report.turns_summarised = result.turns_summarised
     report.turns_dropped = result.turns_dropped
+    report.masked = list(result.masked)
     removed: Counter[str] = Counter(result.removed)
     history = [item for t in result.turns for item in t]
     history = _keep_pinned(bands.history, history)

@@ -27,12 +27,13 @@ from proxy.settings import Config, Tenant
 log = logging.getLogger("ctxproxy")
 
 # Params an override may change, and only downwards.
-TIGHTENING = ("keep_turns", "max_messages", "working_memory_messages", "summary_threshold")
-# Carried over from the policy on a type change (so a switch keeps the policy's window grid); the
-# window they give together (at most keep_turns + cut_step - 1 turns) may only narrow.
-CARRIED = (*TIGHTENING, "cut_step")
-# Changing the manager type is allowed only to one that keeps no more than the base.
-TYPE_CHANGES = {("summarising", "sliding-window")}
+TIGHTENING = ("keep_turns", "max_messages", "working_memory_messages", "summary_threshold", "keep_recent")
+# Carried over from the policy on a type change (so a switch keeps the policy's window and masking grids);
+# the window they give together (at most keep_turns + cut_step - 1 turns) may only narrow.
+CARRIED = (*TIGHTENING, "cut_step", "mask_step")
+# Changing the manager type is allowed only to one that keeps no more than the base: a window keeps
+# fewer turns; masking keeps B and T (the base's trimmer and threshold always hold) and forgets only outputs.
+TYPE_CHANGES = {("summarising", "sliding-window"), ("summarising", "observation-masking")}
 WARNED_MODELS = 1000  # unknown model names warned about once each, at most
 ROUTE_MEMO = 4096  # model names whose route is remembered (they come from clients)
 
@@ -270,9 +271,13 @@ def _loosens(base: Binding, chosen: Binding) -> str | None:
         elif key in TIGHTENING:
             if old.get(key) is not None and (value is None or value > old[key]):
                 return f"{key} {value} > {old[key]}"
+        elif key == "mask_observations":
+            if old.get(key) and not value:
+                return "mask_observations cannot be turned off per request"
         elif chosen.type == base.type and value != old.get(key):
             return f"{key} cannot be changed per request"
-    if chosen.type != base.type and old.get("keep_turns") is not None and new["keep_turns"] > old["keep_turns"]:
+    if chosen.type != base.type and old.get("keep_turns") is not None and new.get("keep_turns") is not None \
+            and new["keep_turns"] > old["keep_turns"]:
         return f"keep_turns {new['keep_turns']} > {old['keep_turns']}"
     if chosen.type != base.type:
         # the window moves cut_step turns at a time, so it keeps up to keep_turns + cut_step - 1 turns: a

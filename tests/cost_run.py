@@ -104,7 +104,7 @@ class Figures:
         return "\n".join([head, *(f"  {k.ljust(width)}  {v}" for k, v in rows)])
 
 
-async def run(turns: int = 60, budget: int = 16_000, model: str = "gpt-4o") -> Figures:
+async def run(turns: int = 60, budget: int = 16_000, model: str = "gpt-4o", manager: Any = None) -> Figures:
     from proxy.serve.app import create_app
     from proxy.serve.server import make_runner
     from proxy.serve.state import STATE
@@ -120,6 +120,7 @@ async def run(turns: int = 60, budget: int = 16_000, model: str = "gpt-4o") -> F
         "trimmer": {"max_tokens": budget},
         "cache": {"backend": "memory"},
         "logging": {"level": "WARNING", "requests": False},
+        **({"context_manager": manager} if manager is not None else {}),
     })
     app = create_app(config)
     runner = make_runner(app, config, shutdown_timeout=2)

@@ -204,6 +204,37 @@ def test_assemble_prints_messages_and_report(tmp_path: Path, capsys: pytest.Capt
     assert not pairing_problems(result["messages"])
 
 
+@pytest.mark.parametrize("wire", ["chat", "responses", "messages"])
+def test_assemble_shows_what_observation_masking_masked(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        wire: str) -> None:
+    """The report lists every masked output (call id, tool, tokens removed); the forwarded body carries the
+    placeholders in their place, on every wire."""
+    from tests.wire.messages_helpers import from_chat
+    from tests.wire.responses_helpers import chat_to_responses
+
+    cfg = write_config(tmp_path, context_manager={"type": "mask-observations", "params": {"keep_recent": 3,
+                                                                                          "mask_step": 2}})
+    msgs = long_conversation(20)
+    body: dict[str, Any] = {"model": "gpt-4o", "messages": msgs}
+    if wire == "responses":
+        body = {"model": "gpt-4o", "input": chat_to_responses(msgs)}
+    elif wire == "messages":
+        system_prompt, converted = from_chat(msgs)
+        body = {"model": "gpt-4o", "max_tokens": 256, "system": system_prompt, "messages": converted}
+    req = write_json(tmp_path, body)
+    code, out, err = run(["assemble", "--wire", wire, "--config", str(cfg), str(req)], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    report = result["report"]
+    assert report["context_manager"] == "observation-masking" and report["wire"] == wire
+    masked = report["masked"]
+    assert masked and [m["call_id"] for m in masked] == [f"c{t}" for t in range(len(masked))] and len(masked) % 2 == 0
+    assert {m["tool"] for m in masked} == {"lookup"} and all(m["tokens_removed"] > 0 for m in masked)
+    assert report["removed"]["masked"] == sum(m["tokens_removed"] for m in masked)
+    text = json.dumps(result)
+    assert text.count("ctxproxy removed this lookup output") == len(masked)
+
+
 def test_assemble_unchanged_request_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = write_config(tmp_path)
     msgs = [system("s", cache_control={"type": "ephemeral"}), user("hi Zürich 🚀", name="alice")]

@@ -161,8 +161,8 @@ async def test_summariser_chunks_fit_the_summariser_models_window(upstream: Fake
         upstream.base_url,
         models=[{"name": "big", "context_window": 60000, "max_output_tokens": 4096},
                 {"name": "small", "context_window": 8000, "max_output_tokens": 1000}],
-        context_manager={"type": "summarising", "params": {
-            "keep_turns": 4, "summarizer": {"type": "llm", "params": {"model": "small"}}}},
+        context_manager={"type": "summarising", "params": {  # the summariser's input is the subject: no masking
+            "keep_turns": 4, "mask_observations": False, "summarizer": {"type": "llm", "params": {"model": "small"}}}},
     )
     cfg.pop("summarizer_model")
     proxy = await start_proxy(cfg)
@@ -339,7 +339,9 @@ def conversation_with(special: list[Message]) -> list[Message]:
 
 
 async def summarise(upstream: FakeUpstream, start_proxy: StartProxy, special: list[Message]) -> str:
-    proxy = await start_proxy(summarising_config(upstream.base_url))
+    # what the summariser is sent is the subject: no observation masking first (it may make a summary needless)
+    proxy = await start_proxy(summarising_config(upstream.base_url, context_manager={
+        "type": "summarising", "params": {"keep_turns": 4, "mask_observations": False}}))
     status, headers, body = await post(proxy, chat_body(conversation_with(special)))
     assert (status, headers.get("x-ctxproxy-summary")) == (200, "created"), body
     return summariser_text(upstream)

@@ -497,6 +497,11 @@ async def test_override_that_sets_one_param_keeps_the_tenants_others(env: Env) -
     ("{not json", "not valid JSON"),
     ('{"type": "summarising", "params": {"keep_turns": -1}}', "keep_turns"),
     ("no-such-manager", "unknown context_manager"),
+    ('{"type": "summarising", "params": {"keep_recent": 11}}', "keep_recent 11 > 10"),
+    ('{"type": "summarising", "params": {"mask_observations": false}}', "mask_observations cannot be turned off"),
+    ('{"type": "summarising", "params": {"mask_step": 3}}', "mask_step cannot be changed"),
+    ('{"type": "observation-masking", "params": {"keep_recent": 12}}', "keep_recent 12 > 10"),
+    ('{"type": "observation-masking", "params": {"working_memory_messages": 21}}', "working_memory_messages 21 > 20"),
 ])
 async def test_loosening_or_malformed_override_is_ignored_with_a_warning(env: Env, header: str, why: str) -> None:
     messages = conversation(24)
@@ -516,6 +521,42 @@ async def test_summarising_tenant_may_switch_to_a_sliding_window_with_its_keep_t
     assert "x-ctxproxy-warning" not in raw.headers
     assert user_turns(env.forwarded) <= 6 + 1 and within_cap(env.forwarded, CAPS["research"])
     assert len(env.second.summaries) == before  # no summariser call
+
+
+async def test_summarising_tenant_may_switch_to_observation_masking_and_its_budget_never_rises(env: Env) -> None:
+    """Masking forgets only tool outputs, so a tenant on summarising may ask for it per request, but its
+    hard budget B and summary threshold T stay the policy's: an override's own ratio or threshold cannot
+    raise them."""
+    messages = conversation(24)
+    url = env.proxy.base_url + "/ctxproxy/explain"
+    _, _, base = await post_json(url, {"model": BIG, "messages": messages}, KEYS["research"])
+    for header in ("observation-masking", "mask-observations",
+                   json.dumps({"type": "observation-masking", "params": {"hysteresis_ratio": 0.0}}),
+                   json.dumps({"type": "observation-masking", "params": {"summary_threshold": 30_000,
+                                                                         "keep_recent": 4}})):
+        status, headers, out = await post_json(url, {"model": BIG, "messages": messages}, KEYS["research"],
+                                               {"x-ctxproxy-context-manager": header})
+        assert status == 200 and "x-ctxproxy-warning" not in headers, header
+        report = out["report"]
+        assert report["context_manager"] == "observation-masking"
+        assert report["hard_budget"] == base["report"]["hard_budget"] == CAPS["research"]
+        assert report["threshold"] <= base["report"]["threshold"]
+        assert report["masked"] and report["tokens_after"] <= CAPS["research"]
+    before = len(env.second.summaries)
+    raw = await chat(env, "research", messages, headers={"x-ctxproxy-context-manager": "observation-masking"})
+    assert "x-ctxproxy-warning" not in raw.headers and raw.headers["x-ctxproxy-summary"] == "none"
+    assert within_cap(env.forwarded, CAPS["research"]) and pairing_ok(env.forwarded)
+    assert any("ctxproxy removed this lookup output" in str(m.get("content")) for m in env.forwarded)
+    assert len(env.second.summaries) == before  # no summariser call
+
+
+async def test_a_sliding_window_tenant_may_not_switch_to_observation_masking(env: Env) -> None:
+    """A window keeps fewer turns than masking does: the switch would keep more than the policy allows."""
+    messages = conversation(16)
+    base = await baseline(env, "support", messages)
+    raw = await chat(env, "support", messages, headers={"x-ctxproxy-context-manager": "observation-masking"})
+    assert "sliding-window cannot become observation-masking" in raw.headers["x-ctxproxy-warning"]
+    assert env.forwarded == base
 
 
 # --------------------------------------------------------------------------- output limits

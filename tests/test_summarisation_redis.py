@@ -54,7 +54,10 @@ async def test_two_proxy_processes_on_one_redis_share_one_summary(upstream, tmp_
 
 async def test_redis_down_then_back(upstream, start_proxy):
     with RedisServer.started() as redis:
-        proxy = await start_proxy(config(upstream.base_url, cache={"backend": "redis", "url": redis.url}))
+        # every request over T goes to the summary cache: no masking first (it would keep some requests from it)
+        proxy = await start_proxy(config(upstream.base_url, cache={"backend": "redis", "url": redis.url},
+                                         context_manager={"type": "summarising",
+                                                          "params": {"keep_turns": 4, "mask_observations": False}}))
         async with aiohttp.ClientSession() as s:
             status, headers, _ = await post(s, proxy.url, conversation(30))
             assert (status, headers["x-ctxproxy-summary"]) == (200, "created")

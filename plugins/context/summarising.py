@@ -9,10 +9,18 @@ step of headroom, so summariser calls grow with conversation growth, not with
 request count. Summaries come from the one compaction service (``Services.compaction``:
 ``proxy.store.compaction``), which ``/responses/compact`` and the Messages compaction use too.
 With the ``drop`` summariser (or no engine) older turns are dropped instead, on a prefix-stable grid.
+
+Masking comes first (``mask_observations``, on by default; ``plugins.masking``): over T the
+outputs of older tool calls are masked on their grid, and only when the masked conversation is
+still over T is anything summarised. The summariser then sees the turns it summarises as the
+client sent them (nothing a summary covers is lost to masking), summary cache keys stay the
+chained hashes of the client's turns, and the turns kept verbatim after the summary are the
+masked ones.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from pydantic import Field
@@ -25,6 +33,7 @@ from plugins.base import (
     Params,
     window,
 )
+from plugins.masking import MASK_STEP, Masking, mask_observations
 from proxy.core.budget import TrimmerParams
 from proxy.core.items import Item
 
@@ -37,6 +46,10 @@ class SummarisingParams(Params):
     working_memory_messages: int | None = Field(20, ge=1, description="Cap on in-turn working-memory rows.")
     cut_step: int | None = Field(None, ge=1, description="Turns dropped at once on the drop path "
                                  "(default ceil(keep_turns/2); see sliding-window).")
+    mask_observations: bool = Field(True, description="Mask older tool outputs first and summarise only when "
+                                    "the masked conversation is still over T (see observation-masking).")
+    keep_recent: int = Field(10, ge=0, description="Tool results never masked: the conversation's last ones.")
+    mask_step: int = Field(MASK_STEP, ge=1, description="Results masked at once (see observation-masking).")
     trimmer: TrimmerParams | None = None
 
 
@@ -51,9 +64,26 @@ class Summarising(ContextManager):
 
     async def manage_history(self, view: HistoryView) -> HistoryResult:
         budget = view.budget
-        n = len(view.turns)
-        if n == 0 or view.payload_tokens() <= budget.threshold:
+        if not view.turns or view.payload_tokens() <= budget.threshold:
             return HistoryResult.unchanged(view)
+        masking = await self._mask(view)
+        if masking is None:
+            return await self._summarise(view, view)
+        if masking.view.payload_tokens() <= budget.threshold:
+            return masking.result()  # masking alone was enough
+        return masking.note(await self._summarise(view, masking.view))
+
+    async def _mask(self, view: HistoryView) -> Masking | None:
+        params: Any = self.params
+        if not params.mask_observations:
+            return None
+        if view.offload:  # a large conversation: its items are walked in a worker thread
+            return await asyncio.to_thread(mask_observations, view, params.keep_recent, params.mask_step)
+        return mask_observations(view, params.keep_recent, params.mask_step)
+
+    async def _summarise(self, client: HistoryView, view: HistoryView) -> HistoryResult:
+        """Summarise (or drop) older turns of ``view`` (over T); the summariser sees them as in ``client``."""
+        budget = view.budget
         services = view.services
         compaction = services.compaction  # the one compaction service (proxy.store.compaction)
         if self.summarizer is None or compaction is None or compaction.unavailable(self.summarizer, services):
@@ -70,7 +100,7 @@ class Summarising(ContextManager):
             return self._drop(view)  # not even a summary would fit: keep the recent turns, trim the rest
         if cut == 0 or (found is not None and cut <= found.covered_turns):
             return self._with(view, found, "reused") if found is not None else HistoryResult.unchanged(view)
-        made = await compaction.compact(self.summarizer, services, view.turns, chain, cut=cut, found=found,
+        made = await compaction.compact(self.summarizer, services, client.turns, chain, cut=cut, found=found,
                                         looked=True)
         if made.status == "would_create":
             return self._would_create(view, cut, found, made.text)

@@ -3,8 +3,9 @@
 A wire's translator (``proxy.wire.chat``, ``.responses``, ``.messages``) turns a request
 body into a ``Conversation`` (``parse``) and the managed items back into a body of
 the same wire (``render``). Everything the pipeline needs from a wire beyond that
-is here too: the two pairing edits, the summary item, where the model and the output limits are.
-The server asks more of a wire (``proxy.wire.protocol.Wire``).
+is here too: the two pairing edits, the summary item, a result's masked copy (observation
+masking), where the model and the output limits are. The server asks more of a wire
+(``proxy.wire.protocol.Wire``).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class WireAdapter(Protocol):
 
     def placeholder(self, call: Item, call_id: str) -> Item | None:
         """An explicit "no result was recorded" result for ``call_id`` (None: this kind of call has none)."""
+
+    def mask(self, item: Item, text: str, counter: TokenCounter) -> Item | None:
+        """The result ``item`` with its output replaced by ``text``, counted; everything else about it kept
+        (its pairing id, its error flag, unknown keys). None when this kind of result cannot carry text
+        (a screenshot, an approval): it is then never masked."""
 
     def output_field(self, upstream_model: str) -> str:
         """The field to add when a tenant's output cap applies and the request sets none."""

@@ -1,7 +1,7 @@
 """One structured JSON line per request (logger ``ctxproxy.requests``).
 
 Fields: request id, wire, tenant, model, status, tokens in/out, what was removed and
-how, summary status, repairs, overhead and upstream latency. Keys and prompt
+how, how many tool outputs were masked, summary status, repairs, overhead and upstream latency. Keys and prompt
 text are never part of a record.
 """
 
@@ -65,6 +65,8 @@ class RequestRecord:
                 repairs=r.repairs,
                 context_manager=r.context_manager,
             )
+            if r.masked:
+                out["outputs_masked"] = len(r.masked)  # tool outputs masked (which ones: explain, assemble)
             if r.warnings:
                 out["warnings"] = len(r.warnings)
             if r.unmanaged:

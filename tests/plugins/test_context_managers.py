@@ -415,6 +415,8 @@ PREFIX_CASES = {
     "sliding-window": {"type": "sliding-window"},
     "stack-max-messages": {"type": "stack", "params": {"max_messages": 80}},
     "trimmer-alone": {"type": "stack"},
+    "observation-masking": {"type": "observation-masking"},
+    "summarising-no-masking": {"type": "summarising", "params": {"mask_observations": False}},
 }
 
 

@@ -30,6 +30,19 @@ def test_fields_of_a_full_record() -> None:
     }
 
 
+def test_masked_outputs_are_counted_never_named() -> None:
+    """The line says how many tool outputs were masked; their call ids and tool names (client text) stay in
+    explain and ``ctxproxy assemble``."""
+    masked = report()
+    masked.removed = {"masked": 3000}
+    masked.masked = [{"call_id": "call_secret_1", "tool": "lookup", "tokens_removed": 1500},
+                     {"call_id": "call_secret_2", "tool": "lookup", "tokens_removed": 1500}]
+    fields = RequestRecord(request_id="r", started=0.0, status=200, report=masked).fields()
+    assert fields["outputs_masked"] == 2 and fields["removed"] == {"masked": 3000}
+    assert "call_secret" not in json.dumps(fields) and "outputs_masked" not in RequestRecord(
+        request_id="r", started=0.0, status=200, report=report()).fields()
+
+
 def test_a_refused_request_has_its_error_and_no_report() -> None:
     r = RequestRecord(request_id="rid-2", started=0.0, status=400, error="context_length_exceeded")
     assert r.fields() == {"event": "request", "request_id": "rid-2", "wire": "chat", "tenant": "default",

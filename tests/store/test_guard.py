@@ -222,8 +222,10 @@ async def test_a_lock_acquired_after_its_caller_gave_up_is_released(redis_server
 
 
 def stall_config(upstream: FakeUpstream, url: str) -> dict[str, Any]:
+    # every request over T goes to the summary cache: no masking first (it would keep some requests from it)
     return config(upstream.base_url, cache={"backend": "redis", "url": url, "timeout_seconds": 0.5,
-                                            "budget_seconds": 0.5, "breaker_cooldown_seconds": 1})
+                                            "budget_seconds": 0.5, "breaker_cooldown_seconds": 1},
+                  context_manager={"type": "summarising", "params": {"keep_turns": 4, "mask_observations": False}})
 
 
 @pytest.fixture

@@ -229,6 +229,40 @@ def test_placeholders_answer_in_the_calls_own_form() -> None:
     assert q.result_id == LEGACY + "lookup"
 
 
+@pytest.mark.parametrize("result", [
+    tool("call_7", "4°C in Oslo " * 50, name="get_weather", cache_control={"type": "ephemeral"}),
+    {"role": "tool", "tool_call_id": "call_7", "content": [
+        {"type": "text", "text": "chart:"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + mf.b64(mf.png(800, 600))}}]},
+])
+def test_mask_replaces_only_the_content_of_a_tool_message(counter: TokenCounter, result: Message) -> None:
+    """Observation masking: the result keeps its tool_call_id and every other key; only its content (text,
+    images and all) becomes the placeholder text; the client's message is never edited in place."""
+    items = items_of([user("u"), call(("call_7", "get_weather")), result], counter)
+    before = copy.deepcopy(result)
+    masked = WIRE.mask(items[2], "[masked]", counter)
+    assert masked is not None and result == before
+    assert masked.raw == {**result, "content": "[masked]"}
+    assert (masked.role, masked.result_id, masked.source) == (TOOL, "call_7", 2)
+    assert masked.tokens == count_message(counter, masked.raw) and masked.key and masked.key != items[2].key
+    assert is_paired([*items[:2], masked])
+    check_messages([items[0].raw, items[1].raw, masked.raw])
+
+
+def test_mask_of_a_legacy_function_result_keeps_its_name(counter: TokenCounter) -> None:
+    items = items_of([user("u"), legacy_call("lookup"), legacy_result("lookup", "a long answer " * 40)], counter)
+    masked = WIRE.mask(items[2], "[masked]", counter)
+    assert masked is not None
+    assert masked.raw == {"role": "function", "name": "lookup", "content": "[masked]"}
+    assert masked.result_id == LEGACY + "lookup"
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_mask_leaves_calls_and_messages_alone(counter: TokenCounter, index: int) -> None:
+    items = items_of([user("u"), call(("call_7", "get_weather"))], counter)
+    assert WIRE.mask(items[index], "[masked]", counter) is None
+
+
 @pytest.mark.parametrize(("model", "field"), [
     ("gpt-4o", "max_tokens"), ("gpt-4o-mini", "max_tokens"), ("o1", "max_completion_tokens"),
     ("o3-mini", "max_completion_tokens"), ("o4-mini-2025-04-16", "max_completion_tokens"),

@@ -207,6 +207,48 @@ def test_duplicate_call_ids_in_one_message_are_refused() -> None:
     assert err.value.code in ("duplicate_tool_call_id", "unpaired_tool_call")
 
 
+# --------------------------------------------------------------------------- observation masking
+
+
+def test_mask_replaces_the_content_of_a_tool_result_and_keeps_its_id_and_error_flag() -> None:
+    """Observation masking: a tool_result keeps tool_use_id, is_error and cache_control; its text, images and
+    documents give way to the placeholder text; the client's block is never edited in place."""
+    block = tool_result("t1", [text_block("line " * 80), image("AAAA"),
+                               {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                                               "data": "doc " * 50}}],
+                        is_error=True, cache_control={"type": "ephemeral"})
+    request = body([user("hi"), assistant([thinking(), tool_use("t1")]), user([block, tool_result("t2", "x")])])
+    items = WIRE.parse(request, COUNTER).items
+    result = next(i for i in items if i.result_id == "t1")
+    before = copy.deepcopy(block)
+    masked = WIRE.mask(result, "[masked]", COUNTER)
+    assert masked is not None and block == before
+    assert masked.raw == {"type": "tool_result", "tool_use_id": "t1", "content": "[masked]", "is_error": True,
+                          "cache_control": {"type": "ephemeral"}}
+    assert masked.result_id == "t1" and masked.tokens < result.tokens and masked.key
+    assert all(WIRE.mask(i, "[masked]", COUNTER) is None for i in items if i.result_id is None)
+
+
+def test_a_masked_result_is_rendered_in_place_in_a_rebuilt_user_message() -> None:
+    """The user message that held the result is written anew (never the client's own dict, which still
+    holds the output), with its other blocks, in order, and its other keys."""
+    message: dict[str, Any] = {"role": "user", "content": [tool_result("t1", "long " * 100), tool_result("t2", "kept"),
+                                           text_block("and now?")], "x_meta": 1}
+    request = body([user("hi"), assistant([tool_use("t1"), tool_use("t2")]), message, assistant("ok"),
+                    user("next")])
+    items = WIRE.parse(request, COUNTER).items
+    at = next(k for k, i in enumerate(items) if i.result_id == "t1")
+    masked = WIRE.mask(items[at], "[masked]", COUNTER)
+    assert masked is not None
+    out = WIRE.render(request, [*items[:at], masked, *items[at + 1:]], {})
+    assert out["messages"][2] == {"role": "user", "x_meta": 1, "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "[masked]"}, tool_result("t2", "kept"),
+        text_block("and now?")]}
+    assert out["messages"][2] is not message and message["content"][0]["content"] == "long " * 100
+    assert all(out["messages"][k] is request["messages"][k] for k in (0, 1, 3, 4))
+    assert not pairing_problems(out["messages"])
+
+
 # --------------------------------------------------------------------------- thinking
 
 

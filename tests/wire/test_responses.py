@@ -28,6 +28,7 @@ from proxy.wire import WIRES
 from proxy.wire.chat import WIRE as CHAT
 from proxy.wire.responses import WIRE as RESPONSES
 from proxy.wire.responses.items import COMPACT_PREFIX
+from proxy.wire.responses.translator import items_of as responses_items
 from tests import media_files as mf
 from tests.helpers import (
     MANAGERS,
@@ -49,6 +50,7 @@ from tests.wire.responses_helpers import (
     pairing_problems,
     reasoning_problems,
     recount,
+    ref_item_tokens,
     system_band,
 )
 
@@ -277,6 +279,71 @@ def test_ids_reused_in_one_run_are_refused_and_across_groups_are_fine() -> None:
     with pytest.raises(PayloadError) as info:
         Setup().run_sync(body_of([user, c, dict(c), o, dict(o)]))
     assert info.value.code == "duplicate_tool_call_id" and info.value.param and info.value.param.startswith("input")
+
+
+# --------------------------------------------------------------------------- observation masking
+
+MASKED = "[masked]"
+CALL = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+
+
+@pytest.mark.parametrize(("output", "masked"), [
+    ({"type": "function_call_output", "call_id": "c", "output": "result " * 40, "status": "completed", "id": "fo_1"},
+     {"type": "function_call_output", "call_id": "c", "output": MASKED, "status": "completed", "id": "fo_1"}),
+    ({"type": "function_call_output", "call_id": "c", "output": [
+        {"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": "https://x.test/a.png"}]},
+     {"type": "function_call_output", "call_id": "c", "output": MASKED}),
+    ({"type": "custom_tool_call_output", "call_id": "c", "output": "patched " * 40},
+     {"type": "custom_tool_call_output", "call_id": "c", "output": MASKED}),
+    ({"type": "local_shell_call_output", "id": "c", "output": "ls -la " * 40, "status": "completed"},
+     {"type": "local_shell_call_output", "id": "c", "output": MASKED, "status": "completed"}),
+    ({"type": "apply_patch_call_output", "call_id": "c", "status": "failed", "output": "hunk 1 failed " * 9},
+     {"type": "apply_patch_call_output", "call_id": "c", "status": "failed", "output": MASKED}),
+    ({"type": "shell_call_output", "call_id": "c", "max_output_length": 9, "output": [
+        {"stdout": "a" * 300, "stderr": "", "outcome": {"type": "exit", "exit_code": 0}},
+        {"stdout": "", "stderr": "warn", "outcome": {"type": "exit", "exit_code": 2}}]},
+     {"type": "shell_call_output", "call_id": "c", "max_output_length": 9, "output": [
+         {"stdout": MASKED, "stderr": "", "outcome": {"type": "exit", "exit_code": 2}}]}),
+])
+def test_mask_replaces_only_the_output_of_an_output_item(output: dict[str, Any], masked: dict[str, Any]) -> None:
+    """Observation masking: an output item keeps its type, call id, status and other keys; its output (text,
+    parts, shell chunks) gives way to the placeholder text; the client's item is never edited in place."""
+    counter = COUNTER
+    items = responses_items([{"role": "user", "content": "go"}, CALL, output], counter)
+    before = copy.deepcopy(output)
+    out = RESPONSES.mask(items[2], MASKED, counter)
+    assert out is not None and output == before
+    assert out.raw == masked and out.result_id == items[2].result_id and out.source == 2
+    assert out.key and out.tokens == ref_item_tokens(masked)
+
+
+def test_mask_keeps_reasoning_that_travels_with_an_output() -> None:
+    counter = COUNTER
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "ZW5j"}
+    output = {"type": "function_call_output", "call_id": "c", "output": "r " * 100}
+    items = responses_items([{"role": "user", "content": "go"}, CALL, reasoning, output], counter)
+    out = RESPONSES.mask(items[2], MASKED, counter)
+    assert out is not None and out.raw == [reasoning, {**output, "output": MASKED}]
+
+
+@pytest.mark.parametrize("output", [
+    {"type": "computer_call_output", "call_id": "c", "output": {"type": "computer_screenshot", "image_url": "x"}},
+    {"type": "mcp_approval_response", "approval_request_id": "c", "approve": True},
+    {"type": "tool_search_output", "call_id": "c", "tools": []},
+    {"type": "shell_call_output", "call_id": "c", "output": []},
+])
+def test_outputs_that_cannot_be_text_are_never_masked(output: dict[str, Any]) -> None:
+    counter = COUNTER
+    calls = {"computer_call_output": {"type": "computer_call", "call_id": "c", "action": {"type": "screenshot"}},
+             "mcp_approval_response": {"type": "mcp_approval_request", "id": "c", "name": "f", "arguments": "{}",
+                                       "server_label": "s"},
+             "tool_search_output": {"type": "tool_search_call", "call_id": "c", "arguments": {}},
+             "shell_call_output": {"type": "shell_call", "call_id": "c", "action": {"commands": ["ls"]}}}
+    items = responses_items([{"role": "user", "content": "go"}, calls[output["type"]], output], counter)
+    assert items[2].result_id is not None
+    assert RESPONSES.mask(items[2], MASKED, counter) is None
+    assert RESPONSES.mask(items[1], MASKED, counter) is None  # a call is never masked
+    assert RESPONSES.mask(items[0], MASKED, counter) is None
 
 
 # --------------------------------------------------------------------------- bad inputs: clear 400s

@@ -109,6 +109,9 @@ class ToyWire:
     def placeholder(self, call: Item, call_id: str) -> Item | None:
         return None
 
+    def mask(self, item: Item, text: str, counter: TokenCounter) -> Item | None:
+        return None  # the toy has no tool results to mask
+
     def output_field(self, upstream_model: str) -> str:
         return "options.max_tokens"
 

@@ -101,6 +101,12 @@ class ChatWire:
             raw = {"role": "tool", "tool_call_id": call_id, "content": PLACEHOLDER}
         return ChatItem(raw, TOOL, result_id=call_id, source=call.source)
 
+    def mask(self, item: Item, text: str, counter: TokenCounter) -> Item | None:
+        masked = mask_result(item, text)
+        if masked is not None:
+            self.count(masked, counter)
+        return masked
+
     def output_field(self, upstream_model: str) -> str:
         name = upstream_model.rsplit("/", 1)[-1]
         return "max_completion_tokens" if name.startswith(COMPLETION_ONLY) else "max_tokens"
@@ -126,6 +132,18 @@ class ChatWire:
 
 
 WIRE = ChatWire()
+
+
+def mask_result(item: Item, text: str) -> Item | None:
+    """A ``tool`` (or legacy ``function``) message with ``text`` as its content (observation masking).
+
+    ``tool_call_id``, ``name`` and every other key stay as the client sent them; text parts, images,
+    audio and files in the content all give way to ``text``.
+    """
+    raw = item.raw
+    if item.role != TOOL or item.result_id is None or not isinstance(raw, dict):
+        return None
+    return ChatItem({**raw, "content": text}, TOOL, result_id=item.result_id, source=item.source)
 
 
 def _has_content(message: Message) -> bool:

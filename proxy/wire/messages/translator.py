@@ -274,6 +274,12 @@ class MessagesWire:
         block: Block = {"type": "tool_result", "tool_use_id": call_id, "content": PLACEHOLDER, "is_error": True}
         return AnthropicItem(block, TOOL, message=None, blocks=[block], result_id=call_id)
 
+    def mask(self, item: Item, text: str, counter: TokenCounter) -> Item | None:
+        masked = mask_result(item, text)
+        if masked is not None:
+            self.count(masked, counter)
+        return masked
+
     def output_field(self, upstream_model: str) -> str:
         return "max_tokens"
 
@@ -297,3 +303,19 @@ class MessagesWire:
 
 
 WIRE = MessagesWire()
+
+
+def mask_result(item: Item, text: str) -> Item | None:
+    """A ``tool_result`` block with ``text`` as its content (observation masking).
+
+    ``tool_use_id``, ``is_error``, ``cache_control`` and any other key stay; the text, images and
+    documents inside go. The masked block keeps its place in the client's user message, which
+    ``render`` then writes anew (the message is no longer the client's own).
+    """
+    if not isinstance(item, AnthropicItem) or item.role != TOOL or not isinstance(item.raw, dict):
+        return None
+    block: Block = {**item.raw, "content": text}
+    masked = AnthropicItem(block, TOOL, message=item.message, blocks=[block], result_id=item.result_id,
+                           source=item.source)
+    masked.siblings = item.siblings  # not among them: the client's message is not rendered as it was sent
+    return masked

@@ -45,7 +45,7 @@ from proxy.wire.responses.items import (
     neutral,
     unkey,
 )
-from proxy.wire.responses.shape import check_element, input_elements
+from proxy.wire.responses.shape import STRING_OUTPUTS, check_element, input_elements
 from proxy.wire.responses.stream import STREAM
 from proxy.wire.sse import StreamEnd
 
@@ -68,6 +68,8 @@ PLACEHOLDERS: dict[str, dict[str, Any]] = {
     "apply_patch_call": {"type": "apply_patch_call_output", "call_id": "", "status": "failed",
                          "output": PLACEHOLDER},
 }
+# outputs observation masking may replace by a text (the others are screenshots, tool lists, approvals …)
+TEXT_OUTPUTS = frozenset({*STRING_OUTPUTS, "apply_patch_call_output"})
 
 
 class ResponsesWire:
@@ -158,6 +160,12 @@ class ResponsesWire:
         raw["call_id"] = ident
         return ResponsesItem(raw, TOOL, result_id=call_id, source=call.source)
 
+    def mask(self, item: Item, text: str, counter: TokenCounter) -> Item | None:
+        masked = mask_output(item, text)
+        if masked is not None:
+            self.count(masked, counter)
+        return masked
+
     def output_field(self, upstream_model: str) -> str:
         return "max_output_tokens"
 
@@ -181,6 +189,33 @@ class ResponsesWire:
 
 
 WIRE = ResponsesWire()
+
+
+def mask_output(item: Item, text: str) -> Item | None:
+    """An output item with ``text`` as its output (observation masking); None for outputs that cannot be text.
+
+    ``call_id``, ``status`` and every other key are kept, and so are reasoning items that travel with
+    it. A ``shell_call_output`` keeps one chunk: ``text`` as its stdout, with the last chunk's outcome
+    (the exit code). Screenshots (``computer_call_output``), tool lists, program outputs and MCP
+    approvals are never masked.
+    """
+    if not isinstance(item, ResponsesItem) or item.result_id is None:
+        return None
+    element = item.main
+    kind = kind_of(element)
+    if kind in TEXT_OUTPUTS:
+        masked: dict[str, Any] = {**element, "output": text}
+    elif kind == "shell_call_output":
+        chunks = element.get("output")
+        last = chunks[-1] if isinstance(chunks, list) and chunks else None
+        outcome = last.get("outcome") if isinstance(last, dict) else None
+        if not isinstance(outcome, dict):
+            return None
+        masked = {**element, "output": [{"stdout": text, "stderr": "", "outcome": outcome}]}
+    else:
+        return None
+    raw = [*item.raw[:-1], masked] if isinstance(item.raw, list) else masked
+    return ResponsesItem(raw, TOOL, result_id=item.result_id, source=item.source)
 
 
 def provider_state(body: dict[str, Any]) -> str | None:

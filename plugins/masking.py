@@ -1,0 +1,184 @@
+"""Observation masking (docs/design.md#observation-masking): the outputs of older tool calls give way to a short placeholder.
+
+Tool outputs are where an agent's tokens go, and the cheapest thing to forget: the model
+still sees every call it made (name, id, arguments), its reasoning and every message, and a
+placeholder that names the tool, the call id and the size removed tells it it may call the
+tool again. Shared by the ``observation-masking`` context manager and the ``summarising`` one,
+which masks first and summarises only when the masked conversation is still over T.
+
+What is masked: tool results of the committed history, oldest first, only while the
+conversation is over its summary threshold T. Never masked: the calls, reasoning and thinking,
+user and assistant text, the system band, the current turn, the working memory, and the last
+``keep_recent`` results of the whole conversation (results in the working memory count toward
+them). A result is masked only when its masked copy is smaller, and only if the wire can write
+its output as text (``WireAdapter.mask``: not a screenshot or an approval).
+
+The grid: the results of the committed history are numbered from the first one of the
+conversation, and a grid line falls after every run of at least ``step`` results that holds at
+least one hysteresis step of output (``Budget.step``, ⌈hysteresis_ratio × B⌉ tokens, the
+trimmer's step). The number masked is always on a line: the first line that brings the
+conversation under T, and never past the last line that leaves ``keep_recent`` results
+unmasked. As a conversation grows the masked set moves only from one line to the next, each
+move masking at least a step of tokens, so consecutive requests forward the same prefix in
+between (providers' prompt caches keep hitting). The lines are a function of the content (and
+of B, as the trimmer's grid is) alone: replicas and restarts agree on them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from plugins.base import HistoryResult, HistoryView
+from proxy.core.items import TOOL, Item
+
+TOOL_CHARS = 32  # a longer tool name is shortened in the placeholder
+ID_CHARS = 16  # a longer call id is shown by its first 15 characters (the call itself, kept, has it whole)
+
+
+def placeholder(tool: str, call_id: str, tokens: int) -> str:
+    """The text a masked output becomes: about 40 tokens (names and ids are shortened to keep it so)."""
+    name = _short(tool, TOOL_CHARS) or "tool"
+    ident = _short(call_id, ID_CHARS)
+    where = f"{ident}, " if ident else ""
+    return (f"[ctxproxy removed this {name} output ({where}{tokens:,} tokens) to save context; "
+            "call the tool again if you need it]")
+
+
+def _short(text: str, limit: int) -> str:
+    """``text`` without unprintable characters, cut to ``limit`` characters (an ellipsis marks the cut)."""
+    text = "".join(ch for ch in text if ch.isprintable())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# Results masked at once, at least, by default: in a steady tool loop the masked set then moves
+# about once every ten results, so about nine requests in ten forward the previous request's prefix
+# unchanged (measured on tau-bench sessions: docs/design.md#observation-masking).
+MASK_STEP = 10
+
+
+@dataclass
+class _Result:
+    turn: int
+    index: int  # its position in the turn
+    item: Item
+    call: Item | None  # the call item it answers (the last one before it with its id)
+
+
+@dataclass
+class Masking:
+    """A history with its older outputs masked: the view to manage further, and what was masked."""
+
+    view: HistoryView  # the masked history (its ``chain`` is still the client's turns')
+    masked: list[dict[str, Any]]  # {call_id, tool, tokens_removed}, oldest first
+    saved: int  # tokens removed by masking
+
+    def result(self) -> HistoryResult:
+        """The masked history as it goes on to the trimmer."""
+        return HistoryResult(turns=self.view.turns, removed={"masked": self.saved}, masked=self.masked)
+
+    def note(self, result: HistoryResult) -> HistoryResult:
+        """``result`` (managed from the masked view) with what masking removed added to it."""
+        result.removed = {**result.removed, "masked": result.removed.get("masked", 0) + self.saved}
+        result.masked = [*self.masked, *result.masked]
+        return result
+
+
+def mask_observations(view: HistoryView, keep_recent: int, step: int) -> Masking | None:
+    """The history with older outputs masked on the grid; None when nothing is (under T, nothing old enough)."""
+    mask = view.mask
+    budget = view.budget
+    total = view.payload_tokens()
+    if mask is None or total <= budget.threshold:
+        return None
+    results = _results(view.turns)
+    maskable = len(results) - max(0, keep_recent - view.working_memory_results)
+    lines = grid(results, maskable, step, budget.step)
+    line = lines[-1]  # the last grid line that keeps keep_recent
+    need = total - budget.threshold
+    copies: list[tuple[_Result, Item, str]] = []
+    saved = 0
+    count = 0
+    while count < line and saved < need:
+        saved += _mask_one(results[count], mask, copies)
+        count += 1
+    end = lines[bisect.bisect_left(lines, count)]  # the first grid line at or past what T needs
+    while count < end:
+        saved += _mask_one(results[count], mask, copies)
+        count += 1
+    if not copies:
+        return None
+    turns = list(view.turns)
+    turn_tokens = list(view.turn_tokens)
+    records: list[dict[str, Any]] = []
+    for result, copy, tool in copies:
+        t = result.turn
+        if turns[t] is view.turns[t]:
+            turns[t] = list(turns[t])
+        turns[t][result.index] = copy
+        removed = result.item.tokens - copy.tokens
+        turn_tokens[t] -= removed
+        records.append({"call_id": _short(result.item.result_id or "", 200), "tool": _short(tool, 200),
+                        "tokens_removed": removed})
+    return Masking(dataclasses.replace(view, turns=turns, turn_tokens=turn_tokens), records, saved)
+
+
+def grid(results: list[_Result], maskable: int, step: int, tokens: int) -> list[int]:
+    """The grid lines: how many of the first results may be masked together, from 0.
+
+    A line falls after every run of at least ``step`` results holding at least ``tokens`` tokens of
+    output, counted from the conversation's first result: a function of the content alone, so a
+    growing conversation keeps its lines (and a line never moves once placed).
+    """
+    lines = [0]
+    count = size = 0
+    for j in range(max(0, maskable)):
+        count += 1
+        size += results[j].item.tokens
+        if count >= step and size >= tokens:
+            lines.append(j + 1)
+            count = size = 0
+    return lines
+
+
+def _results(turns: list[list[Item]]) -> list[_Result]:
+    """Every tool result of the history, in order, with the call it answers."""
+    calls: dict[str, Item] = {}
+    out: list[_Result] = []
+    for t, turn in enumerate(turns):
+        for i, item in enumerate(turn):
+            for call_id in item.call_ids:
+                calls[call_id] = item
+            if item.role == TOOL and item.result_id is not None:
+                out.append(_Result(t, i, item, calls.get(item.result_id)))
+    return out
+
+
+def _mask_one(result: _Result, mask: Callable[[Item, str], Item | None],
+              copies: list[tuple[_Result, Item, str]]) -> int:
+    """Mask one result if that saves tokens (appended to ``copies`` with its tool's name); the tokens saved."""
+    item = result.item
+    if item.pinned or result.index == 0:  # a turn is kept from its first item: that one stays the client's
+        return 0
+    tool = _tool_name(result)
+    copy = mask(item, placeholder(tool, item.result_id or "", item.tokens))
+    if copy is None or copy.tokens >= item.tokens:
+        return 0
+    copy.group = item.group
+    copies.append((result, copy, tool))
+    return item.tokens - copy.tokens
+
+
+def _tool_name(result: _Result) -> str:
+    """The name of the tool whose output this is, from the call it answers (its wire-neutral atoms)."""
+    if result.call is None:
+        return ""
+    names = [(atom[1], atom[2]) for atom in result.call.atoms() if atom[0] == "call" and len(atom) > 2]
+    wanted = result.item.result_id
+    for call_id, name in names:
+        if call_id == wanted:
+            return name
+    return names[0][1] if len(names) == 1 else ""
