@@ -263,10 +263,9 @@ def _filler(session: Session) -> None:
         session.call("run_tests", {"target": target}, test_log(rng, session, target, None))
 
 
-def _plant(session: Session, turn: int) -> None:
-    """A tool round whose output holds a value a later turn will use."""
+def _plant(session: Session, due: int) -> None:
+    """A tool round whose output holds a value that the turn (or round) ``due`` will use."""
     rng = session.rng
-    due = turn + rng.randint(1, 8)
     kind = rng.choice(["grep_line", "commit", "port", "error_code", "deployment", "config"])
     if kind == "grep_line":
         path = session.path()
@@ -320,12 +319,12 @@ def _plant(session: Session, turn: int) -> None:
             "edit_file", {"path": path, "old": f"{name} = {value}", "new": f"{name} = {int(value) * 2}"})))
 
 
-def _ticket(session: Session, turn: int) -> str:
-    """A user message's ticket id, to be quoted in a later turn's commit."""
+def _ticket(session: Session, due: int) -> str:
+    """A user message's ticket id, to be quoted in the commit of turn (or round) ``due``."""
     rng = session.rng
     ticket = session.fresh(lambda: f"{rng.choice(PROJECTS)}-{rng.randint(1000, 9999)}")
     source = len(session.messages)
-    session.planted.append(Planted("ticket", (ticket,), source, turn + rng.randint(2, 8), lambda: Use(
+    session.planted.append(Planted("ticket", (ticket,), source, due, lambda: Use(
         "shell", {"command": f"git commit -am '{ticket}: {rng.choice(WORDS)} {rng.choice(WORDS)} fix'"})))
     return TICKET_TASK.format(ticket=ticket)
 
@@ -340,7 +339,7 @@ def session(seed: int, turns: int = 16) -> Conversation:
                 "module": s.known_file(), "package": rng.choice(PACKAGES)}
         text = rng.choice(TASKS if turn == 0 or rng.random() < 0.6 else FOLLOW_UPS).format(**fill)
         if rng.random() < 0.3:
-            text += " " + _ticket(s, turn)
+            text += " " + _ticket(s, turn + rng.randint(2, 8))
         s.messages.append({"role": "user", "content": text})
         due = [p for p in s.planted if p.due == turn]
         rounds = rng.randint(2, 4)
@@ -351,7 +350,7 @@ def session(seed: int, turns: int = 16) -> Conversation:
                 s.call(use.tool, use.arguments, _result_of(rng, s, use), use.text)
                 s.dependencies.extend(Dependency(v, p.source, len(s.messages) - 2, p.kind) for v in p.values)
             elif i < 2 and rng.random() < 0.7:
-                _plant(s, turn)
+                _plant(s, turn + rng.randint(1, 8))
             else:
                 _filler(s)
         s.messages.append({"role": "assistant", "content": _closing(rng)})
@@ -397,6 +396,41 @@ def _checked(messages: list[Message], dependencies: list[Dependency]) -> list[De
             continue
         out.append(dep)
     return out
+
+
+def loop(seed: int, rounds: int = 45) -> Conversation:
+    """One task and a long tool loop, as SWE-agent runs: one user message, then ``rounds`` tool rounds.
+
+    Planted values are used 3 to 25 rounds later; everything after the user message is the current
+    turn's working memory, which ctxproxy's context managers never touch (only the working-memory cap
+    and the trimmer do).
+    """
+    rng = random.Random(seed)
+    s = Session(rng, f"loop-{seed:02d}")
+    s.messages.append({"role": "system", "content": SYSTEM})
+    fill = {"test": f"tests/{rng.choice(PACKAGES)}/test_{_name(rng)}.py", "service": rng.choice(SERVICES),
+            "module": s.known_file(), "package": rng.choice(PACKAGES)}
+    text = rng.choice(TASKS).format(**fill) + " " + _ticket(s, rng.randint(rounds // 2, rounds - 1))
+    s.messages.append({"role": "user", "content": text})
+    for r in range(rounds):
+        due = [p for p in s.planted if p.due <= r]
+        if due:
+            p = due[0]
+            s.planted.remove(p)
+            use = p.use()
+            s.call(use.tool, use.arguments, _result_of(rng, s, use), use.text)
+            s.dependencies.extend(Dependency(v, p.source, len(s.messages) - 2, p.kind) for v in p.values)
+        elif rng.random() < 0.35:
+            _plant(s, r + rng.randint(3, 25))
+        else:
+            _filler(s)
+    s.messages.append({"role": "assistant", "content": _closing(rng)})
+    return Conversation(s.name, s.messages, _checked(s.messages, s.dependencies))
+
+
+def loops(count: int = 10, seed: int = 7, rounds: int = 45) -> list[Conversation]:
+    """``count`` tool loops, each seeded from ``seed``."""
+    return [loop(seed * 1000 + 500 + i, rounds) for i in range(count)]
 
 
 def conversations(count: int = 10, seed: int = 7, turns: int = 16) -> list[Conversation]:

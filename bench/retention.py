@@ -40,7 +40,7 @@ from bench.retention_engines import ENGINES  # noqa: E402
 from bench.retention_metrics import Meter, Subject, Totals, canonical  # noqa: E402
 from bench.retention_wires import FORMS, Form, adapter  # noqa: E402
 from plugins.registry import default_registry  # noqa: E402
-from proxy.core.errors import BindingError, ContextLengthExceeded  # noqa: E402
+from proxy.core.errors import BindingError, ContextLengthExceeded, CtxProxyError  # noqa: E402
 from proxy.core.modelinfo import ModelMap  # noqa: E402
 from proxy.core.tokens import Tokenizers, use_bundled_encodings  # noqa: E402
 from proxy.serve.state import build_runtime, build_shared  # noqa: E402
@@ -51,6 +51,10 @@ WINDOW = 128_000
 ENCODING = "o200k_base"
 
 
+class Failure(Exception):
+    """The pipeline refused a request it should have managed (anything but context_length_exceeded)."""
+
+
 @dataclass(frozen=True)
 class Strategy:
     """A context-manager binding, the test engine its summariser calls, and what it needs to exist."""
@@ -59,6 +63,7 @@ class Strategy:
     binding: dict[str, Any]
     engine: str | None = None
     needs: str | None = None  # "plugin:<name>" or "param:<manager>.<param>"
+    custom: bool = False  # given with --binding: measured exactly as written
 
 
 def strategies() -> list[Strategy]:
@@ -93,6 +98,8 @@ def available(strategy: Strategy) -> str | None:
 def binding_for(strategy: Strategy) -> dict[str, Any]:
     """The binding as configured: summarising rows that are not the hybrid say ``mask_observations: false``
     once that param exists (it defaults to on), so they keep measuring summaries alone."""
+    if strategy.custom:
+        return strategy.binding
     binding = {**strategy.binding, "params": dict(strategy.binding.get("params", {}))}
     if binding["type"] == "summarising" and "mask_observations" not in binding["params"] \
             and available(Strategy("", {}, needs="param:summarising.mask_observations")) is None:
@@ -113,6 +120,7 @@ DATASETS: dict[str, Callable[[argparse.Namespace], list[Conversation]]] = {
     "tau": lambda a: tau_conversations(),
     "tau-sessions": lambda a: tau_sessions(min_tokens=a.session_tokens),
     "coding": lambda a: coding_agent.conversations(a.coding_count, a.seed, a.coding_turns),
+    "coding-loop": lambda a: coding_agent.loops(a.coding_count, a.seed, a.loop_rounds),
 }
 
 
@@ -161,6 +169,9 @@ class Run:
                     except ContextLengthExceeded:
                         meter.refused(n)
                         continue
+                    except CtxProxyError as exc:  # a pipeline that refuses valid input: a finding, not a figure
+                        raise Failure(f"{strategy.name} at B={budget} on {subject.conversation.name} ({form.name}), "
+                                      f"request of {n} messages: {exc.code}: {exc.message}") from None
                     report = assembly.report
                     meter.observe(n, received, origins, form.forwarded(assembly.body), report.tokens_before,
                                   report.tokens_after, assembly.changed, report.removed)
@@ -248,9 +259,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--limit", type=positive, default=None, help="at most this many conversations per data set")
     p.add_argument("--session-tokens", type=positive, default=40_000,
                    help="tau-sessions: chain trajectories until a session holds this many tokens (default 40000)")
-    p.add_argument("--coding-count", type=positive, default=10, help="coding: conversations to generate (default 10)")
+    p.add_argument("--coding-count", type=positive, default=10, help="coding, coding-loop: conversations to generate (default 10 each)")
     p.add_argument("--coding-turns", type=positive, default=16, help="coding: user turns per conversation (default 16)")
-    p.add_argument("--seed", type=int, default=7, help="coding: the generator's seed (default 7)")
+    p.add_argument("--loop-rounds", type=positive, default=45,
+                   help="coding-loop: tool rounds after the one user message (default 45)")
+    p.add_argument("--seed", type=int, default=7, help="coding, coding-loop: the generator's seed (default 7)")
     p.add_argument("--binding", action="append", default=[], metavar="NAME=JSON",
                    help="also measure this context-manager binding, e.g. "
                         "'sw4={\"type\": \"sliding-window\", \"params\": {\"keep_turns\": 4}}' (repeatable)")
@@ -275,7 +288,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             default_registry().resolve("context_manager", binding, f"--binding {name}")
         except BindingError as exc:
             p.error("; ".join(f"{where}: {what}" for where, what in exc.problems))
-        args.custom.append(Strategy(name, binding, args.binding_engine))
+        args.custom.append(Strategy(name, binding, args.binding_engine, custom=True))
     if args.update_doc:
         try:
             doc = Path(args.update_doc).read_text(encoding="utf-8")
@@ -338,7 +351,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = asyncio.run(run(args))
+    try:
+        results = asyncio.run(run(args))
+    except Failure as exc:
+        print(f"bench/retention.py: {exc}", file=sys.stderr)
+        return 1
     text = markdown(results)
     if args.markdown_out:
         Path(args.markdown_out).write_text(text + "\n", encoding="utf-8")

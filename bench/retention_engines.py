@@ -31,43 +31,45 @@ def _prompt_tokens(messages: list[dict[str, Any]]) -> int:
     return sum(len(str(m.get("content") or "")) for m in messages) // 4 + 1
 
 
-class GenericEngine:
+class TestEngine:
+    """``plugins.base.Engine`` with no model behind it: counts its calls and the prompt it was given."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.prompt_tokens = 0
+
+    async def complete(
+        self, model: str, messages: list[dict[str, Any]], *, max_tokens: int, timeout: float, purpose: str,
+        request_id: str = "",
+    ) -> Completion:
+        self.calls += 1
+        prompt = _prompt_tokens(messages)
+        self.prompt_tokens += prompt
+        text = self.answer(str(messages[-1].get("content") or ""), max_tokens)
+        return Completion(text, model, prompt, len(text) // 4)
+
+    def answer(self, body: str, max_tokens: int) -> str:
+        raise NotImplementedError
+
+
+class GenericEngine(TestEngine):
     """Always the same generic summary."""
 
     name = "generic"
 
-    def __init__(self) -> None:
-        self.calls = 0
-        self.prompt_tokens = 0
-
-    async def complete(
-        self, model: str, messages: list[dict[str, Any]], *, max_tokens: int, timeout: float, purpose: str,
-        request_id: str = "",
-    ) -> Completion:
-        self.calls += 1
-        prompt = _prompt_tokens(messages)
-        self.prompt_tokens += prompt
-        return Completion(GENERIC, model, prompt, len(GENERIC) // 4)
+    def answer(self, body: str, max_tokens: int) -> str:
+        return GENERIC
 
 
-class ExtractiveEngine:
+class ExtractiveEngine(TestEngine):
     """The head of every line it was given, newest lines kept when it must cut."""
 
     name = "extractive"
 
-    def __init__(self) -> None:
-        self.calls = 0
-        self.prompt_tokens = 0
-
-    async def complete(
-        self, model: str, messages: list[dict[str, Any]], *, max_tokens: int, timeout: float, purpose: str,
-        request_id: str = "",
-    ) -> Completion:
-        self.calls += 1
-        prompt = _prompt_tokens(messages)
-        self.prompt_tokens += prompt
-        text = extract(str(messages[-1].get("content") or ""), max_tokens * CHARS_PER_TOKEN)
-        return Completion(text, model, prompt, len(text) // 4)
+    def answer(self, body: str, max_tokens: int) -> str:
+        return extract(body, max_tokens * CHARS_PER_TOKEN)
 
 
 def extract(body: str, limit: int) -> str:
@@ -90,4 +92,4 @@ def extract(body: str, limit: int) -> str:
     return "\n".join(reversed(kept)) or GENERIC
 
 
-ENGINES = {"generic": GenericEngine, "extractive": ExtractiveEngine}
+ENGINES: dict[str, type[TestEngine]] = {"generic": GenericEngine, "extractive": ExtractiveEngine}

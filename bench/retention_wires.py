@@ -21,7 +21,8 @@ Origins = list[tuple[int, ...]]
 
 
 class Form(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def request(self, model: str, messages: list[Message]) -> tuple[dict[str, Any], list[Element], Origins]:
         """The body for ``messages``, its elements and each element's chat messages."""

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from bench.coding_agent import conversations, session
+from bench.coding_agent import conversations, loops, session
 from bench.retention_data import Conversation, bounded, message_text
 from proxy.core.tokens import Tokenizers, use_bundled_encodings
 
@@ -70,3 +70,19 @@ def test_the_tool_outputs_look_like_a_coding_agents(sessions: list[Conversation]
     assert any(o.startswith("CONTAINER ID") for o in outputs)
     assert any(json.loads(o).get("deployments") for o in outputs if o.startswith("{\n"))
     assert max(len(o) for o in outputs) > 6000  # a long file read or JSON document
+
+
+def test_a_tool_loop_is_one_user_turn_whose_later_calls_use_earlier_outputs() -> None:
+    """The SWE-agent shape: one task, then only tool rounds (ctxproxy's working memory) until the closing answer;
+    a planted value is used 3 or more rounds after its output, and no message in between holds it."""
+    runs = loops(4)
+    assert json.dumps([c.messages for c in runs]) == json.dumps([c.messages for c in loops(4)])
+    for c in runs:
+        roles = [m["role"] for m in c.messages]
+        assert roles[:2] == ["system", "user"] and roles.count("user") == 1 and roles[-1] == "assistant"
+        texts = [message_text(m) for m in c.messages]
+        assert len(c.dependencies) >= 5
+        for dep in c.dependencies:
+            pattern = bounded(dep.value)
+            assert dep.use - dep.source >= 5 and pattern.search(texts[dep.use])
+            assert not [i for i in range(dep.use) if i != dep.source and pattern.search(texts[i])]
