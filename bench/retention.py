@@ -38,6 +38,7 @@ from bench import coding_agent  # noqa: E402
 from bench.retention_data import Conversation, request_points, tau_conversations, tau_sessions  # noqa: E402
 from bench.retention_engines import ENGINES  # noqa: E402
 from bench.retention_metrics import Meter, Subject, Totals, canonical  # noqa: E402
+from bench.retention_report import BEGIN, END, cell, markdown, update_doc  # noqa: E402
 from bench.retention_wires import FORMS, Form, adapter  # noqa: E402
 from plugins.registry import default_registry  # noqa: E402
 from proxy.core.errors import BindingError, ContextLengthExceeded, CtxProxyError  # noqa: E402
@@ -74,11 +75,16 @@ def strategies() -> list[Strategy]:
         Strategy("summarising/drop", {"type": "summarising", "params": {"summarizer": "drop"}}),
         Strategy("summarising/generic", {"type": "summarising"}, "generic"),
         Strategy("summarising/extractive", {"type": "summarising"}, "extractive"),
+        Strategy("summarising/generic/no-wm-cap", {"type": "summarising", "params": {"working_memory_messages": None}},
+                 "generic"),
         Strategy("observation-masking", {"type": "observation-masking"}, None, "plugin:observation-masking"),
         Strategy("hybrid/generic", {"type": "summarising", "params": {"mask_observations": True}}, "generic",
                  "param:summarising.mask_observations"),
         Strategy("hybrid/extractive", {"type": "summarising", "params": {"mask_observations": True}},
                  "extractive", "param:summarising.mask_observations"),
+        Strategy("hybrid/generic/no-wm-cap",
+                 {"type": "summarising", "params": {"mask_observations": True, "working_memory_messages": None}},
+                 "generic", "param:summarising.mask_observations"),
     ]
 
 
@@ -181,63 +187,6 @@ class Run:
             totals.summariser_calls = engine.calls
             totals.summariser_prompt_tokens = engine.prompt_tokens
         return totals
-
-
-# --------------------------------------------------------------------------- output
-
-COLUMNS = [
-    ("strategy", "strategy"), ("budget", "B"), ("managed_pct", "managed %"),
-    ("tokens_forwarded_pct", "tokens forwarded %"), ("dependencies_answerable_pct", "deps answerable %"),
-    ("forgotten_answerable_pct", "… source forgotten %"), ("values_kept_pct", "values kept %"),
-    ("argument_values_kept_pct", "… call arguments %"), ("prefix_kept_pct", "prefix kept %"),
-    ("prefix_token_share_pct", "prefix tokens %"), ("summariser_calls", "summariser calls"),
-]
-BEGIN, END = "<!-- retention:begin -->", "<!-- retention:end -->"
-
-
-def cell(value: Any) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, float):
-        return f"{value:.1f}"
-    return str(value)
-
-
-def markdown(results: dict[str, Any]) -> str:
-    """One table per data set, plus the skipped strategies."""
-    out: list[str] = []
-    for dataset, block in results["datasets"].items():
-        out.append(f"#### {dataset}: {block['conversations']} conversations, {block['requests']:,} requests, "
-                   f"{block['dependencies']:,} dependencies, {block['tokens_mean']:,} tokens on average "
-                   f"(at most {block['tokens_max']:,}) at the last request")
-        out.append("")
-        columns = list(COLUMNS)
-        if len({row["wire"] for row in block["rows"]}) > 1:
-            columns.insert(1, ("wire", "wire"))
-        out.append("| " + " | ".join(title for _, title in columns) + " |")
-        out.append("|" + "|".join("---" for _ in columns) + "|")
-        for row in block["rows"]:
-            out.append("| " + " | ".join(cell(row.get(key)) for key, _ in columns) + " |")
-        out.append("")
-        refused = [f"{row['strategy']} at {row['budget']} ({row['wire']}): {row['refused']}"
-                   for row in block["rows"] if row["refused"]]
-        if refused:
-            out.append("Requests refused (context_length_exceeded): " + "; ".join(refused) + ".")
-            out.append("")
-    for name, why in results["skipped"].items():
-        out.append(f"- `{name}`: not measured in this checkout ({why}); its rows appear when the command is "
-                   "rerun on a checkout that has it.")
-    if results["skipped"]:
-        out.append("")
-    return "\n".join(out)
-
-
-def update_doc(path: Path, tables: str) -> None:
-    """Put ``tables`` between the markers of ``path``, leaving the rest of the document as it is."""
-    doc = path.read_text(encoding="utf-8")
-    head, _, rest = doc.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    path.write_text(f"{head}{BEGIN}\n{tables}\n{END}{tail}", encoding="utf-8")
 
 
 def positive(text: str) -> int:

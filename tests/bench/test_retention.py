@@ -105,7 +105,8 @@ def test_the_strategies_are_the_issues_and_only_missing_plugins_are_skipped() ->
 
     names = [s.name for s in strategies()]
     assert names == ["sliding-window", "stack", "summarising/drop", "summarising/generic", "summarising/extractive",
-                     "observation-masking", "hybrid/generic", "hybrid/extractive"]
+                     "summarising/generic/no-wm-cap", "observation-masking", "hybrid/generic", "hybrid/extractive",
+                     "hybrid/generic/no-wm-cap"]
     for s in strategies():
         if s.needs is None:
             assert available(s) is None
