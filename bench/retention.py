@@ -67,6 +67,11 @@ class Strategy:
     custom: bool = False  # given with --binding: measured exactly as written
 
 
+def where(strategy: Strategy, budget: int, subject: Subject, form: Form, n: int) -> str:
+    return (f"{strategy.name} at B={budget} on {subject.conversation.name} ({form.name} wire), "
+            f"the request of {n} messages")
+
+
 def strategies() -> list[Strategy]:
     """Every strategy of the table, in its order. Summarising rows turn masking off where the param exists."""
     return [
@@ -176,8 +181,10 @@ class Run:
                         meter.refused(n)
                         continue
                     except CtxProxyError as exc:  # a pipeline that refuses valid input: a finding, not a figure
-                        raise Failure(f"{strategy.name} at B={budget} on {subject.conversation.name} ({form.name}), "
-                                      f"request of {n} messages: {exc.code}: {exc.message}") from None
+                        raise Failure(f"{where(strategy, budget, subject, form, n)}: {exc.code}: {exc.message}") from None
+                    except Exception as exc:  # a third-party plugin's bug: name the request it broke on
+                        raise Failure(f"{where(strategy, budget, subject, form, n)}: {type(exc).__name__}: {exc}") \
+                            from exc
                     report = assembly.report
                     meter.observe(n, received, origins, form.forwarded(assembly.body), report.tokens_before,
                                   report.tokens_after, assembly.changed, report.removed)

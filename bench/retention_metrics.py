@@ -15,6 +15,8 @@ masked tool result) is new. Definitions (docs/quality.md says the same in words)
   arguments) of the user and assistant messages of every turn with a message not forwarded verbatim,
   less those the system prompt holds; the share of them that appears in the forwarded text, summed
   over requests; "argument values kept" is the same for the values of the calls' arguments alone;
+  a refused request (context_length_exceeded) forgets every value and dependency it had, and breaks
+  the prefix on both sides;
 - prefix kept: the share of consecutive requests of a conversation whose forwarded messages start
   with the previous request's forwarded messages; and the mean share of the later request's
   forwarded tokens (tokens of the messages' JSON) inside the common prefix.
@@ -195,18 +197,23 @@ class Meter:
         self.subject = subject
         self.totals = totals
         self.tokens = tokens
-        self._previous: list[bytes] | None = None
+        self._previous: list[bytes] | None = None  # the previous request's forwarded keys (None: refused)
+        self._first = True
 
     def refused(self, n: int) -> None:
-        """The request ``messages[:n]`` was refused: its dependencies are lost, and the prefix is broken."""
-        t = self.totals
+        """The request ``messages[:n]`` was refused: the model sees nothing, so it is counted as forgetting
+        everything (its dependencies, every value so far) and as breaking the prefix."""
+        s, t = self.subject, self.totals
         t.requests += 1
         t.refused += 1
-        for _ in self.subject.due.get(n, []):
+        for _ in s.due.get(n, []):
             t.dependencies += 1
             t.forgotten += 1
-        if self._previous is not None:
+        t.values += len(frozenset().union(*s.acted[:n]))
+        t.argument_values += len(frozenset().union(*s.arguments[:n]))
+        if not self._first:
             t.pairs += 1
+        self._first = False
         self._previous = None
 
     def observe(self, n: int, received: list[Any], origins: list[tuple[int, ...]], forwarded: list[Any],
@@ -250,10 +257,12 @@ class Meter:
                 t.argument_values += len(arguments)
                 t.argument_values_kept += len(arguments & present)
 
-        if self._previous is not None:
+        if not self._first:
             t.pairs += 1
+        if self._previous is not None:
             common = common_prefix(self._previous, keys)
             t.prefix_kept += common == len(self._previous)
             total = sum(self.tokens(k) for k in keys)
             t.prefix_token_share += sum(self.tokens(k) for k in keys[:common]) / total if total else 1.0
+        self._first = False
         self._previous = keys

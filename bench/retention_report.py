@@ -97,13 +97,14 @@ def scoreboard(results: dict[str, Any]) -> list[dict[str, Any]]:
     for strategy, rows in cells.items():
         if len(rows) < most:  # measured on fewer cells than the others: not comparable
             continue
-        deps = _mean([r["dependencies_answerable_pct"] for r in rows])
-        values = _mean([r["values_kept_pct"] for r in rows])
+        deps = _mean([r["dependencies_answerable_pct"] for r in rows], None)
+        values = _mean([r["values_kept_pct"] for r in rows], 100.0)
         board.append({
             "strategy": strategy, "cells": len(rows), "dependencies_answerable_pct": deps, "values_kept_pct": values,
-            "retention": round((deps + values) / 2, 1),
-            "prefix_kept_pct": _mean([r["prefix_kept_pct"] for r in rows]),
-            "tokens_forwarded_pct": _mean([r["tokens_forwarded_pct"] for r in rows]),
+            "retention": _mean([deps, values], None) or 0.0,
+            "prefix_kept_pct": _mean([r["prefix_kept_pct"] for r in rows], None) or 0.0,
+            "tokens_forwarded_pct": _mean([r["tokens_forwarded_pct"] for r in rows], None) or 0.0,
+            "refused": sum(r["refused"] for r in rows),
             "summariser_calls": sum(r["summariser_calls"] for r in rows),
         })
     base = next((b for b in board if b["strategy"] == BASELINE), None)
@@ -120,10 +121,15 @@ def scoreboard(results: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(board, key=rank)
 
 
-def _mean(values: list[float | None]) -> float:
-    """The mean of the measured figures; ``None`` (nothing was touched, nothing to forget) counts as 100."""
-    known = [100.0 if v is None else v for v in values]
-    return round(sum(known) / len(known), 1) if known else 0.0
+def _mean(values: list[float | None], missing: float | None) -> float | None:
+    """The mean of the figures; a missing one (``None``) counts as ``missing``, or is left out when that is None.
+
+    Values kept is missing where no turn was touched: nothing was forgotten (100). Dependencies,
+    prefix and tokens are missing where there was nothing to measure: they are left out.
+    """
+    known = [missing if v is None else v for v in values]
+    present = [v for v in known if v is not None]
+    return round(sum(present) / len(present), 1) if present else None
 
 
 def scoreboard_markdown(board: list[dict[str, Any]]) -> list[str]:
@@ -133,11 +139,11 @@ def scoreboard_markdown(board: list[dict[str, Any]]) -> list[str]:
     out = [f"#### Scoreboard: means over {cells} cells (every data set but tau as recorded, every budget); "
            f"candidates forget at most {SLACK:g} points more than {BASELINE} (the trimmer alone)", "",
            "| strategy | retention | deps answerable % | values kept % | prefix kept % | tokens forwarded % "
-           "| summariser calls | candidate |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| summariser calls | refused | candidate |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for b in board:
         out.append(f"| {b['strategy']} | {cell(b['retention'])} | {cell(b['dependencies_answerable_pct'])} | "
                    f"{cell(b['values_kept_pct'])} | {cell(b['prefix_kept_pct'])} | {cell(b['tokens_forwarded_pct'])} | "
-                   f"{b['summariser_calls']} | {'yes' if b['candidate'] else 'no'} |")
+                   f"{b['summariser_calls']} | {b['refused']} | {'yes' if b['candidate'] else 'no'} |")
     out += ["", f"By the rule above, the default is **{board[0]['strategy']}**.", ""]
     return out

@@ -99,6 +99,35 @@ async def test_a_generic_summary_keeps_no_value() -> None:
     assert t.summariser_calls == 1
 
 
+async def test_a_refused_request_forgets_everything_it_had() -> None:
+    """Under a 10-token budget even the system prompt and the question do not fit: every request is refused, so
+    each dependency is lost, every value so far counts as forgotten and no pair keeps its prefix."""
+    t = await Run().measure(Strategy("stack", {"type": "stack"}), 10, [Subject(parcel_conversation())], FORMS["chat"])
+    assert (t.requests, t.refused, t.managed) == (6, 6, 0)
+    assert (t.dependencies, t.answerable, t.forgotten) == (2, 0, 2)
+    assert t.values > 0 and t.values_kept == 0
+    assert (t.pairs, t.prefix_kept) == (5, 0)
+
+
+def test_a_plugin_that_crashes_stops_the_run_with_the_request_it_broke_on(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch,
+                                                                               capsys: pytest.CaptureFixture[str]
+                                                                               ) -> None:
+    (tmp_path / "broken_plugin.py").write_text(
+        "from plugins.base import ContextManager, Params\n"
+        "class Broken(ContextManager):\n"
+        "    name = 'broken'\n"
+        "    Params = Params\n"
+        "    async def manage_history(self, view):\n"
+        "        raise RuntimeError('boom')\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["--datasets", "coding", "--limit", "1", "--coding-turns", "3", "--budgets", "2k", "--quiet",
+                 "--strategies", "stack", "--binding", 'broken={"ref": "broken_plugin:Broken"}'])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "broken at B=2000 on repo-7000 (chat wire), the request of" in err and "RuntimeError: boom" in err
+
+
 def test_the_strategies_are_the_issues_and_only_missing_plugins_are_skipped() -> None:
     """Every strategy of the table has a row; the masking rows wait for their plugin, nothing else is skipped."""
     from bench.retention import available
