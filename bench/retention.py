@@ -9,8 +9,9 @@ dependencies still answerable from the forwarded context, values of the summaris
 masked turns kept, forwarded prefix kept between consecutive requests, and summariser calls
 (definitions: ``bench/retention_metrics.py`` and docs/quality.md).
 
-    .venv/bin/python -m bench.retention --markdown-out docs/quality-table.md --json-out out.json
-    .venv/bin/python bench/retention.py --strategies sliding-window,summarising/generic --budgets 8k
+    .venv/bin/python -m bench.retention --update-doc docs/quality.md --json-out bench/results/retention.json
+    .venv/bin/python bench/retention.py --strategies sliding-window,summarising/generic --budgets 8k \
+        --datasets coding --wires chat,messages
 
 Strategies that need a plugin this checkout does not have (``observation-masking``, the hybrid's
 ``mask_observations``) are skipped with a note, and appear once the plugin is registered.
@@ -53,7 +54,8 @@ ENCODING = "o200k_base"
 
 
 class Failure(Exception):
-    """The pipeline refused a request it should have managed (anything but context_length_exceeded)."""
+    """The pipeline refused a request it should have managed (anything but context_length_exceeded), or a plugin
+    raised: a finding about the code, not a figure."""
 
 
 @dataclass(frozen=True)
