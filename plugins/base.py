@@ -1,4 +1,4 @@
-"""Plugin contracts: context managers and summarisers (DESIGN §3).
+"""Plugin contracts: context managers and summarisers (docs/design.md#5-context-managers).
 
 A context manager owns the recency policy: ``manage_history`` gets the
 committed history as turns of wire-neutral items (``proxy.core.items.Item``, with

@@ -1,4 +1,4 @@
-"""``ctxproxy serve | validate | assemble | report``."""
+"""``ctxproxy serve | validate | where | assemble | report``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     p_validate = sub.add_parser("validate", help="check a config file; exit 0 (ok) or 2 (one line per problem)")
     p_validate.add_argument("file")
 
+    p_where = sub.add_parser("where", help="say where to point a client at this config, and which upstream gets what")
+    p_where.add_argument("--config", default="config/ctxproxy.yaml")
+
     p_assemble = sub.add_parser("assemble", help="run the pipeline on a request body; never forwards it")
     p_assemble.add_argument("--config", default="config/ctxproxy.yaml")
     p_assemble.add_argument("request", help="request body (JSON file, or - for stdin)")
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "validate":
         return _validate(args.file)
+    if args.command == "where":
+        return _where(args.config)
     if args.command == "assemble":
         return _assemble(args)
     if args.command == "report":
@@ -76,6 +81,16 @@ def _validate(path: str) -> int:
     if _load(path) is None:
         return EXIT_INVALID
     print("ok")
+    return EXIT_OK
+
+
+def _where(path: str) -> int:
+    config = _load(path)
+    if config is None:
+        return EXIT_INVALID
+    from proxy.where import where
+
+    print("\n".join(where(config)), flush=True)
     return EXIT_OK
 
 

@@ -1,7 +1,8 @@
-"""The context pipeline (DESIGN §1-5), wire-neutral: from a parsed conversation to the items to forward.
+"""The context pipeline, wire-neutral: from a parsed conversation to the items to forward.
 
 repair pairing → split into bands → manage_history (context-manager plugin)
-→ working-memory cap → token trim (pin tail) → payload check → fit check.
+→ working-memory cap → token trim (pin tail) → payload check → fit check
+(docs/design.md#2-one-requests-path).
 
 Pairing is repaired first, on the client's items, so every later step works on
 whole tool groups and the forwarded payload is always paired; the pairing check
@@ -519,11 +520,11 @@ def _trim(
 class WorkingMemory:
     """Working memory as tool groups, with the ones that are never dropped.
 
-    Kept always: the last group (DESIGN §4), the live tool round (the last group with
-    calls: an assistant prefill may follow the results the model is working on), and any
-    group with a pinned item. The others go oldest first. Dropping is O(1) amortised: a
-    cursor walks the groups once and the row count is kept up to date, so a working memory
-    of thousands of tool groups is capped or trimmed in linear time.
+    Kept always: the last group, the live tool round (the last group with calls: an assistant
+    prefill may follow the results the model is working on), and any group with a pinned item.
+    The others go oldest first (docs/design.md#7-working-memory-cap-and-token-trim). Dropping is
+    O(1) amortised: a cursor walks the groups once and the row count is kept up to date, so a
+    working memory of thousands of tool groups is capped or trimmed in linear time.
     """
 
     def __init__(self, wm: list[Item]) -> None:

@@ -128,7 +128,7 @@ class Routes:
         max_output = m.max_output_tokens if m and m.max_output_tokens else (info.max_output_tokens if info else None)
         return ModelRoute(
             name=name,
-            upstream=(m.upstream if m and m.upstream else cfg.default_upstream),
+            upstream=(m.upstream if m and m.upstream else cfg.upstream_for(upstream_model)),
             upstream_model=upstream_model,
             provider=m.provider if m else "openai",
             window=window,

@@ -10,10 +10,13 @@ before any port is bound. After load, nothing reads raw config dicts.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -87,6 +90,20 @@ class UpstreamSettings(Strict):
     responses_compact: Literal["relay", "emulate", "auto"] = Field(
         "auto", description="POST /v1/responses/compact: relay it here, answer it with ctxproxy's own summariser "
         "(emulate), or relay and emulate when this upstream answers 404 (auto).")
+    models: list[str] = Field(
+        default_factory=list, description="Model names this upstream serves, as shell patterns (claude-*): a model "
+        "that models: does not route to an upstream goes to the first upstream with a matching pattern (matched on "
+        "the name sent upstream), else to the default upstream.")
+
+    @field_validator("models")
+    @classmethod
+    def _patterns(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            if not pattern.strip():
+                raise ValueError("a model pattern is empty")
+            if pattern != pattern.strip():
+                raise ValueError(f"{pattern!r}: a model pattern may not start or end with a space")
+        return patterns
 
     @field_validator("base_url")
     @classmethod
@@ -110,7 +127,8 @@ class UpstreamSettings(Strict):
 
 class ModelSettings(Strict):
     name: str = Field(..., min_length=1, description="The model name clients send.")
-    upstream: str | None = Field(None, description="Upstream to use (default: the default upstream).")
+    upstream: str | None = Field(None, description="Upstream to use (default: the first whose models: patterns "
+                                 "match the model sent upstream, else the default upstream).")
     model: str | None = Field(None, description="Model name sent upstream (default: name).")
     provider: Literal["openai", "litellm"] = Field(
         "openai", description="openai = pass-through to an OpenAI-compatible upstream; litellm = litellm.acompletion."
@@ -198,6 +216,39 @@ class CacheSettings(Strict):
         if self.backend == "redis" and not self.url:
             raise ValueError("backend redis needs cache.url (redis://host:port/db)")
         return self
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+
+
+def is_own_address(url: str, server: ServerSettings) -> bool:
+    """Whether ``url`` reaches this proxy's own listener (same port, on an address the proxy listens on)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return False
+    host = (parts.hostname or "").lower()
+    if not server.port or port != server.port:
+        return False
+    bound = server.host.strip("[]").lower()
+    return host == bound or (_is_loopback(host) and (bound in WILDCARDS or _is_loopback(bound)))
+
+
+def _is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        address: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(host)
+    except ValueError:
+        try:  # the shorthands a resolver accepts too: 127.1, 2130706433
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback or address.is_unspecified  # a connection to 0.0.0.0 reaches this host
 
 
 def redis_url_problem(url: str) -> str | None:
@@ -360,6 +411,16 @@ class Settings(Strict):
             raise ValueError(f"models: duplicate name(s) {sorted(dup)}")
         if self.default_upstream is not None and self.default_upstream not in self.upstreams:
             raise ValueError(f"default_upstream: no upstream named {self.default_upstream!r}")
+        claimed: dict[str, str] = {}
+        for name, upstream in self.upstreams.items():
+            for pattern in upstream.models:
+                if claimed.setdefault(pattern, name) != name:
+                    raise ValueError(f"upstreams.{name}.models: {pattern!r} is also upstream {claimed[pattern]!r}'s "
+                                     "(a model goes to one upstream)")
+            if is_own_address(upstream.base_url, self.server):
+                raise ValueError(f"upstreams.{name}.base_url: {_cut(upstream.base_url)!r} is this proxy's own address "
+                                 f"(server.port {self.server.port}): every request would come back to it (is a "
+                                 "client's base URL variable, such as OPENAI_BASE_URL, set where the proxy starts?)")
         priced: dict[str, tuple[int, tuple[float | None, ...]]] = {}
         for i, m in enumerate(self.models):
             if m.upstream is not None and m.upstream not in self.upstreams:
@@ -404,6 +465,13 @@ class Config:
     @property
     def default_upstream(self) -> str:
         return self.settings.default_upstream or next(iter(self.settings.upstreams))
+
+    def upstream_for(self, upstream_model: str) -> str:
+        """The upstream of a model no route names one for: the first whose ``models`` patterns match, else the default."""
+        for name, upstream in self.settings.upstreams.items():
+            if any(fnmatchcase(upstream_model, pattern) for pattern in upstream.models):
+                return name
+        return self.default_upstream
 
     def model(self, name: str) -> ModelSettings | None:
         for m in self.settings.models:

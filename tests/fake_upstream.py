@@ -307,7 +307,7 @@ class FakeUpstream:
 
     async def _scripted(self, request: web.Request, body: Any) -> web.StreamResponse:
         model = body.get("model", "m")
-        message = dict(self.script.pop(0)) if self.script else {"role": "assistant", "content": REPLY}
+        message: dict[str, Any] = dict(self.script.pop(0)) if self.script else {"role": "assistant", "content": REPLY}
         message.setdefault("role", "assistant")
         message.setdefault("content", None)
         finish = "tool_calls" if message.get("tool_calls") else "stop"

@@ -151,7 +151,7 @@ def assistant(text: str | None, **extra: Any) -> Message:
     return {"role": "assistant", "content": text, **extra}
 
 
-def call(*calls: tuple[str, str] | tuple[str, str, str], content: str | None = None, **extra: Any) -> Message:
+def call(*calls: tuple[str, str] | tuple[str, str, str], content: str | list[Any] | None = None, **extra: Any) -> Message:
     """An assistant tool-call message; each call is (id, function name[, arguments JSON])."""
     tool_calls = []
     for c in calls:
@@ -538,7 +538,8 @@ def working_memory(messages: Sequence[Message]) -> list[Message]:
 
 
 def minimal_payload(messages: Sequence[Message]) -> list[Message]:
-    """What can never be dropped (DESIGN §4): system band, current user turn, the last WM tool group
+    """What can never be dropped (docs/design.md#7-working-memory-cap-and-token-trim): system band, current user turn,
+    the last WM tool group
     (the live round) and the last WM group (an assistant prefill after the live round included)."""
     wm = working_memory(messages)
     keep = last_tool_group(wm)

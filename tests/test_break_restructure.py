@@ -68,7 +68,7 @@ async def serve() -> AsyncIterator[Callable[[dict[str, Handler]], Awaitable[str]
         await runner.cleanup()
 
 
-def chat(messages: list[Message], model: str = MODEL, **extra: Any) -> dict[str, Any]:
+def chat(messages: list[Any], model: str = MODEL, **extra: Any) -> dict[str, Any]:
     return {"model": model, "messages": messages, **extra}
 
 

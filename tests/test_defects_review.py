@@ -51,7 +51,7 @@ def _shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
     share_model_map(monkeypatch)  # speed only
 
 
-def chat_body(messages: list[Message], model: str = SMALL, **extra: Any) -> dict[str, Any]:
+def chat_body(messages: list[Any], model: str = SMALL, **extra: Any) -> dict[str, Any]:
     return {"model": model, "messages": messages, **extra}
 
 

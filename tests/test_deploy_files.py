@@ -1,4 +1,5 @@
-"""The deployment files, checked fast (``make test``): compose.yaml, nginx, Prometheus, Grafana, Dockerfile.
+"""The deployment files, checked fast (``make test``): compose.yaml, nginx, Prometheus, Grafana, Dockerfile,
+and the build's own files (Makefile, .ci/).
 
 Running them for real is ``make check`` (tests/check/): the image built and run under podman, the
 compose file rendered by a compose implementation, nginx in front of three replicas.
@@ -7,10 +8,13 @@ compose file rendered by a compose implementation, nginx in front of three repli
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -19,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REPLICAS = ["ctxproxy-1", "ctxproxy-2", "ctxproxy-3"]
 
 
-def compose() -> dict:
+def compose() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "compose.yaml").read_text(encoding="utf-8"))
 
 
@@ -124,3 +128,66 @@ def test_dockerfile_base_image_argument_healthcheck_and_user() -> None:
     assert re.search(r"^USER (\d+)$", text, re.M) and re.search(r"^USER (\d+)$", text, re.M).group(1) != "0"  # type: ignore[union-attr]
     assert "HEALTHCHECK" in text and "/healthz" in text
     assert "STOPSIGNAL SIGTERM" in text
+
+
+def test_make_run_calls_a_module_and_embeds_no_program() -> None:
+    """What make run prints is code that is linted, typed and tested (proxy/where.py), not a Python program
+    kept in a Makefile variable where none of that reaches it."""
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert "define " not in text and " -c " not in text
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    dry = subprocess.run(["make", "-n", "-s", "run", "CONFIG=config/claude-code.yaml"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    commands = dry.stdout.splitlines()
+    assert commands[-2:] == [".venv/bin/python -m proxy.cli where --config config/claude-code.yaml",
+                             ".venv/bin/ctxproxy serve --config config/claude-code.yaml"]
+
+
+def test_ci_lints_type_checks_and_tests() -> None:
+    """CI runs every habit, not only the tests: `make test` lints (ruff and the commit subjects) and type-checks
+    (mypy) before the suite, and CI runs `make test`."""
+    commands = [line.split("#", 1)[0].strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+                .splitlines() if line.strip().startswith("make ")]
+    assert commands == ["make test"]
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert re.search(r"^test: lint typecheck$", makefile, re.MULTILINE)
+    lint = makefile.split("\nlint:", 1)[1].split("\n\n", 1)[0]
+    assert ".ci/check-commits" in lint and "ruff check" in lint
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@example.com"}
+    out = subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.strip()
+
+
+def test_check_commits_refuses_a_subject_of_72_characters_after_the_baseline(tmp_path: Path) -> None:
+    """A subject is a line a reader scans in a log: under 72 characters, the detail in the body. Commits before
+    the baseline are history and are not checked; a long body is fine."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(ROOT / ".ci" / "check-commits", tmp_path / ".ci" / "check-commits")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "commit", "-q", "--allow-empty", "-m", "Old history with a subject that runs on " + "x" * 80)
+    baseline = _git(tmp_path, "rev-parse", "HEAD")
+    _git(tmp_path, "commit", "-q", "--allow-empty", "-m", "S" * 71 + "\n\n" + "A body line may be long. " * 10)
+    check = [sys.executable, str(tmp_path / ".ci" / "check-commits"), baseline]
+    ok = subprocess.run(check, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    _git(tmp_path, "commit", "-q", "--allow-empty", "-m", "é" * 72)  # characters, not bytes, are counted
+    long = _git(tmp_path, "rev-parse", "--short", "HEAD")
+    bad = subprocess.run(check, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1
+    assert bad.stderr.splitlines() == [f"{long}: subject of 72 characters (under 72, please; details go in the body): "
+                                       + "é" * 72]
+
+
+def test_the_repository_keeps_its_commit_subjects_short() -> None:
+    """This checkout itself passes (outside a git checkout there is nothing to check, and it says so)."""
+    out = subprocess.run([sys.executable, str(ROOT / ".ci" / "check-commits")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr

@@ -529,21 +529,21 @@ async def test_max_output_refused_above_the_tenants_limit(env: Env, field: str) 
     body: Any = exc.value.body
     assert exc.value.status_code == 400 and body["code"] == "max_tokens_exceeded" and body["param"] == field
     assert not env.upstream.chat
-    raw = await chat(env, "support", conversation(1), **{field: 512})
+    raw = await chat(env, "support", conversation(1), **{field: 512})  # type: ignore[arg-type]
     assert raw.status_code == 200 and env.upstream.chat[-1].body[field] == 512
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 async def test_max_output_clamped_to_the_tenants_limit(env: Env, field: str) -> None:
-    raw = await chat(env, "platform", conversation(1), **{field: 5000})
+    raw = await chat(env, "platform", conversation(1), **{field: 5000})  # type: ignore[arg-type]
     assert raw.status_code == 200
     sent = env.upstream.chat[-1].body
     assert sent[field] == 1000
     other = "max_tokens" if field == "max_completion_tokens" else "max_completion_tokens"
     assert other not in sent
-    raw = await chat(env, "platform", conversation(1), **{field: 999})
+    raw = await chat(env, "platform", conversation(1), **{field: 999})  # type: ignore[arg-type]
     assert env.upstream.chat[-1].body[field] == 999
-    raw = await chat(env, "research", conversation(1), **{field: 5000})  # no limit for research
+    raw = await chat(env, "research", conversation(1), **{field: 5000})  # type: ignore[arg-type]  # no limit for research
     assert env.upstream.chat[-1].body[field] == 5000
 
 
@@ -733,3 +733,99 @@ async def test_output_cap_applies_to_every_field_and_when_none_is_sent(upstream,
                 assert r.status == 200
             sent = upstream.chat[-1].body
             assert {k: sent[k] for k in ("max_tokens", "max_completion_tokens") if k in sent} == want
+
+
+# --------------------------------------------------------------------------- one proxy for every agent
+
+DEFAULT_CONFIG = ROOT / "config" / "ctxproxy.yaml"
+
+
+def default_config(openai_up: FakeUpstream, anthropic_up: FakeUpstream, tmp_path: Path, **keys: str) -> Any:
+    """The shipped config/ctxproxy.yaml, its two upstreams pointed at the fakes, with only the given keys set."""
+    return load_config(DEFAULT_CONFIG, env={"OPENAI_BASE_URL": openai_up.base_url,
+                                            "ANTHROPIC_UPSTREAM_URL": anthropic_up.url,
+                                            "CTXPROXY_CACHE_DIR": str(tmp_path / "cache"), **keys})
+
+
+def test_the_default_config_validates_with_neither_key_set() -> None:
+    """``make run`` on a fresh machine: the config loads with an empty environment, both upstreams open."""
+    config = load_config(DEFAULT_CONFIG, env={})
+    assert config.default_upstream == "openai" and not config.tenants
+    assert all(config.forwards_client_auth(u) for u in config.settings.upstreams.values())
+    bare = {k: v for k, v in os.environ.items() if k in ("PATH", "SYSTEMROOT")}
+    out = subprocess.run([sys.executable, "-m", "proxy.cli", "validate", str(DEFAULT_CONFIG)], cwd=ROOT, env=bare,
+                         capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout.strip()) == (0, "ok"), out.stderr
+
+
+async def test_claude_models_go_to_anthropic_and_every_other_model_to_openai(
+        upstream: FakeUpstream, second: FakeUpstream, start_proxy: Any, tmp_path: Path) -> None:
+    """One proxy serves Codex (Responses), Claude Code (Messages) and Chat Completions clients at once: the
+    model picks the upstream (claude-* by pattern, everything else the default), and with no key configured
+    each client's own key goes to its own provider, in that provider's header."""
+    proxy = await start_proxy(default_config(upstream, second, tmp_path))
+    user = [{"role": "user", "content": "Hello"}]
+    openai_key, anthropic_key = {"Authorization": "Bearer sk-openai-client"}, {"x-api-key": "sk-ant-client"}
+    async with aiohttp.ClientSession() as s:
+        async def post(path: str, body: dict[str, Any], headers: dict[str, str]) -> int:
+            async with s.post(proxy.url + path, json=body, headers=headers) as r:
+                await r.read()
+                return r.status
+
+        assert await post("/v1/chat/completions", {"model": "gpt-4o-mini", "messages": user}, openai_key) == 200
+        assert await post("/v1/responses", {"model": "gpt-5-codex", "input": "Hello", "stream": True},
+                          openai_key) == 200
+        for stream in (False, True):
+            assert await post("/v1/messages", {"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": user,
+                                               "stream": stream}, anthropic_key) == 200
+        assert await post("/v1/messages/count_tokens", {"model": "claude-haiku-4-5", "messages": user},
+                          anthropic_key) == 200
+        assert await post("/v1/chat/completions", {"model": "claude-haiku-4-5", "messages": user},
+                          {"Authorization": "Bearer sk-ant-client"}) == 200
+
+    assert [r.body["model"] for r in upstream.chat] == ["gpt-4o-mini"]
+    assert [r.body["model"] for r in upstream.responses] == ["gpt-5-codex"]
+    assert not upstream.messages and not upstream.counts
+    assert all(r.headers["Authorization"] == "Bearer sk-openai-client" for r in [*upstream.chat, *upstream.responses])
+    assert [r.body["model"] for r in second.messages] == ["claude-sonnet-4-5", "claude-sonnet-4-5"]
+    assert all(r.headers["x-api-key"] == "sk-ant-client" and "Authorization" not in r.headers for r in second.messages)
+    assert [r.body["model"] for r in second.counts] == ["claude-haiku-4-5"]
+    # a Chat Completions client asking for Claude reaches Anthropic's OpenAI-compatible endpoint, with a bearer key
+    assert [(r.path, r.body["model"]) for r in second.chat] == [("/v1/chat/completions", "claude-haiku-4-5")]
+    assert second.chat[0].headers["Authorization"] == "Bearer sk-ant-client"
+
+
+async def test_with_both_keys_set_each_provider_gets_its_own_and_never_the_clients(
+        upstream: FakeUpstream, second: FakeUpstream, start_proxy: Any, tmp_path: Path) -> None:
+    proxy = await start_proxy(default_config(upstream, second, tmp_path, OPENAI_API_KEY="sk-op-configured",
+                                             ANTHROPIC_API_KEY="sk-an-configured"))
+    user = [{"role": "user", "content": "Hello"}]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(proxy.base_url + "/chat/completions", json={"model": "o3", "messages": user},
+                          headers={"Authorization": "Bearer sk-client"}) as r:
+            assert r.status == 200
+        async with s.post(proxy.base_url + "/messages", json={"model": "claude-opus-4-1", "max_tokens": 8,
+                                                              "messages": user}, headers={"x-api-key": "sk-client"}) as r:
+            assert r.status == 200
+    assert upstream.chat[-1].headers["Authorization"] == "Bearer sk-op-configured"
+    assert second.messages[-1].headers["x-api-key"] == "sk-an-configured"
+    assert not second.chat and not upstream.messages
+
+
+async def test_a_route_names_its_upstream_and_a_pattern_matches_the_model_sent_upstream(
+        upstream: FakeUpstream, second: FakeUpstream, start_proxy: Any) -> None:
+    """An explicit ``models[].upstream`` wins over any pattern; an alias without one goes where its upstream
+    model name matches; a name that only looks like a pattern's (case differs) goes to the default."""
+    proxy = await start_proxy({
+        "upstreams": {"main": {"base_url": upstream.base_url},
+                      "side": {"base_url": second.base_url, "models": ["acme-*", "exact-model"]}},
+        "models": [{"name": "acme-pinned", "upstream": "main"}, {"name": "fast", "model": "acme-fast-2"}],
+        "cache": {"backend": "memory"},
+    })
+    async with aiohttp.ClientSession() as s:
+        for model in ("acme-pinned", "fast", "acme-x", "exact-model", "ACME-x", "exact-model-2", "gpt-4o"):
+            async with s.post(proxy.base_url + "/chat/completions", headers={"Authorization": "Bearer sk-c"},
+                              json={"model": model, "messages": [{"role": "user", "content": "hi"}]}) as r:
+                assert r.status == 200, await r.text()
+    assert [r.body["model"] for r in upstream.chat] == ["acme-pinned", "ACME-x", "exact-model-2", "gpt-4o"]
+    assert [r.body["model"] for r in second.chat] == ["acme-fast-2", "acme-x", "exact-model"]

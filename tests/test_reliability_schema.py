@@ -44,7 +44,7 @@ def test_openapi_document_matches_the_routes() -> None:
     served: set[tuple[str, str]] = set()
     for route in app.router.routes():
         info = route.resource.get_info() if route.resource is not None else {}
-        path = info.get("path") or info.get("formatter")
+        path = str(info.get("path") or info.get("formatter"))
         if route.method in ("HEAD",) or path in ("/v1/{tail:.*}", CATCH_ALL, OWN_NAMESPACE):
             continue
         served.add((route.method.lower(), path))

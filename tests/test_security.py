@@ -295,7 +295,7 @@ async def evil() -> Any:
 
 def _evil_tricks(evil_url: str) -> list[tuple[str, dict[str, str], dict[str, Any]]]:
     host = evil_url.split("//", 1)[1]
-    headers = [
+    headers: list[dict[str, str]] = [
         {"Host": host}, {"X-Forwarded-Host": host}, {"X-Forwarded-Proto": "http", "X-Forwarded-Host": host},
         {"Forwarded": f"host={host};proto=http"}, {"X-Upstream": evil_url + "/v1"},
         {"X-Upstream-Url": evil_url + "/v1"}, {"X-Base-Url": evil_url + "/v1"}, {"X-Api-Base": evil_url + "/v1"},
@@ -303,7 +303,8 @@ def _evil_tricks(evil_url: str) -> list[tuple[str, dict[str, str], dict[str, Any
         {"X-Target-Url": evil_url}, {"OpenAI-Base-URL": evil_url + "/v1"},
         {"x-ctxproxy-context-manager": json.dumps({"type": "stack", "params": {"base_url": evil_url}})},
     ]
-    out = [(f"header {next(iter(h))}", h, {"model": MODEL, "messages": MESSAGES}) for h in headers]
+    out: list[tuple[str, dict[str, str], dict[str, Any]]] = [
+        (f"header {next(iter(h))}", h, {"model": MODEL, "messages": MESSAGES}) for h in headers]
     for field in ("base_url", "api_base", "api_base_url", "baseURL", "endpoint", "url"):
         out.append((f"body {field}", {}, {"model": MODEL, "messages": MESSAGES, field: evil_url + "/v1"}))
     out.append(("body extra_body", {}, {"model": MODEL, "messages": MESSAGES,
@@ -488,7 +489,8 @@ def test_nothing_unpickles_or_evaluates() -> None:
     # the disk backend's serialiser refuses pickled rows instead of loading them
     import diskcache
 
-    from proxy.store.disk import CacheBackendError, _JSONBytesDisk
+    from proxy.core.errors import CacheBackendError
+    from proxy.store.disk import _JSONBytesDisk
 
     disk = _JSONBytesDisk.__new__(_JSONBytesDisk)
     with pytest.raises(CacheBackendError):

@@ -306,3 +306,66 @@ def test_a_config_nested_in_itself_or_too_deep_is_refused_in_one_line(tmp_path: 
     with pytest.raises(ConfigError) as info:
         load_config(path, env={})
     assert len(info.value.problems) == 1 and "nested too deeply" in info.value.problems[0]
+
+
+# --------------------------------------------------------------------------- upstreams' model patterns
+
+
+@pytest.mark.parametrize(("models", "why"), [
+    ([""], "a model pattern is empty"),
+    (["  "], "a model pattern is empty"),
+    ([" claude-*"], "may not start or end with a space"),
+    ("claude-*", "valid list"),
+])
+def test_a_bad_model_pattern_names_its_upstream(models: Any, why: str) -> None:
+    raw = with_(upstreams={"u": {"base_url": "http://127.0.0.1:9", "models": models}})
+    found = problems(raw)
+    assert len(found) == 1 and found[0].startswith("upstreams.u.models") and why in found[0], found
+
+
+def test_one_pattern_on_two_upstreams_is_refused() -> None:
+    """A model goes to one upstream: the same pattern on two would send it to whichever is listed first."""
+    raw = with_(upstreams={"a": {"base_url": "http://127.0.0.1:9", "models": ["claude-*"]},
+                           "b": {"base_url": "http://127.0.0.1:10", "models": ["gpt-*", "claude-*"]}})
+    assert problems(raw) == ["upstreams.b.models: 'claude-*' is also upstream 'a''s (a model goes to one upstream)"]
+
+
+def test_the_first_matching_upstream_takes_a_model_and_routes_name_their_own() -> None:
+    config = load_config(with_(upstreams={
+        "default": {"base_url": "http://127.0.0.1:9"},
+        "wide": {"base_url": "http://127.0.0.1:10", "models": ["claude-*"]},
+        "narrow": {"base_url": "http://127.0.0.1:11", "models": ["claude-haiku-*"]},
+    }, default_upstream="default"), env={})
+    assert config.upstream_for("claude-haiku-4-5") == "wide"  # file order decides where patterns overlap
+    assert config.upstream_for("claude-sonnet-4-5") == "wide"
+    assert config.upstream_for("gpt-4o") == "default"
+    assert config.upstream_for("Claude-sonnet-4-5") == "default"  # case matters, as in the providers' names
+
+
+@pytest.mark.parametrize(("host", "url"), [
+    ("127.0.0.1", "http://127.0.0.1:8080/v1"),
+    ("127.0.0.1", "http://localhost:8080"),
+    ("0.0.0.0", "http://127.0.0.1:8080/v1"),
+    ("0.0.0.0", "http://[::1]:8080/v1"),
+    ("::", "http://127.0.0.2:8080/v1"),
+    ("127.0.0.1", "http://0.0.0.0:8080/v1"),  # a connection to the unspecified address reaches this host
+    ("127.0.0.1", "http://LOCALHOST:8080/v1"),
+    ("127.0.0.1", "http://[::ffff:127.0.0.1]:8080/v1"),
+    ("127.0.0.1", "http://127.1:8080/v1"),  # a shorthand the resolver expands
+    ("10.1.2.3", "http://10.1.2.3:8080/v1"),
+])
+def test_an_upstream_at_the_proxys_own_address_is_refused(host: str, url: str) -> None:
+    """Every request would come back to the proxy, each one opening another connection to itself."""
+    found = problems(with_(server={"host": host, "port": 8080}, upstreams={"u": {"base_url": url}}))
+    assert len(found) == 1 and found[0].startswith("upstreams.u.base_url: ") and "own address" in found[0]
+
+
+@pytest.mark.parametrize(("host", "port", "url"), [
+    ("127.0.0.1", 8080, "http://127.0.0.1:8081/v1"),  # another port
+    ("127.0.0.1", 8080, "http://10.1.2.3:8080/v1"),  # another host: the proxy listens on loopback only
+    ("10.1.2.3", 8080, "http://127.0.0.1:8080/v1"),  # the proxy is not on loopback
+    ("127.0.0.1", 0, "http://127.0.0.1:8080/v1"),  # a port chosen at start
+    ("127.0.0.1", 80, "https://127.0.0.1/v1"),  # https's default port is 443
+])
+def test_an_upstream_elsewhere_is_accepted(host: str, port: int, url: str) -> None:
+    load_config(with_(server={"host": host, "port": port}, upstreams={"u": {"base_url": url}}), env={})

@@ -1,4 +1,4 @@
-"""``summarising`` (default): older turns replaced by one cached, reused summary (DESIGN §3).
+"""``summarising`` (default): older turns replaced by one cached, reused summary (docs/design.md#6-summaries).
 
 Under the summary threshold T nothing changes. Over it, the last ``keep_turns``
 user turns stay verbatim and older turns go to the summariser. A cached summary

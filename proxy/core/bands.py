@@ -1,4 +1,4 @@
-"""Bands, turns and tool groups over neutral items (DESIGN §2).
+"""Bands, turns and tool groups over neutral items (docs/design.md#3-bands-turns-and-tool-groups).
 
 system band | committed history | current user turn | in-turn working memory.
 A turn starts at a user item; items before the first one form a preamble turn.

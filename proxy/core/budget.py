@@ -1,4 +1,4 @@
-"""The token budget of one request (DESIGN §3 "Budget and hysteresis")."""
+"""The token budget of one request (docs/design.md#4-the-budget)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A parsed request, wire-neutral, and the contract a wire adapter fulfils (DESIGN §7).
+"""A parsed request, wire-neutral, and the contract a wire adapter fulfils (docs/design.md#10-wires).
 
 A wire adapter (``proxy.wire.chat``, ``.responses``, ``.messages``) turns a request
 body into a ``Conversation`` (``parse``) and the managed items back into a body of

@@ -69,7 +69,7 @@ class InvalidJSON(BadRequest):
 
 
 class PayloadError(BadRequest):
-    """A payload that would be rejected by the provider (DESIGN §5)."""
+    """A payload that would be rejected by the provider (docs/design.md#8-pairing-and-the-payload-check)."""
 
     code = "invalid_payload"
 

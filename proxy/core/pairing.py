@@ -1,4 +1,4 @@
-"""The pairing pass and the pairing check over neutral items (DESIGN §5).
+"""The pairing pass and the pairing check over neutral items (docs/design.md#8-pairing-and-the-payload-check).
 
 ``repair`` makes every call have exactly one result, right after its call item
 (or, on wires that merge them, right after its run of call items), counting

@@ -88,9 +88,9 @@ POOLED = "*"  # the tenant of the pooled record (tenant names are [A-Za-z0-9_.-]
 # dropped). OpenAI's own models are counted with their exact encoding: 1.0. The others are set a little
 # above what is known of their tokenizers against o200k, so that a first request errs on the safe side
 # (a smaller budget) until the provider's own counts take over:
-#  - issue 17's field run (SmolLM2, 49k vocabulary, via llama.cpp's server) measured 1.07-1.16, rising
-#    with the share of JSON tool output: small-vocabulary tokenizers default to 1.20, the top of that
-#    range plus the chat template's per-message tokens.
+#  - a field run against a real server (SmolLM2, 49k vocabulary, via llama.cpp's server; bench/real_server.py)
+#    measured 1.07-1.16, rising with the share of JSON tool output: small-vocabulary tokenizers default to
+#    1.20, the top of that range plus the chat template's per-message tokens.
 #  - Claude (Anthropic publishes no tokenizer; its count for the same English/code text runs ~10-25 %
 #    above o200k, and tool use adds a hidden system prompt): 1.20.
 #  - Mistral/Mixtral/Codestral (32k SentencePiece vocabularies; Tekken's 131k for the newest): 1.20.

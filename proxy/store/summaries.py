@@ -1,9 +1,10 @@
-"""The summary cache: content-addressed, persistent, single-flight (DESIGN §3).
+"""The summary cache: content-addressed, persistent, single-flight.
 
 A summary is stored under tenant + summariser settings + the chained hash of the
 turns it covers, so identical histories share it, any edit misses it, and one
 tenant never sees another's. The chained hashes are wire-neutral (``Item.atoms``),
-so one conversation summarised once is reused whatever wire it arrives on.
+so one conversation summarised once is reused whatever wire it arrives on
+(docs/design.md#reuse-content-addressed-and-persistent).
 
 A lookup asks the cache for every prefix of the conversation at once, longest
 first (one ``get_many``: one Redis MGET; the disk backend stops reading at the

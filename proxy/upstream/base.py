@@ -1,4 +1,4 @@
-"""The one seam to providers (STYLE 7): a ``Provider`` sends a managed request and completes a summary.
+"""The one seam to providers: a ``Provider`` sends a managed request and completes a summary.
 
 Implementations: ``proxy.upstream.http.HTTPProvider`` (an OpenAI-compatible HTTP
 API over a pooled aiohttp session), ``proxy.upstream.anthropic.AnthropicProvider``
@@ -7,7 +7,8 @@ API over a pooled aiohttp session), ``proxy.upstream.anthropic.AnthropicProvider
 (``Providers.for_route``). Two capabilities outside ``send``/``complete`` are still
 asked of the route's settings where they are used: whether compaction and
 ``context_management`` are the upstream's (``serve/compact.py``,
-``wire/messages/emulate.py``). Tests put a fake behind this seam.
+``wire/messages/emulate.py``). Every external dependency has one such seam, as httpx has its
+transports: unit tests put a fake behind it, wire tests a real fake server on 127.0.0.1.
 """
 
 from __future__ import annotations

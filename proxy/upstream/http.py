@@ -226,7 +226,8 @@ class HTTPAnswer:
             try:
                 while True:
                     # wait in short slices: a framing error the C parser recorded on the connection does not
-                    # wake the reader, so between slices the connection is looked at (issue 11, item 15)
+                    # wake the reader, so between slices the connection is looked at (a broken stream then
+                    # ends at once, not after the idle timeout)
                     try:
                         async with deadline(min(BROKEN_CHECK, max(0.0, idle_until - loop.time()))):
                             chunk = await self.response.content.readany()

@@ -98,7 +98,7 @@ class Provider:
                 call.content = hashlib.sha256(json.dumps(body["messages"], sort_keys=True).encode()).hexdigest()
                 await asyncio.sleep(SUMMARY_DELAY)
                 text = f"Summary {call.content[:12]}: the user (ids, refs and prices kept) asked about bookings."
-                response = web.json_response(_completion(text, {"prompt_tokens": 900, "completion_tokens": 40,
+                response: web.StreamResponse = web.json_response(_completion(text, {"prompt_tokens": 900, "completion_tokens": 40,
                                                                 "total_tokens": 940}))
             elif body.get("stream"):
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -379,8 +379,8 @@ async def test_three_replicas_behind_nginx_survive_a_kill_with_one_summary_each(
     assert reused > created > 0
 
     # ---- metrics from every live replica
-    for name, m in metrics.items():
-        assert m.get("ctxproxy_requests_total", 0) > 0, (name, m)
+    for name, scraped in metrics.items():
+        assert scraped.get("ctxproxy_requests_total", 0) > 0, (name, scraped)
     served = Counter(c.replica for c in provider.calls if c.purpose == "chat")
     assert all(served[n] > 0 for n in range(REPLICAS)), served
 

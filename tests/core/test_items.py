@@ -107,7 +107,7 @@ def test_turn_digest_is_a_chain() -> None:
 
 
 @given(st.lists(st.tuples(st.text(max_size=8), st.text(max_size=8)), max_size=6))
-def test_atom_digest_length_is_16_per_atom(atoms: list[tuple[str, str]]) -> None:
+def test_atom_digest_length_is_16_per_atom(atoms: list[tuple[str, ...]]) -> None:
     assert len(atom_digests(AtomItem(atoms))) == 16 * len(atoms)
 
 

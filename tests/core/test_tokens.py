@@ -6,6 +6,7 @@ reference are in tests/test_tokens.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from typing import Any
@@ -197,6 +198,10 @@ def test_tools_are_counted_as_their_json_and_cached(counter: TokenCounter) -> No
     assert counter.tools([{"x": {1}}]) == 0  # not JSON
 
 
+def _digest_at(key: int, i: int) -> bytes:
+    return bytes([(key + i) % 256]) * 16
+
+
 def test_counter_is_thread_safe_enough_for_the_offload_pool() -> None:
     c = TokenCounter(O200K, cache_size=50)
     errors: list[BaseException] = []
@@ -206,7 +211,7 @@ def test_counter_is_thread_safe_enough_for_the_offload_pool() -> None:
             for i in range(300):
                 key = (seed * 1000 + i) % 120
                 assert c.cached(key, "x" * (key % 7), lambda _c, raw: len(raw)) == key % 7
-                assert c.many_digests([key, key + 1], lambda j, k=key: bytes([(k + j) % 256]) * 16) == [
+                assert c.many_digests([key, key + 1], functools.partial(_digest_at, key)) == [
                     bytes([key % 256]) * 16, bytes([(key + 1) % 256]) * 16]
         except BaseException as exc:  # collected for the main thread
             errors.append(exc)

@@ -213,7 +213,7 @@ async def test_middleware_hides_internal_errors(caplog: pytest.LogCaptureFixture
 
     response = await call(broken, req())
     assert response.status == 500
-    body = response.body.decode()  # type: ignore[union-attr]
+    body = response.body.decode()  # type: ignore[attr-defined]  # a web.Response
     assert "sk-upstream" not in body and "KeyError" not in body
     assert json.loads(body)["error"] == {"message": "The proxy failed to handle this request.", "type": "server_error",
                                          "param": None, "code": "internal_error"}

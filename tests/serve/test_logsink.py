@@ -180,7 +180,7 @@ def test_every_record_is_one_json_object_on_one_line() -> None:
     assert "ValueError: inner\nline two" in json.loads(with_exc)["exception"]
     surrogate = formatter.format(record("lone \udc80 surrogate"))  # orjson refuses it; the line still goes out
     assert "\n" not in surrogate and json.loads(surrogate)["message"].startswith("lone ")
-    structured = formatter.format(record('{"event":"request","status":200}', **STRUCTURED))
+    structured = formatter.format(record('{"event":"request","status":200}', **STRUCTURED))  # type: ignore[arg-type]
     assert structured == '{"event":"request","status":200}'
     huge = json.loads(formatter.format(record("%s", "z" * 1_000_000)))  # a library logging a whole body
     assert len(huge["message"]) < FIELD_CHARS + 100 and huge["message"].endswith("characters cut]")

@@ -23,7 +23,7 @@ import redis.asyncio.connection as redis_connection
 
 from proxy.store import disk as cache_mod
 from proxy.store.backends import open_cache
-from proxy.store.cache import Cache, CacheBackendError, SafeCache
+from proxy.store.cache import Cache, CacheBackendError, LockHandle, SafeCache
 from proxy.store.disk import DiskCache
 from proxy.store.memory import MemoryCache
 from proxy.store.redis import RedisCache
@@ -153,7 +153,7 @@ async def test_non_json_value_is_a_backend_error(make: Factory) -> None:
         await c.set("k", ["not", "an", "object"])  # type: ignore[arg-type]
 
 
-async def _hold(c: Cache, key: str, wait: float) -> tuple[bool, float]:
+async def _hold(c: Cache, key: str, wait: float) -> tuple[LockHandle, float]:
     async with c.lock(key, ttl=5, wait=wait) as got:
         return got, time.monotonic()
 

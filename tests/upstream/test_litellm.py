@@ -217,7 +217,7 @@ async def test_a_provider_echoing_the_key_in_a_4xx_never_shows_it(start_proxy: A
 # connections are litellm's own HTTP, not a mock's. Messages bodies reach it as /v1/responses (litellm's
 # adapter for providers without a Messages API).
 
-WIRES = {"chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+WIRES: dict[str, tuple[str, dict[str, Any]]] = {"chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
          "responses": ("/v1/responses", {"input": "hi"}),
          "messages": ("/v1/messages", {"max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]})}
 WIRE_STREAM = [(wire, stream) for wire in WIRES for stream in (False, True)]

@@ -157,7 +157,7 @@ def pairing_problems(messages: Sequence[Message]) -> list[str]:
             nxt = messages[i + 1] if i + 1 < len(messages) else None
             got = [b.get("tool_use_id") for b in (nxt or {}).get("content", []) if isinstance(b, dict)
                    and b.get("type") == "tool_result"] if nxt and isinstance(nxt.get("content"), list) else []
-            if nxt is None or nxt.get("role") != "user" or sorted(got) != sorted(ids):
+            if nxt is None or nxt.get("role") != "user" or sorted(got, key=repr) != sorted(ids, key=repr):
                 problems.append(f"messages[{i}] tool_use {ids} not answered exactly by the next message ({got})")
         elif m.get("role") == "user":
             kinds = [b.get("type") for b in blocks]

@@ -167,7 +167,7 @@ def _encrypted(value: Any) -> int:
 
 
 def ref_item_tokens(e: Any) -> int:
-    """The documented per-item formula (README, proxy/wire/responses_items.py), written out independently."""
+    """The documented per-item formula (docs/wires.md, proxy/wire/responses_items.py), written out independently."""
     if isinstance(e, str):
         return 3 + ntok("user") + ntok(e)
     k = kind(e)

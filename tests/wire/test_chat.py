@@ -433,7 +433,7 @@ PDF = mf.b64(mf.pdf(PAGES))
 def test_images_count_by_their_size_and_pdfs_by_their_pages(
         counter: TokenCounter, part: dict[str, Any], tokens: int | str) -> None:
     """OpenAI's formulas: an image's 512-px tiles after scaling; a PDF's text plus a 765-token image per page."""
-    expected = counter.text("\n".join(PAGES) + "\n") + 5 * 765 if tokens == "pdf" else tokens
+    expected = counter.text("\n".join(PAGES) + "\n") + 5 * 765 if tokens == "pdf" else int(tokens)
     message = {"role": "user", "content": [part]}
     assert count_message(counter, message) == 3 + counter.text("user") + expected
 

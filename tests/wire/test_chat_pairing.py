@@ -1,4 +1,4 @@
-"""The pairing pass and the payload check (proxy.pairing, DESIGN §5)."""
+"""The pairing pass and the payload check (proxy.pairing, docs/design.md#8-pairing-and-the-payload-check)."""
 
 from __future__ import annotations
 

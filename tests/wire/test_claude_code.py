@@ -2,7 +2,7 @@
 
 Claude Code installs from the npm registry (``@anthropic-ai/claude-code``) into a cache folder on first use; where
 npm or the registry is not available the test is skipped with one line saying so. It is pointed at the proxy with
-``ANTHROPIC_BASE_URL`` and a proxy key in ``ANTHROPIC_API_KEY`` (README, "Claude Code").
+``ANTHROPIC_BASE_URL`` and a proxy key in ``ANTHROPIC_API_KEY`` (docs/wires.md#claude-code).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_anthropic_table_is_anthropics_documented_one() -> None:
 
 
 def test_an_anthropic_upstreams_own_error_body_is_relayed_as_it_came() -> None:
-    raw = {"type": "error", "error": {"type": "invalid_request_error",
+    raw: dict[str, Any] = {"type": "error", "error": {"type": "invalid_request_error",
                                       "message": "messages.1: tool_use ids were found without tool_result blocks"},
            "request_id": "req_011"}
     error = UpstreamStatus(400, {"error": {"message": raw["error"]["message"]}}, raw=raw)

@@ -75,7 +75,7 @@ def inputs(body: dict[str, Any]) -> dict[str, Any]:
             for b in m["content"] if b.get("type") == "tool_use"}
 
 
-async def create(proxy: RunningProxy, messages: list[dict[str, Any]], edits: list[dict[str, Any]], *,
+async def create(proxy: RunningProxy, messages: list[Any], edits: list[dict[str, Any]], *,
                  stream: bool = False, **extra: Any) -> Any:
     async with client(proxy) as c:
         kwargs: dict[str, Any] = {"model": CLAUDE, "max_tokens": 64, "messages": messages, "betas": BETA,

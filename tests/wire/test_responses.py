@@ -192,7 +192,7 @@ def test_encrypted_content_is_estimated_not_counted_as_text() -> None:
 
 # --------------------------------------------------------------------------- pairing repair per item type
 
-ROUNDS = {
+ROUNDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "function_call": ({"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
                       {"type": "function_call_output", "call_id": "a", "output": "r"}),
     "custom_tool_call": ({"type": "custom_tool_call", "call_id": "a", "name": "f", "input": "x"},

@@ -167,13 +167,13 @@ async def test_a_call_and_an_approval_of_the_same_id_still_do_not_pair(
     assert upstream.responses[-1].body["input"] == [user, nxt]  # the call got no output: removed, the orphan too
 
 
-# --------------------------------------------------------------------------- the README says how ids pair
+# --------------------------------------------------------------------------- the wire reference says how ids pair
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "wires.md"  # the per-wire reference, moved from the README
 
 
 def pairing_bullet() -> str:
-    """The Pairing bullet of the README's Responses API section, on one line."""
+    """The Pairing bullet of the Responses API section of docs/wires.md, on one line."""
     section = README.read_text(encoding="utf-8").split("## Responses API", 1)[1].split("\n## ", 1)[0]
     bullet = section.split("* **Pairing**", 1)[1].split("\n* ", 1)[0]
     return " ".join(bullet.split())

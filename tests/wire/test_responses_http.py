@@ -347,7 +347,7 @@ def input_of(tokens: int) -> list[dict[str, Any]]:
             {"role": "user", "content": "Which accounts?"}]
 
 
-HELD = {
+HELD: dict[str, tuple[dict[str, Any], list[Any]]] = {
     "previous_response_id": ({"previous_response_id": "resp_123"}, []),
     "conversation": ({"conversation": {"id": "conv_123"}}, []),
     "item_reference": ({}, [{"type": "item_reference", "id": "msg_123"}]),

@@ -231,7 +231,7 @@ class MessagesWire:
 
     def summary(self, text: str, covered_turns: int, counter: TokenCounter) -> Item:
         # a user message with one text block at the start of ``messages``: nothing before ``messages``
-        # (tools, system) changes, so their prompt cache survives a compaction (README, "Messages wire")
+        # (tools, system) changes, so their prompt cache survives a compaction (docs/wires.md#the-messages-wire)
         raw: Message = {"role": "user", "content": [{"type": "text", "text": text}]}
         item = AnthropicItem(raw, USER, message=raw, blocks=raw["content"])
         self.count(item, counter)
