@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
-from bench.retention import BEGIN, END, Run, Strategy, main, strategies
+from bench.retention import Run, Strategy, main, strategies
 from bench.retention_data import Conversation, Dependency, detect_dependencies
 from bench.retention_metrics import Subject, Totals
+from bench.retention_report import BEGIN, END
 from bench.retention_wires import FORMS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from bench.retention_data import (
+    Conversation,
     Dependency,
     acted_values,
     argument_values,
@@ -57,11 +59,11 @@ def test_values_match_as_whole_tokens() -> None:
 def test_a_dependency_comes_first_from_a_tool_output_or_a_user_message() -> None:
     """The system prompt's date and the assistant's own suggestion are not dependencies; the user's id and the
     tool's reservation are, from where they first appeared."""
-    def call(args: str) -> dict[str, object]:
+    def call(args: str) -> dict[str, Any]:
         return {"role": "assistant", "content": None,
                 "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}]}
 
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "The current date is 2024-05-15."},
         {"role": "user", "content": "I am mia_li_3668."},
         call('{"user_id": "mia_li_3668"}'),
@@ -81,17 +83,17 @@ def test_a_request_is_every_prefix_that_ends_where_the_model_is_called() -> None
 
 
 @pytest.fixture(scope="module")
-def tau() -> list[object]:
-    return tau_conversations()  # type: ignore[return-value]
+def tau() -> list[Conversation]:
+    return tau_conversations()
 
 
-def test_the_tau_set_is_the_200_trajectories_as_recorded(tau: list[object]) -> None:
+def test_the_tau_set_is_the_200_trajectories_as_recorded(tau: list[Conversation]) -> None:
     from bench.retention_data import tau_trajectories
 
     raw = tau_trajectories()
     assert len(tau) == 200
-    assert all(c.messages == r["traj"] for c, r in zip(tau, raw))  # type: ignore[attr-defined]
-    assert sum(len(c.dependencies) for c in tau) > 2000  # type: ignore[attr-defined]
+    assert all(c.messages == r["traj"] for c, r in zip(tau, raw))
+    assert sum(len(c.dependencies) for c in tau) > 2000
 
 
 def test_tau_sessions_chain_the_trajectories_in_order_under_one_system_prompt() -> None:
