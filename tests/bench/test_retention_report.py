@@ -23,9 +23,9 @@ def results(rows: list[dict[str, Any]], tau: list[dict[str, Any]] | None = None)
     return {"datasets": datasets, "skipped": {}}
 
 
-def test_the_best_prefix_wins_among_those_that_forget_little_more_than_the_trimmer_alone() -> None:
-    """cache-friendly forgets 2 points more than stack and keeps the prefix best: it is the pick; forgetful keeps
-    the prefix even better but forgets 10 points more: not a candidate."""
+def test_the_best_prefix_wins_among_those_that_forget_least() -> None:
+    """cache-friendly forgets 2 points more than stack, the best, and keeps the prefix best: it is the pick;
+    forgetful keeps the prefix even better but forgets 10 points more: not a candidate."""
     board = scoreboard(results([
         row("stack", 80, 60, 80, 60),
         row("cache-friendly", 78, 58, 90, 50, calls=3),
@@ -34,6 +34,15 @@ def test_the_best_prefix_wins_among_those_that_forget_little_more_than_the_trimm
     assert [b["strategy"] for b in board] == ["cache-friendly", "stack", "forgetful"]
     assert [b["candidate"] for b in board] == [True, True, False]
     assert board[0]["retention"] == 68.0
+
+
+def test_forgetting_less_than_the_others_makes_the_others_no_candidates() -> None:
+    """A strategy that keeps 10 points more than everything else is the pick even with a worse prefix."""
+    board = scoreboard(results([
+        row("stack", 70, 50, 90, 60),
+        row("masking", 80, 60, 85, 58),
+    ]))
+    assert [(b["strategy"], b["candidate"]) for b in board] == [("masking", True), ("stack", False)]
 
 
 def test_within_a_point_of_the_best_prefix_fewer_tokens_then_fewer_summariser_calls_win() -> None:
