@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from plugins.base import HistoryResult, HistoryView, Services
+from plugins.base import HistoryResult, HistoryView, Services, stable_cut
 from proxy.core.bands import Bands, assign_groups, split_bands, split_turns, tool_groups
 from proxy.core.budget import Budget, compute_budget, why
 from proxy.core.conversation import Conversation, WireAdapter
@@ -32,6 +32,8 @@ from proxy.policy import ModelRoute, Policy
 
 # What a report's ``summary`` may say, and how removed tokens are counted (the one list of each).
 SUMMARY_STATUSES = frozenset({"none", "reused", "created", "failed", "pending", "would_create"})
+# the working-memory cap drops rows in steps of a quarter of the cap (at least one row)
+WM_CAP_STEP_SHARE = 4
 REMOVED_HOW = frozenset({"masked", "summarised", "windowed", "trimmed", "wm_capped"})
 
 
@@ -335,7 +337,12 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
 
     cap = plan.policy.manager.working_memory_messages
     if cap is not None and live.rows() > cap:
-        while live.rows() > cap and (dropped := live.drop_next()) is not None:
+        # on a grid counted from the working memory's start, like every other cut: the rows dropped are a
+        # multiple of the step, so the next few rounds of a tool loop append to the same forwarded prefix
+        goal = stable_cut(live.rows() - cap, max(1, -(-cap // WM_CAP_STEP_SHARE)), live.rows())
+        rows = 0
+        while rows < goal and (dropped := live.drop_next()) is not None:
+            rows += len(dropped)
             report.wm_rows_dropped += len(dropped)
             removed["wm_capped"] += _tokens(dropped)
 
