@@ -23,7 +23,8 @@ def test_fields_of_a_full_record() -> None:
                       usage={"prompt_tokens": 4001, "completion_tokens": 12, "prompt_tokens_details": {"cached": 1}})
     assert r.fields() == {
         "event": "request", "request_id": "rid-1", "wire": "chat", "tenant": "acme", "model": "gpt-4o-mini",
-        "status": 200, "tokens_in": 9000, "tokens_out": 4000, "hard_budget": 6000, "removed": {"summarised": 5000},
+        "status": 200, "mode": "enforce", "tokens_in": 9000, "tokens_out": 4000, "hard_budget": 6000,
+        "removed": {"summarised": 5000},
         "summary": "created", "turns_summarised": 7, "turns_dropped": 0, "repairs": {"orphan_result": 1},
         "context_manager": "summarising", "warnings": 1, "overhead_ms": 1.234, "upstream_ms": 1500.0,
         "ttft_ms": 250.0, "usage": {"prompt_tokens": 4001, "completion_tokens": 12},
