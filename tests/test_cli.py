@@ -78,6 +78,20 @@ def test_validate_rejects_bad_bindings_with_exit_2(
     assert any(line.startswith("context_manager") for line in lines)
 
 
+@pytest.mark.parametrize(("extra", "path"), [
+    ({"mode": "shadow"}, "mode"),
+    ({"models": [{"name": "gpt-4o", "mode": "dry-run"}]}, "models[0].mode"),
+    ({"tenants": [{"name": "team", "keys": ["sk-team"], "mode": "watch"}]}, "tenants[0].mode"),
+])
+def test_validate_refuses_a_mode_that_is_not_observe_or_enforce(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: dict[str, Any], path: str) -> None:
+    code, out, err = run(["validate", str(write_config(tmp_path, **extra))], capsys)
+    assert (code, out) == (2, "") and err.startswith(f"{path}:"), err
+    good = {key: ([{**value[0], "mode": "observe"}] if isinstance(value, list) else "observe")
+            for key, value in extra.items()}
+    assert run(["validate", str(write_config(tmp_path, **good))], capsys)[:2] == (0, "ok\n")
+
+
 def test_validate_reports_missing_env_var_with_key_path(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
