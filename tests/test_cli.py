@@ -218,6 +218,29 @@ def test_assemble_prints_messages_and_report(tmp_path: Path, capsys: pytest.Capt
     assert not pairing_problems(result["messages"])
 
 
+def test_assemble_in_observe_mode_shows_the_body_as_sent_and_what_enforce_would_send(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under a policy in observe mode the client's body is what is forwarded: assemble prints it, with a report of
+    what enforce would have done; ``--mode enforce`` prints what enforce would forward, with the same figures."""
+    cfg = write_config(tmp_path, mode="observe", context_manager={"type": "sliding-window", "params": {"keep_turns": 3}})
+    msgs = long_conversation()
+    req = write_json(tmp_path, {"model": "gpt-4o", "messages": msgs})
+    outputs = []
+    for extra in ([], ["--mode", "enforce"], ["--mode", "observe"]):
+        code, out, err = run(["assemble", "--config", str(cfg), *extra, str(req)], capsys)
+        assert code == 0, err
+        outputs.append(json.loads(out))
+    observed, enforced, asked = outputs
+    assert observed == asked
+    assert observed["messages"] == msgs and observed["report"]["mode"] == "observe"
+    assert enforced["report"]["mode"] == "enforce" and len(enforced["messages"]) < len(msgs)
+    assert observed["report"]["tokens_before"] == recount(msgs) > observed["report"]["hard_budget"]
+    assert observed["report"]["tokens_after"] == enforced["report"]["tokens_after"] == recount(enforced["messages"])
+    with pytest.raises(SystemExit) as refused:
+        main(["assemble", "--config", str(cfg), "--mode", "shadow", str(req)])
+    assert refused.value.code == 2 and "--mode: invalid choice: 'shadow'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("wire", ["chat", "responses", "messages"])
 def test_assemble_shows_what_observation_masking_masked(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                         wire: str) -> None:
