@@ -126,6 +126,31 @@ def test_assembled_counts_tokens_removals_repairs_and_savings(metrics: Metrics, 
     assert savings == pytest.approx(7_000 * (model_map.input_price(MODEL) or 0))
 
 
+def test_an_observed_request_counts_under_mode_observe_and_nothing_it_did_not_do(
+        metrics: Metrics, model_map: ModelMap) -> None:
+    """Observe mode's figures are what enforce would have done: they go to ``mode="observe"``; no summary was used
+    and nothing was repaired, so those series stay empty; a would-be refusal counts only as one, its code a
+    bounded label."""
+    r = report(tokens_before=10_000, tokens_after=3_000, summary="would_create", removed={"summarised": 7_000},
+               repairs={"orphan_result": 1}, mode="observe")
+    metrics.assembled("acme", MODEL, r)
+    metrics.account("acme", MODEL, request_cost(r, MODEL, model_map), mode="observe")
+    seen = {"tenant": "acme", "model": MODEL, "mode": "observe"}
+    assert value(metrics, "ctxproxy_tokens_received_total", **seen) == 10_000
+    assert value(metrics, "ctxproxy_tokens_forwarded_total", **seen) == 3_000
+    assert value(metrics, "ctxproxy_tokens_removed_total", **seen, how="summarised") == 7_000
+    assert value(metrics, "ctxproxy_estimated_savings_usd_total", **seen) == pytest.approx(
+        7_000 * (model_map.input_price(MODEL) or 0))
+    assert value(metrics, "ctxproxy_tokens_received_total", tenant="acme", model=MODEL, mode="enforce") == 0
+    assert not any(name in ("ctxproxy_summaries_total", "ctxproxy_repairs_total", "ctxproxy_net_savings_usd_total")
+                   for name, _ in samples(metrics))
+    for code in ("context_length_exceeded", KEY):
+        metrics.assembled("acme", MODEL, report(tokens_before=9_000, mode="observe", would_refuse=code))
+    assert value(metrics, "ctxproxy_observed_refusals_total", tenant="acme", code="context_length_exceeded") == 1
+    assert value(metrics, "ctxproxy_observed_refusals_total", tenant="acme", code="other") == 1
+    assert value(metrics, "ctxproxy_tokens_received_total", **seen) == 10_000  # the refusals counted no tokens
+
+
 def test_summaries_by_result(metrics: Metrics) -> None:
     for status in ["created", "reused", "reused", "failed", "none"]:
         metrics.assembled("globex", MODEL, report(summary=status))

@@ -44,6 +44,19 @@ def test_masked_outputs_are_counted_never_named() -> None:
         request_id="r", started=0.0, status=200, report=report()).fields()
 
 
+def test_an_observed_request_says_so_and_what_enforce_would_have_refused() -> None:
+    """In observe mode the line carries the mode; its tokens out are what enforce would have forwarded, and a
+    request enforce would have refused names the refusal's code."""
+    observed = report()
+    observed.mode = "observe"
+    fields = RequestRecord(request_id="r", started=0.0, status=200, report=observed).fields()
+    assert fields["mode"] == "observe" and (fields["tokens_in"], fields["tokens_out"]) == (9000, 4000)
+    assert "would_refuse" not in fields
+    observed.would_refuse, observed.tokens_after, observed.removed = "context_length_exceeded", 0, {}
+    fields = RequestRecord(request_id="r", started=0.0, status=200, report=observed).fields()
+    assert fields["would_refuse"] == "context_length_exceeded" and fields["tokens_out"] == 0
+
+
 def test_a_refused_request_has_its_error_and_no_report() -> None:
     r = RequestRecord(request_id="rid-2", started=0.0, status=400, error="context_length_exceeded")
     assert r.fields() == {"event": "request", "request_id": "rid-2", "wire": "chat", "tenant": "default",
