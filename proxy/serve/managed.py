@@ -68,8 +68,10 @@ def _outgoing(st: State, raw: bytes | None, assembly: Assembly, tenant: str) -> 
 
 
 def report_headers(assembly: Assembly, overhead: float) -> dict[str, str]:
+    """What the pipeline did (in observe mode: what enforce would have done; the client's body went upstream)."""
     r = assembly.report
     headers = {
+        "x-ctxproxy-mode": r.mode,
         "x-ctxproxy-tokens-in": str(r.tokens_before),
         "x-ctxproxy-tokens-out": str(r.tokens_after),
         "x-ctxproxy-summary": r.summary,

@@ -10,6 +10,8 @@ none): it is then budgeted with a reserve of one token (``COUNT_RESERVE``), the 
 ``/v1/messages`` can be sent with, so the answer is the most ``/v1/messages`` would forward
 for this conversation, and exactly that whenever the real request's ``max_tokens`` (or a
 configured ``trimmer.reserve_tokens``, which both use) leaves it under its summary threshold.
+In observe mode ``/v1/messages`` forwards the body as sent, so that is what is counted (the
+headers say what enforce would have forwarded).
 
 An upstream that serves the endpoint (``api: anthropic``) counts the managed body itself;
 otherwise the proxy answers ``{"input_tokens": N}`` with its own count, scaled by the model's
@@ -78,9 +80,10 @@ async def count_tokens_handler(request: web.Request, wire: Wire) -> web.StreamRe
             # too large to forward: still say how large, so the client can compact it itself
             forwarded, after = probe, await run_step(offload, _count, wire, probe, counter)
         else:
-            forwarded, after = assembly.body, assembly.report.tokens_after
-            if assembly.report.summary == "would_create":  # counted at its largest, not as the placeholder
-                unmade += max_summary
+            # in observe mode the client's body is what /v1/messages forwards: that is what is counted
+            forwarded, after = assembly.body, assembly.forwarded_tokens
+            if assembly.report.summary == "would_create" and assembly.report.mode != "observe":
+                unmade += max_summary  # counted at its largest, not as the placeholder
             headers.update(report_headers(assembly, time.perf_counter() - started))
         request[RESPONSE_HEADERS] = headers
         factor = runtime.calibration.factor(route, scope.tenant_name) if runtime.calibration is not None else 1.0

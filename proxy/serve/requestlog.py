@@ -1,8 +1,10 @@
 """One structured JSON line per request (logger ``ctxproxy.requests``).
 
-Fields: request id, wire, tenant, model, status, tokens in/out, what was removed and
-how, how many tool outputs were masked, summary status, repairs, overhead and upstream latency. Keys and prompt
-text are never part of a record.
+Fields: request id, wire, tenant, model, status, mode, tokens in/out, what was removed and
+how, how many tool outputs were masked, summary status, repairs, overhead and upstream latency. In observe
+mode (``mode: "observe"``) the client's payload was forwarded, and tokens out, removed, the summary and the
+cost's gross are what enforce would have done (``would_refuse``: the code enforce would have refused it
+with). Keys and prompt text are never part of a record.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class RequestRecord:
         r = self.report
         if r is not None:
             out.update(
+                mode=r.mode,
                 tokens_in=r.tokens_before,
                 tokens_out=r.tokens_after,
                 hard_budget=r.hard_budget,
@@ -69,6 +72,8 @@ class RequestRecord:
                 out["outputs_masked"] = len(r.masked)  # tool outputs masked (which ones: explain, assemble)
             if r.warnings:
                 out["warnings"] = len(r.warnings)
+            if r.would_refuse:
+                out["would_refuse"] = r.would_refuse
             if r.unmanaged:
                 out["unmanaged"] = r.unmanaged  # the provider holds part of the history (a bounded reason)
         if self.overhead is not None:

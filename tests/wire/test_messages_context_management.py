@@ -116,6 +116,21 @@ async def test_clear_tool_uses_clears_the_oldest_results_and_reports_it(
     assert messages == tool_conversation()  # the client's own objects were not touched
 
 
+async def test_in_observe_mode_the_clients_own_edits_are_still_applied(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """Observe mode forwards what the client asked for, and a request's own ``context_management`` is part of
+    that: for an upstream without it the proxy still applies the edits (and strips the field it would refuse),
+    while its own context manager only reports."""
+    proxy = await start_proxy(config(upstream, mode="observe"))
+    edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 1_000},
+            "keep": {"type": "tool_uses", "value": 2}}
+    reply = await create(proxy, tool_conversation(), [edit])
+    sent = upstream.messages[-1].body
+    assert "context_management" not in sent
+    assert [results(sent)[f"toolu_{i}"] == CLEARED for i in range(6)] == [True] * 4 + [False] * 2
+    assert reply.context_management.applied_edits[0].cleared_tool_uses == 4
+
+
 async def test_below_the_trigger_nothing_is_cleared_and_the_report_is_empty(
         upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(config(upstream))
