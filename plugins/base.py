@@ -161,6 +161,7 @@ class Services:
     model: str = ""
     summarizer_model: str | None = None
     summary_tokens: int = 1024
+    values_tokens: int = 1024  # cap on a summary's values section (``proxy.core.values``), on top of summary_tokens
     summarizer_timeout: float = 60.0
     summarizer_window: int = 128_000
     window_of: Callable[[str], int] | None = None  # a model name's input window (the summariser's own)

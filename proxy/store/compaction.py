@@ -15,7 +15,12 @@ Anthropic's ``compact_20260112`` edit when ctxproxy emulates ``context_managemen
   compaction is not applied (a warning says why). Nobody is billed for it in one place and
   refused in another;
 - one cost path: every summariser call is priced and counted where it is made, in the summary
-  store's ``on_call`` (``proxy.serve.metrics.Metrics.summary_call``), whoever asked for it.
+  store's ``on_call`` (``proxy.serve.metrics.Metrics.summary_call``), whoever asked for it;
+- one values section: whatever the summariser writes, the values the summarised turns acted on that
+  its text leaves out are appended to it (``proxy.core.values``, at most ``values_tokens``), before it
+  is cached, so the cached record holds them, a reused summary carries them, and an incremental
+  summary checks the values of every turn it covers (the previous summary's included). The section
+  depends on its cap, so the cap is part of the summary's scope.
 
 A policy without a summariser of its own (``sliding-window``) compacts with the default ``llm``
 one (``summarizer_for``).
@@ -23,25 +28,31 @@ one (``summarizer_for``).
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from plugins.base import (
     CachedSummary,
     Compacted,
+    Completion,
     Services,
+    SummarizeFn,
     Summarizer,
     SummaryScope,
     SummaryStore,
     SummaryUnavailable,
 )
 from plugins.summarizers.llm import PROMPT, LLMParams, LLMSummarizer
+from proxy.core import values
 from proxy.core.items import Item
 
 # what a dry run forwards in place of a summary it would make (explain, count_tokens, ``ctxproxy assemble``)
 WOULD_CREATE = "[ctxproxy explain: a summary of these turns would be created here]"
 DROPS_OLDER_TURNS = "compaction unavailable: this policy drops older turns (summarizer: drop)"
 NO_SUMMARISER = "compaction unavailable: no summariser is available"
+VALUES_VERSION = "1"  # of the values section's rules: a change makes summaries anew
 
 
 def summarizer_for(own: Summarizer | None, instructions: Any = None) -> Summarizer:
@@ -91,7 +102,8 @@ class Compaction:
         if services.dry_run:
             return Compacted("would_create", WOULD_CREATE)
         try:
-            made, fresh = await self.store.obtain(scope, chain, cut, turns, found, summarize,
+            made, fresh = await self.store.obtain(scope, chain, cut, turns, found,
+                                                  keeping_values(summarize, turns[:cut], services),
                                                   request_id=services.request_id, model=services.model)
         except SummaryUnavailable as exc:
             status = "pending" if exc.reason == "pending" else "failed"
@@ -99,5 +111,27 @@ class Compaction:
         return Compacted("created" if fresh else "reused", made.text, made)
 
 
+def keeping_values(summarize: SummarizeFn, covered: Sequence[Sequence[Item]], services: Services) -> SummarizeFn:
+    """``summarize``, whose answer then carries the values of ``covered`` (every turn the summary covers) that its
+    text leaves out; an empty answer is left empty (a failure)."""
+    counter = services.counter
+
+    def count(text: str) -> int:
+        return counter.text(text) if counter is not None else len(text) // 4 + 1
+
+    async def summarize_keeping_values(previous: str | None, turns: Sequence[Sequence[Item]]) -> Completion:
+        made = await summarize(previous, turns)
+        text = made.text.strip()
+        if not text:
+            return made
+        # extraction walks every covered turn: off the event loop
+        text = await asyncio.to_thread(values.keep_values, text, covered, services.values_tokens, count)
+        return dataclasses.replace(made, text=text)
+
+    return summarize_keeping_values
+
+
 def _scope(summarizer: Summarizer, services: Services) -> SummaryScope:
-    return SummaryScope(services.tenant, summarizer.settings_id(services))
+    """Who may share a summary: the tenant, and what its text depends on besides the turns (the values cap too)."""
+    return SummaryScope(services.tenant,
+                        f"{summarizer.settings_id(services)}/values{VALUES_VERSION}:{services.values_tokens}")

@@ -54,7 +54,7 @@ def summarizer(**params: Any) -> LLMSummarizer:
 ])
 def test_settings_id_names_the_model_and_the_prompt(params: dict[str, Any], extra: dict[str, Any], model: str) -> None:
     sid = summarizer(**params).settings_id(services(**extra))
-    assert sid.startswith(f"llm/v2/{model}/")
+    assert sid.startswith(f"llm/v3/{model}/")
     assert summarizer(**params, instructions="Be terse.").settings_id(services(**extra)) != sid
 
 
