@@ -180,12 +180,13 @@ async def test_a_generic_summary_still_carries_the_values_its_turns_acted_on(
     """A summariser that writes the same generic text whatever it is shown keeps no value of its own; the values
     section the compaction service appends must still bring at least 99 % of the summarised turns' tool-call
     argument values (reservation ids, flights, dates, amounts, as the retention benchmark counts them) to the
-    model, on every wire, within the budget. Before it, about one in ten reached the model."""
+    model, on every wire, within the budget. Before it, fewer than half did (290 of 602: those the kept turns
+    happened to repeat)."""
     upstream.summary_text = GENERIC
     proxy = await start_proxy(masking_config(upstream, summarising()))
     w = WIRES[wire]
     hard, threshold = budget(8_000)
-    wanted = kept = conversations = 0
+    wanted = kept = conversations = sections = 0
     for k, item in enumerate(tau_trajectories()):
         messages = padded(item["traj"][: max(i for i, m in enumerate(item["traj"]) if m["role"] == "user") + 1], 3)
         if chat_recount(messages) <= threshold * 1.2:
@@ -197,12 +198,14 @@ async def test_a_generic_summary_still_carries_the_values_its_turns_acted_on(
         forwarded = w.forwarded(upstream)
         assert w.recount(forwarded) == int(headers["x-ctxproxy-tokens-out"]) <= hard  # the section is counted
         n, found, turns, summary = argument_values_kept(messages, forwarded)
-        assert turns >= 1 and summary.count("Values these turns acted on") == 1, summary[:300]
+        assert turns >= 1
         wanted, kept, conversations = wanted + n, kept + found, conversations + 1
+        sections += summary.count("Values these turns acted on") == 1
     print(f"{wire}: {kept} of {wanted} argument values of the summarised turns reached the model "
           f"({conversations} conversations summarised on an 8k route)")
     assert conversations >= 20 and wanted >= 300
     assert kept >= 0.99 * wanted
+    assert sections == conversations  # one values section in each summary
 
 
 @pytest.mark.parametrize("wire", sorted(WIRES))
