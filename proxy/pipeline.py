@@ -81,6 +81,7 @@ class Assembly:
     received: list[Item] = field(default_factory=list)
     field_name: str = "messages"
     body_changes: dict[str, Any] = field(default_factory=dict)  # output caps and the upstream model name
+    summarised: list[Item] = field(default_factory=list)  # the items of the turns a summary covers (re-fetches)
 
     @property
     def messages(self) -> Any:
@@ -363,7 +364,8 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     changed = (len(final) != len(received) or any(a is not b for a, b in zip(final, received)) or bool(changes)
                or bool(repairs))
     out = wire.render(body, final, changes) if changed else body
-    return Assembly(out, final, changed, report, received, wire.field, changes)
+    summarised = [item for turn in plan.view.turns[: result.turns_summarised] for item in turn]
+    return Assembly(out, final, changed, report, received, wire.field, changes, summarised)
 
 
 def whole_turns(history: list[Item], kept: list[Item]) -> tuple[list[Item], list[Item]]:

@@ -39,6 +39,7 @@ log = logging.getLogger("ctxproxy.ledger")
 FIELDS = (
     "requests", "tokens_received", "tokens_forwarded", "tokens_removed", "summaries_created", "summaries_reused",
     "summarizer_usd", "gross_usd", "cache_effect_usd", "net_usd", "unpriced",
+    "refetched_masked", "refetched_summarised", "refetched_dropped",  # ``proxy.store.refetch``
 )
 FLUSH_SECONDS = 10.0
 CLOSE_SECONDS = 5.0  # how long shutdown waits for the last flush
