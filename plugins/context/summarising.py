@@ -125,11 +125,8 @@ class Summarising(ContextManager):
         for _ in range(3):
             if cut == 0 or services.values_tokens <= 0:
                 break
-            if view.offload:  # a large conversation: its items are walked in a worker thread
-                size = await asyncio.to_thread(values.section_tokens, view.turns[:cut], services.values_tokens,
-                                               view.counter.text)
-            else:
-                size = values.section_tokens(view.turns[:cut], services.values_tokens, view.counter.text)
+            section, _ = await self._values(view, cut, values.SUMMARY_LEAD)
+            size = view.counter.text(values.SEPARATOR + section.text) if section.text else 0
             if services.summary_tokens + size <= reserve:
                 break
             reserve = services.summary_tokens + size
@@ -190,11 +187,7 @@ class Summarising(ContextManager):
         cut = dropped.turns_dropped
         if not cut or view.services.values_tokens <= 0:
             return dropped
-        if view.offload:  # a large conversation: its items are walked in a worker thread
-            acted = await asyncio.to_thread(values.acted_on, view.turns[:cut])
-        else:
-            acted = values.acted_on(view.turns[:cut])
-        kept = values.section(acted, view.services.values_tokens, view.counter.text, DROPPED)
+        kept, _ = await self._values(view, cut, DROPPED)
         if not kept.text:
             return dropped
         item: Item = view.summary_item(summary_text(cut, kept.text), cut)
@@ -202,4 +195,18 @@ class Summarising(ContextManager):
             dropped, summary=item, removed={"windowed": max(0, dropped.removed.get("windowed", 0) - item.tokens)},
             detail={"turns": cut, "values_only": True, "values": kept.listed, "values_left_out": kept.left_out})
 
-
+    async def _values(self, view: HistoryView, cut: int, lead: str) -> tuple[values.Section, int]:
+        """The values section of ``view.turns[:cut]`` and its tokens: the compaction service's (remembered under
+        the turns' chained hash, so a conversation's next request does not read its older turns again)."""
+        services = view.services
+        compaction = services.compaction
+        if compaction is not None:
+            chain = await view.chain_hashes()
+            return await compaction.values_section(services, view.turns[:cut], chain[cut - 1], lead,
+                                                   offload=view.offload)
+        if view.offload:  # a large conversation: its items are walked in a worker thread
+            made = await asyncio.to_thread(values.section_of, view.turns[:cut], services.values_tokens,
+                                           view.counter.text, lead)
+        else:
+            made = values.section_of(view.turns[:cut], services.values_tokens, view.counter.text, lead)
+        return made, view.counter.text(made.text) if made.text else 0

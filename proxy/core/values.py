@@ -99,23 +99,25 @@ def argument_values(tool: str, arguments: str) -> Iterator[Value]:
     yield from _leaves(parsed, tool)
 
 
-def _leaves(node: Any, key: str) -> Iterator[Value]:
-    if isinstance(node, dict):
-        for name, value in node.items():
-            yield from _leaves(value, str(name))
-    elif isinstance(node, list):
-        for value in node:
-            yield from _leaves(value, key)
-    elif isinstance(node, bool) or node is None:
-        return
-    elif isinstance(node, (int, float)):
-        yield Value(key, str(int(node)) if isinstance(node, float) and node.is_integer() else str(node))
-    elif isinstance(node, str):
-        text = node.strip()
-        if "\n" not in text and 0 < len(text) <= MAX_VALUE:
-            yield Value(key, text)
-        elif text:
-            yield from (Value(key, v) for v in text_values(text))
+def _leaves(root: Any, tool: str) -> Iterator[Value]:
+    """The leaves of parsed arguments in document order (a stack, not recursion: arguments may nest 1,000 deep)."""
+    stack: list[tuple[Any, str]] = [(root, tool)]
+    while stack:
+        node, key = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((value, str(name)) for name, value in reversed(node.items()))
+        elif isinstance(node, list):
+            stack.extend((value, key) for value in reversed(node))
+        elif isinstance(node, bool) or node is None:
+            continue
+        elif isinstance(node, (int, float)):
+            yield Value(key, str(int(node)) if isinstance(node, float) and node.is_integer() else str(node))
+        elif isinstance(node, str):
+            text = node.strip()
+            if "\n" not in text and 0 < len(text) <= MAX_VALUE:
+                yield Value(key, text)
+            elif text:
+                yield from (Value(key, v) for v in text_values(text))
 
 
 def item_values(item: Item) -> Iterator[Value]:
@@ -167,7 +169,7 @@ def missing(values: Sequence[Value], text: str) -> list[Value]:
 
 def _written(text: str) -> str:
     """A key or value as the section writes it: as is, or quoted (JSON) when it holds a separator."""
-    return text if _PLAIN.fullmatch(text) else orjson.dumps(text).decode()
+    return text if _PLAIN.fullmatch(text) and text.isprintable() else orjson.dumps(text).decode()
 
 
 def listing(values: Sequence[Value]) -> str:
@@ -196,15 +198,19 @@ def section(values: Sequence[Value], limit: int, count: Callable[[str], int], le
     """
     if not values or limit <= 0:
         return Section(left_out=len(values))
+    # every value takes a token at least: more than ``limit`` of them never fit (so a pasted log's thousands of
+    # numbers cost no more to bound than ``limit`` values do)
+    older = max(0, len(values) - limit)
+    values = values[older:]
 
     def written(kept: int) -> str:
-        omitted = len(values) - kept
+        omitted = older + len(values) - kept
         note = f" ({omitted} older values left out)" if omitted else ""
         return f"{lead}{note}: {listing(values[len(values) - kept:])}"
 
     text = written(len(values))
     if count(text) <= limit:
-        return Section(text, len(values))
+        return Section(text, len(values), older)
     low, high = 0, len(values) - 1  # the most values that fit: at least low, fewer than high + 1
     while low < high:
         mid = (low + high + 1) // 2
@@ -212,7 +218,12 @@ def section(values: Sequence[Value], limit: int, count: Callable[[str], int], le
             low = mid
         else:
             high = mid - 1
-    return Section(written(low), low, len(values) - low) if low else Section(left_out=len(values))
+    return Section(written(low), low, older + len(values) - low) if low else Section(left_out=older + len(values))
+
+
+def section_of(turns: Iterable[Sequence[Item]], limit: int, count: Callable[[str], int], lead: str = LEAD) -> Section:
+    """The section of every value ``turns`` acted on (``acted_on``), within ``limit`` tokens."""
+    return section(acted_on(turns), limit, count, lead)
 
 
 def keep_values(summary: str, turns: Iterable[Sequence[Item]], limit: int, count: Callable[[str], int]) -> str:
@@ -220,11 +231,6 @@ def keep_values(summary: str, turns: Iterable[Sequence[Item]], limit: int, count
     extra = section(missing(acted_on(turns), summary), limit, count, SUMMARY_LEAD)
     return f"{summary}{SEPARATOR}{extra.text}" if extra.text else summary
 
-
-def section_tokens(turns: Iterable[Sequence[Item]], limit: int, count: Callable[[str], int]) -> int:
-    """The most tokens ``keep_values`` may add to a summary of ``turns``: the section of all their values."""
-    extra = section(acted_on(turns), limit, count, SUMMARY_LEAD)
-    return count(SEPARATOR + extra.text) if extra.text else 0
 
 
 # --------------------------------------------------------------------------- rendering for the summariser

@@ -20,7 +20,10 @@ Anthropic's ``compact_20260112`` edit when ctxproxy emulates ``context_managemen
   its text leaves out are appended to it (``proxy.core.values``, at most ``values_tokens``), before it
   is cached, so the cached record holds them, a reused summary carries them, and an incremental
   summary checks the values of every turn it covers (the previous summary's included). The section
-  depends on its cap, so the cap is part of the summary's scope.
+  depends on its cap, so the cap is part of the summary's scope. The sections a ``drop`` policy puts
+  in place of dropped turns, and those the summarising manager plans a cut with, are made here too
+  (``values_section``), kept in a small LRU of this process under the chained hash of the turns they
+  cover: a conversation's next request finds them, however long its older turns are.
 
 A policy without a summariser of its own (``sliding-window``) compacts with the default ``llm``
 one (``summarizer_for``).
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +57,7 @@ WOULD_CREATE = "[ctxproxy explain: a summary of these turns would be created her
 DROPS_OLDER_TURNS = "compaction unavailable: this policy drops older turns (summarizer: drop)"
 NO_SUMMARISER = "compaction unavailable: no summariser is available"
 VALUES_VERSION = "1"  # of the values section's rules: a change makes summaries anew
+SECTIONS = 4096  # values sections remembered by this process (tenant + the turns' chained hash + cap + lead)
 
 
 def summarizer_for(own: Summarizer | None, instructions: Any = None) -> Summarizer:
@@ -71,8 +76,33 @@ def summarizer_for(own: Summarizer | None, instructions: Any = None) -> Summariz
 class Compaction:
     """``plugins.base.Compactor`` over a summary store."""
 
-    def __init__(self, store: SummaryStore) -> None:
+    def __init__(self, store: SummaryStore, sections: int = SECTIONS) -> None:
         self.store = store
+        self._sections: OrderedDict[tuple[str, str, str, int, str], tuple[values.Section, int]] = OrderedDict()
+        self._size = sections
+
+    async def values_section(self, services: Services, turns: Sequence[Sequence[Item]], link: str, lead: str,
+                             *, offload: bool = False) -> tuple[values.Section, int]:
+        """The values section of ``turns`` (all their values, at most ``values_tokens``) and its tokens;
+        ``link``: the chained hash of ``turns``, under which it is remembered. With ``offload`` (a large
+        conversation) it is made in a worker thread."""
+        counter = services.counter
+        encoding = counter.encoding_name if counter is not None else ""
+        key = (services.tenant, encoding, link, services.values_tokens, lead)
+        found = self._sections.get(key)
+        if found is not None:
+            self._sections.move_to_end(key)
+            return found
+        count = _counting(services)
+        if offload:
+            made = await asyncio.to_thread(values.section_of, turns, services.values_tokens, count, lead)
+        else:
+            made = values.section_of(turns, services.values_tokens, count, lead)
+        out = (made, count(made.text) if made.text else 0)
+        self._sections[key] = out
+        while len(self._sections) > self._size:
+            self._sections.popitem(last=False)
+        return out
 
     def unavailable(self, summarizer: Summarizer | None, services: Services) -> str | None:
         if summarizer is not None and summarizer.name == "drop":
@@ -114,10 +144,7 @@ class Compaction:
 def keeping_values(summarize: SummarizeFn, covered: Sequence[Sequence[Item]], services: Services) -> SummarizeFn:
     """``summarize``, whose answer then carries the values of ``covered`` (every turn the summary covers) that its
     text leaves out; an empty answer is left empty (a failure)."""
-    counter = services.counter
-
-    def count(text: str) -> int:
-        return counter.text(text) if counter is not None else len(text) // 4 + 1
+    count = _counting(services)
 
     async def summarize_keeping_values(previous: str | None, turns: Sequence[Sequence[Item]]) -> Completion:
         made = await summarize(previous, turns)
@@ -129,6 +156,14 @@ def keeping_values(summarize: SummarizeFn, covered: Sequence[Sequence[Item]], se
         return dataclasses.replace(made, text=text)
 
     return summarize_keeping_values
+
+
+def _counting(services: Services) -> Any:
+    """The request's token count of a text (an estimate without a counter)."""
+    counter = services.counter
+    if counter is not None:
+        return counter.text
+    return lambda text: len(text) // 4 + 1
 
 
 def _scope(summarizer: Summarizer, services: Services) -> SummaryScope:

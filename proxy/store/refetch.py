@@ -80,10 +80,13 @@ def removed_outputs(received: list[Item], forwarded: list[Item],
 
 @dataclass
 class _Conversation:
+    """What one conversation's last request removed; result ids are kept as their hashes (a client's id may be
+    long: what is kept per conversation is bounded in bytes, not only in entries)."""
+
     length: int  # received items of the last request
     digest: int  # the hash of their content keys
-    removed: dict[str, tuple[int, str]] = field(default_factory=dict)  # result id -> (signature, how), newest last
-    refetched: OrderedDict[str, None] = field(default_factory=OrderedDict)  # result ids already counted
+    removed: dict[int, tuple[int, str]] = field(default_factory=dict)  # result id's hash -> (signature, how)
+    refetched: OrderedDict[int, None] = field(default_factory=OrderedDict)  # result ids already counted
 
 
 class RefetchTracker:
@@ -121,17 +124,20 @@ class RefetchTracker:
                 for call_id in item.call_ids:
                     calls[call_id] = item
         known = previous.removed if previous is not None else {}
-        remembered: dict[str, tuple[int, str]] = {}
+        remembered: dict[int, tuple[int, str]] = {}
         for result, how in removed[-self._per:]:
-            ident = result.result_id or ""
-            sig = known[ident][0] if ident in known else _answered(result, calls.get(ident))
+            ident = hash(result.result_id)
+            sig = known[ident][0] if ident in known else _answered(result, calls.get(result.result_id or ""))
             if sig is not None:
                 remembered[ident] = (sig, how)
+        by_signature: dict[int, list[int]] = {}
+        for ident, (sig, _) in known.items():
+            by_signature.setdefault(sig, []).append(ident)
         counts: dict[str, int] = {}
         with self._lock:
             refetched = previous.refetched if previous is not None else OrderedDict()
             for _, sig in new:
-                hits = [ident for ident, (s, _) in known.items() if s == sig and ident not in refetched]
+                hits = [ident for ident in by_signature.get(sig, ()) if ident not in refetched]
                 if not hits:
                     continue
                 how = known[hits[-1]][1]

@@ -117,8 +117,9 @@ def test_keep_values_appends_what_the_summary_leaves_out() -> None:
         "reservation_id=8JXA2P; assistant=HAT170, 2024-05-20")
     complete = "- 8JXA2P moved to HAT170 on 2024-05-20."
     assert values.keep_values(complete, turns, 1000, COUNTER.text) == complete  # nothing left out: no section
-    size = values.section_tokens(turns, 1000, COUNTER.text)
-    assert size == COUNTER.text(values.keep_values(GENERIC, turns, 1000, COUNTER.text)[len(GENERIC):])
+    # the most a summary can gain: the section of every value, which a summary keeping none of them gets
+    largest = values.section_of(turns, 1000, COUNTER.text, values.SUMMARY_LEAD).text
+    assert values.keep_values(GENERIC, turns, 1000, COUNTER.text) == GENERIC + values.SEPARATOR + largest
 
 
 _leaf = st.one_of(st.text(string.ascii_letters + string.digits + "_-./:@ ", min_size=1, max_size=30),
@@ -155,3 +156,18 @@ def test_used_later_finds_the_output_values_a_later_call_or_message_used() -> No
     assert found == {"HAT017", "HAT042"}
     assert values.used_later(items[5], 5, uses) == frozenset()  # nothing used after the last one
     assert values.used_later(items[3], 3, uses) == frozenset()  # not a result
+
+
+def test_hostile_arguments_and_text() -> None:
+    """Arguments nested a thousand deep are read without recursion; a value with control characters or a
+    separator is quoted; a pasted log of ten thousand numbers costs no more to bound than its newest values."""
+    deep = "[" * 1000 + '"HAT170"' + "]" * 1000
+    assert list(values.argument_values("f", deep)) == [Value("f", "HAT170")]
+    made = values.section([Value("q", "a\x00b"), Value("q", "x\u2028y"), Value("q", "ok")], 100, COUNTER.text)
+    assert made.text == 'Values these turns acted on: q="a\\u0000b", "x\u2028y", ok'
+    log = " ".join(str(100_000 + i) for i in range(10_000))
+    acted = values.acted_on(turns_of([user(log)]))
+    assert len(acted) == 10_000
+    bounded = values.section(acted, 300, COUNTER.text)
+    assert COUNTER.text(bounded.text) <= 300 and bounded.listed + bounded.left_out == 10_000
+    assert bounded.text.endswith("109999")

@@ -128,7 +128,7 @@ def test_the_tracker_is_bounded() -> None:
         tracker.observe("acme", received, [i for i in received if i.result_id is None])  # every output dropped
     assert len(tracker._conversations) == 2
     kept = next(iter(tracker._conversations.values()))
-    assert list(kept.removed) == ["c3", "c4", "c5"]  # the newest removals of the conversation
+    assert list(kept.removed) == [hash("c3"), hash("c4"), hash("c5")]  # the newest removals of the conversation
 
 
 # --------------------------------------------------------------------------- over HTTP, on each wire
