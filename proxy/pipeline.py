@@ -101,6 +101,7 @@ class Assembly:
     field_name: str = "messages"
     body_changes: dict[str, Any] = field(default_factory=dict)  # output caps and the upstream model name
     sent_tokens: int | None = None  # observe: ctxproxy's count of the client's payload, which is what is forwarded
+    summarised: list[Item] = field(default_factory=list)  # the items of the turns a summary covers (re-fetches)
 
     @property
     def forwarded_tokens(self) -> int:
@@ -407,7 +408,8 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     changed = (len(final) != len(received) or any(a is not b for a, b in zip(final, received)) or bool(changes)
                or bool(repairs))
     out = wire.render(body, final, changes) if changed else body
-    return Assembly(out, final, changed, report, received, wire.field, changes)
+    summarised = [item for turn in plan.view.turns[: result.turns_summarised] for item in turn]
+    return Assembly(out, final, changed, report, received, wire.field, changes, summarised)
 
 
 def whole_turns(history: list[Item], kept: list[Item]) -> tuple[list[Item], list[Item]]:

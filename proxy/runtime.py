@@ -116,6 +116,7 @@ class Runtime:
             model=route.name,
             summarizer_model=policy.summarizer_model,
             summary_tokens=s.summarizer.max_summary_tokens,
+            values_tokens=s.summarizer.max_values_tokens,
             summarizer_timeout=s.summarizer.timeout_seconds,
             summarizer_window=route.window,
             window_of=self.window_of,

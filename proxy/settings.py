@@ -289,6 +289,9 @@ def _cut(text: str) -> str:
 class SummarizerSettings(Strict):
     timeout_seconds: float = Field(60, gt=0, description="Deadline for one summariser call.")
     max_summary_tokens: int = Field(1024, ge=64, description="Answer cap of a summariser call.")
+    max_values_tokens: int = Field(
+        1024, ge=0, description="Cap on a summary's values section: the values its turns acted on that the "
+        "summary's text leaves out, appended to it (past the cap the oldest are left out; 0: no section).")
     retry_backoff_seconds: float = Field(10, ge=0, description="First back-off after a failure (doubles).")
     max_backoff_seconds: float = Field(300, ge=0, description="Longest back-off.")
     lock_wait_seconds: float = Field(

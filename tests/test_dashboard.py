@@ -28,6 +28,7 @@ GROUPING = re.compile(r"\bby\s*\(([^)]*)\)")
 
 REQUIRED_TITLES = [
     "Summariser cost vs estimated savings per tenant",
+    "Re-fetches per 100 requests by how",
     "Tokens received vs forwarded",
     "Tokens removed by how",
     "Summaries by result",
@@ -97,6 +98,7 @@ def exported() -> dict[str, set[str]]:
                usage={"prompt_tokens_details": {"cached_tokens": 30}})
     m.payload_error("invalid_role")
     m.prefix("acme", "gpt-4o-mini", True)
+    m.refetched("acme", "gpt-4o-mini", {"masked": 1, "summarised": 1, "dropped": 1})
     for net in (0.5, -0.25):
         m.account("acme", "gpt-4o-mini", RequestCost(
             "gpt-4o-mini", 100, 1.0, 0.1, 0.2, 0.3, net, True, CacheEffect(True, True, 10, 2, 5, 1.0)))

@@ -5,7 +5,8 @@ context management), because a client that compacts on its own (Claude Code) mus
 size that reaches the model. It runs the hook and the pipeline exactly as ``/v1/messages``
 would, but in dry-run: a summary or an emulated compaction is looked up in the cache, never
 made, so counting bills nobody; a summary that does not exist yet is counted at its largest
-(``summarizer.max_summary_tokens``). Its body usually has no ``max_tokens`` (Claude Code sends
+(``summarizer.max_summary_tokens``, and its values section: the pipeline's estimate for the turns it
+would cover, ``summarizer.max_values_tokens`` for an emulated compaction). Its body usually has no ``max_tokens`` (Claude Code sends
 none): it is then budgeted with a reserve of one token (``COUNT_RESERVE``), the smallest
 ``/v1/messages`` can be sent with, so the answer is the most ``/v1/messages`` would forward
 for this conversation, and exactly that whenever the real request's ``max_tokens`` (or a
@@ -69,8 +70,9 @@ async def count_tokens_handler(request: web.Request, wire: Wire) -> web.StreamRe
             probe = exchange.body
         counter = runtime.tokenizers.get(route.encoding)
         headers: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
-        max_summary = runtime.config.settings.summarizer.max_summary_tokens
-        unmade = max_summary if exchange is not None and exchange.describe().get("compaction") == "would_create" \
+        summarizer = runtime.config.settings.summarizer
+        max_summary = summarizer.max_summary_tokens
+        unmade = max_summary + summarizer.max_values_tokens if exchange is not None and exchange.describe().get("compaction") == "would_create" \
             else 0
         try:
             assembly, route, _policy = await runtime.assemble(wire, probe, tenant=tenant, override=override,
@@ -83,7 +85,8 @@ async def count_tokens_handler(request: web.Request, wire: Wire) -> web.StreamRe
             # in observe mode the client's body is what /v1/messages forwards: that is what is counted
             forwarded, after = assembly.body, assembly.forwarded_tokens
             if assembly.report.summary == "would_create" and assembly.report.mode != "observe":
-                unmade += max_summary  # counted at its largest, not as the placeholder
+                # counted at its largest, not as the placeholder
+                unmade += int(assembly.report.summary_detail.get("summary_tokens_at_most", max_summary))
             headers.update(report_headers(assembly, time.perf_counter() - started))
         request[RESPONSE_HEADERS] = headers
         factor = runtime.calibration.factor(route, scope.tenant_name) if runtime.calibration is not None else 1.0

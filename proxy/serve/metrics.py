@@ -3,7 +3,7 @@
 One ``Metrics`` instance owns its own ``CollectorRegistry`` (the global
 ``REGISTRY`` is never touched) and is the ``Observer`` the runtime reports
 summariser calls and cache errors to; the request handler calls ``assembled``,
-``finished``, ``payload_error`` and ``prefix``, and after each answer
+``finished``, ``payload_error``, ``prefix`` and ``refetched``, and after each answer
 ``account`` (the request's cost figures, ``proxy.serve.costs``) and
 ``calibration_sample``; the calibration store reports its factors to
 ``calibration_factor``. What the cost report needs is also added to the cost
@@ -59,6 +59,7 @@ from proxy.core.pairing import REPAIR_KINDS
 from proxy.core.usage import normalise_usage
 from proxy.pipeline import MODES, REMOVED_HOW, SUMMARY_STATUSES
 from proxy.store.calibration import SAMPLE_RESULTS
+from proxy.store.refetch import HOW as REFETCH_HOW
 from proxy.upstream.engine import FAILURE_REASONS
 from proxy.wire import WIRES, Wires
 
@@ -165,6 +166,10 @@ class Metrics:
             "(logging.queue_lines were waiting).", ())
         self.prefix_stable = counter(
             "ctxproxy_prefix_stable", "Whether the forwarded prefix matched the previous request's.", (*TM, "result"))
+        self.refetches = counter(
+            "ctxproxy_refetch", "Calls the model made again (same tool, same arguments) after ctxproxy removed their "
+            "output from a request of the same conversation, by how it was removed: masked, summarised or dropped "
+            "(counted by the replica that served both requests).", (*TM, "how"))
         self.overhead = histogram(
             "ctxproxy_overhead_seconds", "Time the proxy adds before forwarding.", (), OVERHEAD_BUCKETS)
         self.upstream = histogram(
@@ -417,6 +422,20 @@ class Metrics:
         """Whether the forwarded prefix was unchanged since this conversation's previous request."""
         self.prefix_stable.labels(
             self.tenant_label(tenant), self.model_label(model), "stable" if stable else "shifted").inc()
+
+    def refetched(self, tenant: str, model: str, counts: dict[str, int]) -> None:
+        """Calls of one request that repeat a call whose output an earlier request removed, by how
+        (``proxy.store.refetch``); the cost ledger counts them too, so the report equals the counter."""
+        t, m = self.tenant_label(tenant), self.model_label(model)
+        amounts: dict[str, float] = {}
+        for how, n in counts.items():
+            if n > 0:
+                label = how if how in REFETCH_HOW else OTHER
+                self._child(self.refetches, t, m, label).inc(n)
+                if label != OTHER:
+                    amounts[f"refetched_{label}"] = n
+        if amounts:
+            self._ledger(t, m, **amounts)
 
     def _cached_tokens(self, usage: dict[str, Any] | None, wire: str) -> int:
         """The provider's cached input tokens, read in the wire's own form (a usage of no known wire: guessed)."""

@@ -95,7 +95,9 @@ async def test_count_tokens_looks_a_summary_up_and_never_makes_one(
         assert recounted["input_tokens"] == int(sent["x-ctxproxy-tokens-out"]) <= counted["input_tokens"]
     else:  # the upstream counts what would be forwarded: the body with the cached summary
         assert upstream.counts[-1].body["messages"] == upstream.messages[-1].body["messages"]
-        assert counted["input_tokens"] == upstream.count_tokens_answer + 1024  # the placeholder, plus at most this
+        # the placeholder, plus at most this: the summary's text at its cap and the section of the values of the
+        # turns it would cover (here a few ids of the words' vocabulary)
+        assert 1024 <= counted["input_tokens"] - upstream.count_tokens_answer <= 1024 + 100
         assert recounted["input_tokens"] == upstream.count_tokens_answer
 
 

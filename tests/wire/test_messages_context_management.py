@@ -242,10 +242,13 @@ async def test_compaction_answers_with_a_compaction_block_and_a_later_request_re
     reply = await create(proxy, messages, [COMPACT], stream=stream)
     assert [b.type for b in reply.content] == ["compaction", "text"]
     block = reply.content[0]
-    assert block.content == upstream.summary_text and block.encrypted_content == f"{MARKER}{len(messages) - 1}"
+    # the summary, and the values of the compacted turns it leaves out (the compaction service's values section)
+    assert block.content == (f"{upstream.summary_text}\n\nValues these turns acted on (ctxproxy lists those the "
+                             "summary leaves out): user=ZFA04Y")
+    assert block.encrypted_content == f"{MARKER}{len(messages) - 1}"
     assert len(upstream.summaries) == 1
     first = upstream.messages[-1].body
-    assert first["messages"] == [{"role": "user", "content": [{"type": "text", "text": upstream.summary_text}]},
+    assert first["messages"] == [{"role": "user", "content": [{"type": "text", "text": block.content}]},
                                  {"role": "user", "content": "And finally?"}]
     # the client appends the answer (compaction block included) and asks again
     messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
