@@ -152,6 +152,8 @@ def parse_body(raw: bytes, fields: frozenset[str] = WIRES.interpreted_fields) ->
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidJSON(f"The request body is not valid JSON: {exc}") from None
+    if LONG_DIGITS.search(raw):
+        body = _exact(raw, body)
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object", code="invalid_body")
     check_field_names(body, fields)
@@ -190,11 +192,27 @@ def check_repeated_fields(raw: bytes, body: dict[str, Any]) -> None:
         seen.add(key)
 
 
+# orjson reads an integer beyond 64 bits as a float (12345678901234567890123 -> 1.2345678901234568e+22): a
+# body with a run of 20 digits is read again by the standard decoder, which keeps such integers exact.
+LONG_DIGITS = re.compile(rb"[0-9]{20}")
+
+
+def _exact(raw: bytes, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` read again with its large integers exact (``body`` itself when the standard decoder cannot)."""
+    try:
+        exact = json.loads(raw)
+    except (ValueError, RecursionError):
+        return body
+    return exact if isinstance(exact, dict) else body
+
+
 def dumps_body(body: dict[str, Any]) -> bytes:
     """A body as JSON to forward (a 400 when it cannot be: orjson reads 1024 levels of nesting, writes 254)."""
     try:
         return orjson.dumps(body)
-    except TypeError:
+    except TypeError as exc:
+        if "64-bit" in str(exc):  # an integer read exactly (``LONG_DIGITS``): written as the client wrote it
+            return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
         raise BadRequest("The request body is nested too deeply (more than 254 levels) to be forwarded.",
                          code="invalid_json") from None
 
