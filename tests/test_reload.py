@@ -289,7 +289,7 @@ async def test_reload_during_a_summariser_call_keeps_the_requests_policy(setup: 
     assert not env.upstream.chat
 
     raw = await in_flight
-    assert raw.status_code == 200 and raw.headers["x-ctxproxy-summary"] == "created"
+    assert raw.status_code == 200 and raw.headers["x-ctxproxy-summary"] == "waited"
     forwarded = env.upstream.chat[0].body["messages"]
     assert user_turns(forwarded) == 6 + 1  # the old keep_turns
     assert 1500 < count_tokens(forwarded) <= CAPS["research"] * 1.01

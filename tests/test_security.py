@@ -430,7 +430,7 @@ async def test_cache_files_are_owner_only_whatever_the_umask(upstream: FakeUpstr
         body = {"model": SMALL, "messages": conversation(40)}
         async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/chat/completions", json=body,
                                                         headers={"Authorization": f"Bearer {TENANT_A_KEY}"}) as r:
-            assert r.status == 200 and r.headers["x-ctxproxy-summary"] == "created"
+            assert r.status == 200 and r.headers["x-ctxproxy-summary"] == "waited"
         await proxy.runner.cleanup()
     finally:
         os.umask(old)

@@ -60,7 +60,7 @@ async def test_redis_down_then_back(upstream, start_proxy):
                                                           "params": {"keep_turns": 4, "mask_observations": False}}))
         async with aiohttp.ClientSession() as s:
             status, headers, _ = await post(s, proxy.url, conversation(30))
-            assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+            assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
             redis.stop()
             for n in (31, 32):
                 status, headers, _ = await post(s, proxy.url, conversation(n))
@@ -75,7 +75,7 @@ async def test_redis_down_then_back(upstream, start_proxy):
             other = conversation(40)  # a conversation this process has not summarised (none in its memory)
             other[1]["content"] += " (the other trip)"
             status, headers, _ = await post(s, proxy.url, other)
-            assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+            assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
             status, headers, _ = await post(s, proxy.url, other)
             assert (status, headers["x-ctxproxy-summary"]) == (200, "reused")
             # it went to Redis: a replica with nothing in its own memory reuses it

@@ -113,7 +113,7 @@ async def test_over_budget_the_history_is_summarised_paired_and_within_budget(
     tools = [{"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}]
     async with client(proxy) as c:
         raw = await c.responses.with_raw_response.create(model=SMALL, input=items, tools=tools)  # type: ignore[arg-type]
-        assert raw.headers["x-ctxproxy-summary"] == "created"
+        assert raw.headers["x-ctxproxy-summary"] == "waited"
         assert raw.parse().output_text == REPLY
         made = len(upstream.summaries)  # (in chunks: the summariser is the 8k model itself)
         assert made >= 1
