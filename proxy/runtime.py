@@ -17,7 +17,7 @@ from proxy.core.conversation import WireAdapter
 from proxy.core.errors import AuthenticationError, BadRequest, ModelNotFound, SummarizerFailed
 from proxy.core.modelinfo import ModelMap
 from proxy.core.tokens import Tokenizers
-from proxy.pipeline import Assembly, assemble
+from proxy.pipeline import Assembly, assemble, observe
 from proxy.policy import ModelRoute, Policy, Routes, policy_for
 from proxy.settings import Config, Tenant
 
@@ -116,6 +116,7 @@ class Runtime:
             model=route.name,
             summarizer_model=policy.summarizer_model,
             summary_tokens=s.summarizer.max_summary_tokens,
+            values_tokens=s.summarizer.max_values_tokens,
             summarizer_timeout=s.summarizer.timeout_seconds,
             summarizer_window=route.window,
             window_of=self.window_of,
@@ -143,14 +144,26 @@ class Runtime:
         request_id: str = "",
         dry_run: bool = False,
         params: Mapping[str, str] | None = None,
+        mode: str | None = None,
     ) -> tuple[Assembly, ModelRoute, Policy]:
         """Policy, route and the whole pipeline for one body of ``wire`` (its synchronous steps in a worker
-        thread with ``offload``: a large body); ``params``: the request path's (a model in the path)."""
+        thread with ``offload``: a large body); ``params``: the request path's (a model in the path).
+
+        In the policy's mode, or in ``mode`` when given (explain's ``?mode=``): in observe mode the
+        assembly forwards the client's body and reports what enforce would have done, never calling the
+        summariser (``proxy.pipeline.observe``)."""
         model = model_of(wire, body, params)
         route = self.route(model)
         policy = self.policy(tenant, model, override)
         counter = self.tokenizers.get(route.encoding)
         calibration = await self.calibration_factor(route, policy.tenant)
+        if (mode or policy.mode) == "observe":
+            assembly = await observe(
+                body, wire=wire, route=route, policy=policy, counter=counter,
+                services=self.services(route, policy, request_id=request_id, dry_run=True),
+                offload=offload, calibration=calibration,
+            )
+            return assembly, route, policy
         assembly = await assemble(
             body, wire=wire, route=route, policy=policy, counter=counter,
             services=self.services(route, policy, request_id=request_id, dry_run=dry_run),

@@ -7,8 +7,11 @@ within the hard budget B; past B a new one is made incrementally (previous
 summary + the newly aged turns), cutting so the result leaves one hysteresis
 step of headroom, so summariser calls grow with conversation growth, not with
 request count. Summaries come from the one compaction service (``Services.compaction``:
-``proxy.store.compaction``), which ``/responses/compact`` and the Messages compaction use too.
-With the ``drop`` summariser (or no engine) older turns are dropped instead, on a prefix-stable grid.
+``proxy.store.compaction``), which ``/responses/compact`` and the Messages compaction use too; a
+summary carries the values its turns acted on that its text leaves out (its values section), and
+is planned at its largest: ``max_summary_tokens`` of text plus ``max_values_tokens`` of values.
+With the ``drop`` summariser (or no engine) older turns are dropped instead, on a prefix-stable grid,
+and replaced by their values section alone (no model call): the summary of a policy that makes none.
 
 Summaries are made off the critical path (``summary_prefetch_ratio``, default 0.8; 0 turns it off):
 a conversation that comes within a lead of where it will need a summary, ``(1 - ratio) x T`` tokens
@@ -50,8 +53,11 @@ from plugins.base import (
     window,
 )
 from plugins.masking import MASK_STEP, Masking, mask_observations
+from proxy.core import values
 from proxy.core.budget import Budget, TrimmerParams
 from proxy.core.items import Item
+
+DROPPED = "Values these turns acted on (the turns were dropped to save context)"
 
 
 class SummarisingParams(Params):
@@ -153,10 +159,9 @@ class Summarising(ContextManager):
             return ""
         # cut so that, when a request uses it (the first crossing T; later ones, the next request), the payload
         # is a hysteresis step under the point where the following summary starts
-        summary = services.summary_tokens
         until_used = max(0, budget.threshold - now) if found is None else 0
-        cut = self._cut(view, summary, budget.hard_budget - lead - budget.step - until_used)
-        if cut <= covered or view.payload_tokens(cut, summary) > budget.hard_budget:
+        cut, reserve = await self._plan(view, budget.hard_budget - lead - budget.step - until_used)
+        if cut <= covered or view.payload_tokens(cut, reserve) > budget.hard_budget:
             return ""
         return compaction.prefetch(self.summarizer, services, client.turns, chain, cut)
 
@@ -173,7 +178,7 @@ class Summarising(ContextManager):
         services = view.services
         compaction = services.compaction  # the one compaction service (proxy.store.compaction)
         if self.summarizer is None or compaction is None or compaction.unavailable(self.summarizer, services):
-            return self._drop(view)  # drop (or no summariser): older turns go, on a prefix-stable grid
+            return await self._drop(view)  # drop (or no summariser): older turns go, on a prefix-stable grid
         chain = await view.chain_hashes()
         found = await compaction.lookup(self.summarizer, services, chain)
         ahead = self._ahead(services)
@@ -190,15 +195,15 @@ class Summarising(ContextManager):
             started = await self._prefetch(client, chain, found)
             return HistoryResult(turns=view.turns, summary_status="pending" if started in ("started", "busy")
                                  else "none", background=started)
-        cut = self._cut(view, services.summary_tokens)
-        if view.payload_tokens(cut, services.summary_tokens) > budget.hard_budget:
-            return self._drop(view)  # not even a summary would fit: keep the recent turns, trim the rest
+        cut, reserve = await self._plan(view)
+        if view.payload_tokens(cut, reserve) > budget.hard_budget:
+            return await self._drop(view)  # not even a summary would fit: keep the recent turns, trim the rest
         if cut == 0 or (found is not None and cut <= found.covered_turns):
             return self._with(view, found, "reused") if found is not None else HistoryResult.unchanged(view)
         if ahead:  # nothing fits under B without a summary: this request waits, unless the summariser is failing
             making = compaction.making(self.summarizer, services, chain)
             if making > (found.covered_turns if found is not None else 0) and view.payload_tokens(
-                    making, services.summary_tokens) <= budget.hard_budget:
+                    making, reserve) <= budget.hard_budget:
                 cut = making  # the one being made fits: wait for it rather than make another
             else:
                 failing = compaction.failing(self.summarizer, services, chain)
@@ -210,7 +215,7 @@ class Summarising(ContextManager):
         made = await compaction.compact(self.summarizer, services, client.turns, chain, cut=cut, found=found,
                                         looked=True)
         if made.status == "would_create":
-            return self._would_create(view, cut, found, made.text)
+            return self._would_create(view, cut, found, made.text, reserve)
         waited = time.perf_counter() - began
         if made.summary is None:
             return HistoryResult(turns=view.turns, summary_status=made.status, detail={"reason": made.reason},
@@ -219,6 +224,25 @@ class Summarising(ContextManager):
         result = self._with(view, made.summary, made.status)
         result.waited = waited
         return result
+
+    async def _plan(self, view: HistoryView, target: int | None = None) -> tuple[int, int]:
+        """Where to cut, and the most tokens the summary may take there: the summariser's text at its cap plus
+        the values section of the turns it covers (at most its cap). The section grows with the cut and the cut
+        with the section, so the two are planned in turn, a few times (any excess left is the trimmer's).
+        ``target``: as in ``_cut``."""
+        services = view.services
+        reserve = services.summary_tokens
+        cut = self._cut(view, reserve, target)
+        for _ in range(3):
+            if cut == 0 or services.values_tokens <= 0:
+                break
+            section, _ = await self._values(view, cut, values.SUMMARY_LEAD)
+            size = view.counter.text(values.SEPARATOR + section.text) if section.text else 0
+            if services.summary_tokens + size <= reserve:
+                break
+            reserve = services.summary_tokens + size
+            cut = self._cut(view, reserve, target)
+        return cut, reserve
 
     def _cut(self, view: HistoryView, summary_tokens: int, target: int | None = None) -> int:
         """Summarise all but the last keep_turns turns, and more if the rest would leave no headroom (the payload
@@ -252,8 +276,10 @@ class Summarising(ContextManager):
             detail=detail,
         )
 
-    def _would_create(self, view: HistoryView, cut: int, found: CachedSummary | None, text: str) -> HistoryResult:
-        """Explain and ``assemble``: what a summary would replace, with the placeholder ``text``, nobody billed."""
+    def _would_create(self, view: HistoryView, cut: int, found: CachedSummary | None, text: str,
+                      reserve: int) -> HistoryResult:
+        """Explain and ``assemble``: what a summary would replace, with the placeholder ``text``, nobody billed;
+        ``reserve``: the most tokens the summary may take."""
         item: Item = view.summary_item(text, cut)
         replaced = sum(view.turn_tokens[:cut])
         return HistoryResult(
@@ -261,14 +287,39 @@ class Summarising(ContextManager):
             summary=item,
             turns_summarised=cut,
             summary_status="would_create",
-            removed={"summarised": max(0, replaced - view.services.summary_tokens)},
+            removed={"summarised": max(0, replaced - reserve)},
             detail={"turns": cut, "tokens_replaced": replaced, "cached": False,
                     "cached_prefix_turns": found.covered_turns if found is not None else 0,
-                    "summary_tokens_at_most": view.services.summary_tokens},
+                    "summary_tokens_at_most": reserve},
         )
 
-    def _drop(self, view: HistoryView) -> HistoryResult:
+    async def _drop(self, view: HistoryView) -> HistoryResult:
+        """Older turns dropped on the grid, and replaced by the values they acted on (nobody is billed)."""
         params: Any = self.params
-        return window(view, params.keep_turns, params.cut_step)
+        dropped = window(view, params.keep_turns, params.cut_step)
+        cut = dropped.turns_dropped
+        if not cut or view.services.values_tokens <= 0:
+            return dropped
+        kept, _ = await self._values(view, cut, DROPPED)
+        if not kept.text:
+            return dropped
+        item: Item = view.summary_item(summary_text(cut, kept.text), cut)
+        return dataclasses.replace(
+            dropped, summary=item, removed={"windowed": max(0, dropped.removed.get("windowed", 0) - item.tokens)},
+            detail={"turns": cut, "values_only": True, "values": kept.listed, "values_left_out": kept.left_out})
 
-
+    async def _values(self, view: HistoryView, cut: int, lead: str) -> tuple[values.Section, int]:
+        """The values section of ``view.turns[:cut]`` and its tokens: the compaction service's (remembered under
+        the turns' chained hash, so a conversation's next request does not read its older turns again)."""
+        services = view.services
+        compaction = services.compaction
+        if compaction is not None:
+            chain = await view.chain_hashes()
+            return await compaction.values_section(services, view.turns[:cut], chain[cut - 1], lead,
+                                                   offload=view.offload)
+        if view.offload:  # a large conversation: its items are walked in a worker thread
+            made = await asyncio.to_thread(values.section_of, view.turns[:cut], services.values_tokens,
+                                           view.counter.text, lead)
+        else:
+            made = values.section_of(view.turns[:cut], services.values_tokens, view.counter.text, lead)
+        return made, view.counter.text(made.text) if made.text else 0

@@ -1,8 +1,11 @@
 """One structured JSON line per request (logger ``ctxproxy.requests``).
 
-Fields: request id, wire, tenant, model, status, tokens in/out, what was removed and
-how, how many tool outputs were masked, summary status, repairs, overhead and upstream latency. Keys and prompt
-text are never part of a record.
+Fields: request id, wire, tenant, model, status, mode, tokens in/out, what was removed and
+how, how many tool outputs were masked, the re-fetches the request showed (by how: masked, summarised,
+dropped; ``proxy.store.refetch``), summary status, repairs, overhead and upstream latency. In observe
+mode (``mode: "observe"``) the client's payload was forwarded, and tokens out, removed, the summary and the
+cost's gross are what enforce would have done (``would_refuse``: the code enforce would have refused it
+with). Keys and prompt text are never part of a record.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class RequestRecord:
     ttft: float | None = None
     usage: dict[str, Any] | None = None
     refusal: Refusal | None = None  # the provider refused the payload for length (calibration evidence; not logged)
+    refetched: dict[str, int] | None = None  # calls repeating one whose output was removed, by how
     cost: RequestCost | None = None
 
     def fields(self) -> dict[str, Any]:
@@ -55,6 +59,7 @@ class RequestRecord:
         r = self.report
         if r is not None:
             out.update(
+                mode=r.mode,
                 tokens_in=r.tokens_before,
                 tokens_out=r.tokens_after,
                 hard_budget=r.hard_budget,
@@ -71,8 +76,12 @@ class RequestRecord:
                 out["background"] = r.background  # a summary asked for in the background, and what came of it
             if r.masked:
                 out["outputs_masked"] = len(r.masked)  # tool outputs masked (which ones: explain, assemble)
+            if self.refetched:
+                out["refetched"] = self.refetched
             if r.warnings:
                 out["warnings"] = len(r.warnings)
+            if r.would_refuse:
+                out["would_refuse"] = r.would_refuse
             if r.unmanaged:
                 out["unmanaged"] = r.unmanaged  # the provider holds part of the history (a bounded reason)
         if self.overhead is not None:

@@ -33,6 +33,7 @@ from proxy.store.compaction import Compaction
 from proxy.store.ledger import Ledger
 from proxy.store.prefix import PrefixTracker
 from proxy.store.promptcache import PromptCacheTracker
+from proxy.store.refetch import RefetchTracker
 from proxy.store.summaries import LOCK_TTL, SummaryService
 from proxy.upstream.engine import UpstreamEngine
 from proxy.upstream.http import UpstreamPool
@@ -195,6 +196,7 @@ class State:
     metrics: Metrics
     config_path: str | None
     prefix: PrefixTracker = field(default_factory=PrefixTracker)
+    refetch: RefetchTracker = field(default_factory=RefetchTracker)  # re-fetches of removed outputs, per conversation
     draining: bool = False
     drain_timeout: float = 0.0  # how long shutdown waits for in-flight work (the runner's, ``make_runner``)
     drain_started: float | None = None  # when shutdown began (time.monotonic)
