@@ -94,7 +94,7 @@ async def test_a_summary_not_ready_in_time_is_not_waited_for_while_the_payload_f
     w = WIRES["chat"]
     upstream.summary_gate = asyncio.Event()
     proxy = await start_proxy(config(upstream))
-    statuses = []
+    statuses: list[str] = []
     for messages in requests_of(40):
         task = asyncio.create_task(send(proxy, w, w.body(messages, w.model(WINDOW), False)))
         done, _ = await asyncio.wait({task}, timeout=5)
@@ -125,7 +125,7 @@ async def test_a_failing_summariser_is_not_waited_for_and_the_trimmer_serves(
     upstream.summary_mode, upstream.summary_status = "status", 500
     proxy = await start_proxy(config(upstream))
     background = proxy.state.shared.background
-    statuses = []
+    statuses: list[str] = []
     for n, messages in enumerate(requests_of(40)):
         headers = await answered(proxy, w, messages, stream=n % 2 == 0)
         statuses.append(headers["x-ctxproxy-summary"])
@@ -156,7 +156,8 @@ async def test_a_slow_summariser_and_a_user_who_thinks_never_stall_a_request(
     w = WIRES["chat"]
     upstream.summary_delay, upstream.summary_mode = 1.5, mode
     proxy = await start_proxy(config(upstream))
-    latencies, statuses = [], []
+    latencies: list[float] = []
+    statuses: list[str] = []
     for n, messages in enumerate(requests_of(36)):
         if n:
             await asyncio.sleep(2.0)
