@@ -156,6 +156,7 @@ async def test_a_slow_summariser_and_a_user_who_thinks_never_stall_a_request(
     w = WIRES["chat"]
     upstream.summary_delay, upstream.summary_mode = 1.5, mode
     proxy = await start_proxy(config(upstream))
+    await answered(proxy, w, [user("warm up: load the tokenizer")], False)  # a fresh process's first request
     latencies: list[float] = []
     statuses: list[str] = []
     for n, messages in enumerate(requests_of(36)):
