@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import uuid
@@ -154,7 +155,39 @@ def parse_body(raw: bytes, fields: frozenset[str] = WIRES.interpreted_fields) ->
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object", code="invalid_body")
     check_field_names(body, fields)
+    check_repeated_fields(raw, body)
     return body
+
+
+# Top-level fields an upstream must read as the proxy did: the model (the allow-list, the route) and the output
+# caps. The JSON decoder keeps a repeated key's last value; an upstream that keeps the first would run another
+# model, or another output limit, than the one the proxy checked.
+GUARDED_FIELDS = ("model", "max_tokens", "max_completion_tokens", "max_output_tokens", "n")
+
+
+def check_repeated_fields(raw: bytes, body: dict[str, Any]) -> None:
+    """Refuse a body whose top level repeats a guarded field. A byte count rules nearly every body out at once;
+    only a body that names a guarded field more than once anywhere is decoded again, key by key."""
+    suspects = [key for key in GUARDED_FIELDS if key in body and raw.count(f'"{key}"'.encode()) > 1]
+    if not suspects:
+        return
+    outermost: list[list[tuple[str, Any]]] = []
+
+    def keep(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        outermost[:] = [pairs]  # objects close innermost first: the last one is the body itself
+        return {}
+
+    try:
+        json.loads(raw, object_pairs_hook=keep)
+    except (ValueError, RecursionError):
+        raise BadRequest("The request body repeats a field or nests too deeply to be checked; send each field "
+                         "once.", code="ambiguous_field") from None
+    seen: set[str] = set()
+    for key, _ in outermost[0] if outermost else ():
+        if key in suspects and key in seen:
+            raise BadRequest(f"The field '{key}' appears more than once; send it once.", param=key,
+                             code="ambiguous_field")
+        seen.add(key)
 
 
 def dumps_body(body: dict[str, Any]) -> bytes:
