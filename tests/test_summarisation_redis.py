@@ -45,7 +45,9 @@ async def test_two_proxy_processes_on_one_redis_share_one_summary(upstream, tmp_
                 results = await asyncio.gather(*(post(s, url, conversation(40)) for _, url in procs * 3))
             assert [r[0] for r in results] == [200] * 6
             assert len(upstream.summaries) == 1
-            assert sorted(r[1]["x-ctxproxy-summary"] for r in results) == ["created"] + ["reused"] * 5
+            # each needed the summary to fit: those that came while it was being made waited for that one call
+            statuses = [r[1]["x-ctxproxy-summary"] for r in results]
+            assert set(statuses) <= {"waited", "reused"} and "waited" in statuses, statuses
         finally:
             for proc, _ in procs:
                 proc.terminate()

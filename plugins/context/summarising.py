@@ -18,7 +18,8 @@ a conversation that comes within a lead of where it will need a summary, ``(1 - 
 before T (none cached yet) or before B (a cached one in use), starts its summary in the background
 (``Compactor.prefetch``), cut so that the payload is one hysteresis step under that point again when
 the summary is used. The request that crosses T then finds it ready and keeps the turns since verbatim
-while they fit under B. A request whose payload fits under B without a summary never waits for one
+while they fit under B. A request that masking alone brings under T starts nothing (masking is what
+keeps it there; the request masking no longer fits under T starts the summary). A request whose payload fits under B without a summary never waits for one
 (status ``pending`` while the background summary is under way); a request waits for the summariser
 only when nothing else fits under B: no cached summary brings it under B and its payload without one
 is over B. It then joins the summary being made when that one fits, else makes its own, and says so
@@ -96,9 +97,9 @@ class Summarising(ContextManager):
         if masking is None:
             return await self._summarise(view, view)
         if masking.view.payload_tokens() <= budget.threshold:
-            result = masking.result()  # masking alone was enough (for now)
-            result.background = await self.look_ahead(view)
-            return result
+            # masking alone was enough: what comes next is more masking on its grid, not a summary; the request
+            # that masking no longer fits under T starts one (forwarded masked, pending, while it fits under B)
+            return masking.result()
         return masking.note(await self._summarise(view, masking.view))
 
     async def _mask(self, view: HistoryView) -> Masking | None:

@@ -92,6 +92,8 @@ class BackgroundSummaries:
         self.concurrency = max(0, concurrency)
         self.queue_size = max(0, queue)
         self.unused_after = unused_after
+        if not self.enabled:  # turned off: what is queued would never run
+            self._drop_queued()
         self._start_queued()
 
     @property
@@ -196,6 +198,9 @@ class BackgroundSummaries:
     def drain(self) -> None:
         """The process is stopping: accept nothing more and drop what is queued (running jobs go on)."""
         self._accepting = False
+        self._drop_queued()
+
+    def _drop_queued(self) -> None:
         while self._queue:
             job = self._queue.popleft()
             self._jobs.pop(job.key, None)

@@ -285,3 +285,24 @@ async def test_shutdown_abandons_what_does_not_finish_and_caches_nothing_half_ma
     assert (seen.count("abandoned"), seen.count("made")) == (2, 0)
     assert await store.lookup(scope, ["a1", "a2"]) is None
     assert runner.submit("c", "cc", "t", "m", job(["c1"])) == "skipped"
+
+
+async def test_turned_off_by_a_reload_drops_what_is_queued() -> None:
+    """``background_summaries: 0`` on a reload: the queued jobs, which would never run, are abandoned and their
+    conversations may ask again (the request then makes its own summary)."""
+    seen = Counted()
+    runner = BackgroundSummaries(concurrency=1, queue=2, unused_after=60, observer=seen)
+    release = asyncio.Event()
+
+    async def make() -> tuple[CachedSummary, bool] | None:
+        await release.wait()
+        return None
+
+    runner.submit("k1", "c1", "t", "m", make)
+    runner.submit("k2", "c2", "t", "m", make)
+    runner.configure(concurrency=0, queue=2, unused_after=60)
+    assert seen.count("abandoned") == 1 and not runner.busy("c2") and runner.busy("c1")
+    assert runner.submit("k3", "c3", "t", "m", make) == "skipped"
+    release.set()
+    await runner.idle()
+    assert not runner.busy("c1")
