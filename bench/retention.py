@@ -192,6 +192,9 @@ class Run:
                     except Exception as exc:  # a third-party plugin's bug: name the request it broke on
                         raise Failure(f"{where(strategy, budget, subject, form, n)}: {type(exc).__name__}: {exc}") \
                             from exc
+                    # a summary started in the background is ready for the next request (a user's think time
+                    # longer than the summariser), so the figures do not depend on how fast this loop runs
+                    await shared.background.idle()
                     report = assembly.report
                     meter.observe(n, received, origins, form.forwarded(assembly.body), report.tokens_before,
                                   report.tokens_after, assembly.changed, report.removed)

@@ -79,6 +79,8 @@ class Report:
     summary_detail: dict[str, Any] = field(default_factory=dict)
     masked: list[dict[str, Any]] = field(default_factory=list)  # tool outputs masked: {call_id, tool, tokens_removed}
     max_tokens_clamped: bool = False
+    summary_wait: float | None = None  # seconds the request waited for a summariser (None: it did not wait)
+    background: str = ""  # a summary asked for in the background: started | skipped | busy | backoff ("": none)
     warnings: list[str] = field(default_factory=list)
     unmanaged: str | None = None  # why the history was forwarded unmanaged (the provider holds part of it)
     # observe: the client's body was forwarded and every figure above is what enforce would have done
@@ -259,8 +261,20 @@ async def assemble(
                              report, prepared)
     if isinstance(planned, Assembly):
         return planned
+    if isinstance(planned, _Ahead):  # under T, but near it: the context manager may prepare what comes next
+        planned.done.report.background = await policy.manager.look_ahead(planned.view)
+        return planned.done
     result = await policy.manager.manage_history(planned.view)
     return await run_step(offload, _finish, planned, result)
+
+
+@dataclass
+class _Ahead:
+    """A request under T whose payload reached the context manager's look-ahead point: its finished assembly
+    (forwarded as it is) and the view the manager looks ahead on."""
+
+    done: Assembly
+    view: HistoryView
 
 
 @dataclass
@@ -291,7 +305,7 @@ def new_report(wire: WireAdapter, route: ModelRoute, policy: Policy, calibration
 def _plan(
     body: dict[str, Any], wire: WireAdapter, route: ModelRoute, policy: Policy, counter: TokenCounter,
     services: Services, calibration: float, offload: bool, report: Report, prepared: Prepared | None,
-) -> Assembly | _Plan:
+) -> Assembly | _Ahead | _Plan:
     """Parse, repair, budget and bands; the finished Assembly when nothing needs managing."""
     if prepared is None:
         prepared = prepare(body, wire, counter)
@@ -324,15 +338,26 @@ def _plan(
         _fits(total, budget, wire)
         changed = bool(repairs) or bool(changes)
         out = wire.render(body, repaired, changes) if changed else body
-        return Assembly(out, repaired, changed, report, received, wire.field, changes)
+        done = Assembly(out, repaired, changed, report, received, wire.field, changes)
+        point = None if services.dry_run or not turns else policy.manager.look_ahead_point(budget)
+        if point is None or total < point:
+            return done
+        return _Ahead(done, _view(wire, counter, services, budget, bands, turns, fixed, offload))
 
     live = WorkingMemory(bands.working_memory)
+    view = _view(wire, counter, services, budget, bands, turns, fixed, offload)
+    # what can never be dropped: refuse now, before a summariser is called (and billed) for nothing
+    _fits(view.pinned_tokens - _tokens(bands.working_memory) + _tokens(live.pinned_items())
+          + _tokens(_pinned(bands.history)), budget, wire)
+    return _Plan(body, wire, policy, report, prepared, changes, budget, bands, live, view)
+
+
+def _view(wire: WireAdapter, counter: TokenCounter, services: Services, budget: Budget, bands: Bands,
+          turns: list[list[Item]], fixed: int, offload: bool) -> HistoryView:
+    """The committed history as the context manager sees it."""
     pinned = fixed + _tokens(bands.system) + _tokens(bands.working_memory)
     if bands.current is not None:
         pinned += bands.current.tokens
-    # what can never be dropped: refuse now, before a summariser is called (and billed) for nothing
-    _fits(pinned - _tokens(bands.working_memory) + _tokens(live.pinned_items()) + _tokens(_pinned(bands.history)),
-          budget, wire)
 
     def summary_item(text: str, covered: int) -> Item:
         return wire.summary(text, covered, counter)
@@ -340,7 +365,7 @@ def _plan(
     def mask(item: Item, text: str) -> Item | None:
         return wire.mask(item, text, counter)
 
-    view = HistoryView(
+    return HistoryView(
         turns=turns,
         turn_tokens=[_tokens(t) for t in turns],
         chain_fn=lambda: chain_hashes(turns, counter),
@@ -353,7 +378,6 @@ def _plan(
         mask=mask,
         working_memory_results=sum(1 for item in bands.working_memory if item.result_id is not None),
     )
-    return _Plan(body, wire, policy, report, prepared, changes, budget, bands, live, view)
 
 
 def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
@@ -363,6 +387,8 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
                                          plan.changes)
     report.summary = result.summary_status
     report.summary_detail = dict(result.detail)
+    report.summary_wait = result.waited
+    report.background = result.background
     report.turns_summarised = result.turns_summarised
     report.turns_dropped = result.turns_dropped
     report.masked = list(result.masked)
@@ -410,7 +436,7 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
                or bool(repairs))
     out = wire.render(body, final, changes) if changed else body
     summarised = [item for turn in plan.view.turns[: result.turns_summarised] for item in turn]
-    return Assembly(out, final, changed, report, received, wire.field, changes, summarised)
+    return Assembly(out, final, changed, report, received, wire.field, changes, summarised=summarised)
 
 
 def whole_turns(history: list[Item], kept: list[Item]) -> tuple[list[Item], list[Item]]:

@@ -94,6 +94,7 @@ class FakeUpstream:
     active: int = 0
     # summariser calls: wait this long before answering; or hold every call until this many are pending
     summary_delay: float = 0.0
+    summary_gate: asyncio.Event | None = None  # when set: every summariser call waits until the event is set
     summary_barrier: int = 0
     # relayed wires (/v1/responses, /v1/messages, /v1/sse-clean-close)
     responses_end: str = "response.completed"  # | response.incomplete | response.failed
@@ -214,6 +215,8 @@ class FakeUpstream:
             if self._pending_summaries >= self.summary_barrier:
                 self._barrier.set()
             await self._barrier.wait()
+        if self.summary_gate is not None:
+            await self.summary_gate.wait()
         if self.summary_delay:
             await asyncio.sleep(self.summary_delay)
         if self.summary_mode == "status":
@@ -456,6 +459,10 @@ class FakeUpstream:
         return await self._wire_stream(request, anthropic_events(model, content, counted))
 
     async def _anthropic_summary(self, request: web.Request, body: Any) -> web.StreamResponse:
+        if self.summary_gate is not None:
+            await self.summary_gate.wait()
+        if self.summary_delay:
+            await asyncio.sleep(self.summary_delay)
         if self.summary_mode == "status":
             return web.json_response({"type": "error", "error": {"type": "api_error", "message": self.summary_error}},
                                      status=self.summary_status)

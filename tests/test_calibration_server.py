@@ -89,10 +89,12 @@ async def test_the_factor_converges_and_no_payload_overflows(upstream: FakeUpstr
 
 async def test_with_calibration_off_the_same_run_overflows(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     upstream.prompt_scale = SCALE
-    # summaries alone fill the budget up to B (masking first keeps these requests lower, under T, and so hides
-    # part of the overflow this test shows)
+    # summaries alone, made when the conversation needs them, fill the budget up to B (masking first keeps
+    # these requests lower, under T, and summaries made ahead in the background leave a lead under B: both
+    # hide part of the overflow this test shows)
     proxy = await start_proxy(config(upstream.base_url, calibration="off", context_manager={
-        "type": "summarising", "params": {"keep_turns": 4, "mask_observations": False}}))
+        "type": "summarising", "params": {"keep_turns": 4, "mask_observations": False,
+                                          "summary_prefetch_ratio": 0}}))
     counts = await run(upstream, proxy, range(3, 61))
     over = [c for c in counts if c > WINDOW - RESERVE]
     assert over, "without calibration the upstream would have seen no overflow: the test proves nothing"

@@ -49,6 +49,8 @@ REQUIRED_TITLES = [
     "Savings: observed (would-be) vs enforced per tenant",
     "Observed: tokens received vs what enforce would forward",
     "Observed: requests enforce would refuse, by code",
+    "Background summaries by result",
+    "Requests that waited for a summariser (p50, rate)",
 ]
 # the series whose mode=observe samples are what enforce would have done (proxy.serve.metrics)
 MODED = ("ctxproxy_estimated_savings_usd_total", "ctxproxy_tokens_received_total", "ctxproxy_tokens_forwarded_total",
@@ -99,6 +101,9 @@ def exported() -> dict[str, set[str]]:
     m.payload_error("invalid_role")
     m.prefix("acme", "gpt-4o-mini", True)
     m.refetched("acme", "gpt-4o-mini", {"masked": 1, "summarised": 1, "dropped": 1})
+    m.background_summary("acme", "used")
+    m.assembled("acme", "gpt-4o-mini", Report(model="gpt-4o-mini", tenant="acme", context_manager="summarising",
+                                              summary="created", summary_wait=1.5))
     for net in (0.5, -0.25):
         m.account("acme", "gpt-4o-mini", RequestCost(
             "gpt-4o-mini", 100, 1.0, 0.1, 0.2, 0.3, net, True, CacheEffect(True, True, 10, 2, 5, 1.0)))

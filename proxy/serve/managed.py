@@ -78,7 +78,9 @@ def report_headers(assembly: Assembly, overhead: float) -> dict[str, str]:
         "x-ctxproxy-mode": r.mode,
         "x-ctxproxy-tokens-in": str(r.tokens_before),
         "x-ctxproxy-tokens-out": str(r.tokens_after),
-        "x-ctxproxy-summary": r.summary,
+        # a request that waited for a summariser says so, whoever made the summary
+        "x-ctxproxy-summary": "waited" if r.summary_wait is not None and r.summary in ("created", "reused")
+        else r.summary,
         "x-ctxproxy-repairs": str(sum(r.repairs.values())),
         "x-ctxproxy-overhead-ms": f"{overhead * 1000:.2f}",
     }

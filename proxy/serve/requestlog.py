@@ -70,6 +70,10 @@ class RequestRecord:
                 repairs=r.repairs,
                 context_manager=r.context_manager,
             )
+            if r.summary_wait is not None:
+                out["summary_wait_ms"] = round(r.summary_wait * 1000, 3)  # it waited for a summariser
+            if r.background:
+                out["background"] = r.background  # a summary asked for in the background, and what came of it
             if r.masked:
                 out["outputs_masked"] = len(r.masked)  # tool outputs masked (which ones: explain, assemble)
             if self.refetched:
