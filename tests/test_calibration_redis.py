@@ -2,7 +2,8 @@
 
 Two apps (two replicas) on one Redis; the fake upstream reports 1.3x the true o200k count. Replica A
 learns the factor from its answers; replica B, which has served nothing, budgets with it on its first
-request; B's answers for another tenant keep their own record and join A's samples in the pooled one; a new app on the same Redis (a restart)
+request; B's answers for another tenant keep their own record and join A's samples in the pooled one; a new app on the
+same Redis (a restart)
 starts from it. The cost ledger is shared the same way: one report sums both replicas.
 """
 

@@ -410,7 +410,8 @@ def test_assemble_without_wire_reads_any_other_body_as_chat(tmp_path: Path, caps
     assert code == 1 and json.loads(out)["error"]["param"] == "messages"  # a named wire wins over the body
 
 
-# --------------------------------------------------------------------------- assemble --wire messages: context_management
+# --------------------------------------------------------------------------- assemble --wire messages:
+# context_management
 
 
 def test_assemble_messages_applies_the_emulated_context_management(

@@ -448,7 +448,8 @@ async def rewrite_and_reload(proxy: Any, path: Path, config: dict[str, Any]) -> 
         return await r.json()
 
 
-PADDED: dict[str, dict[str, Any]] = {  # a body of ~3 MB on each managed wire and on the relay; the padding is forwarded untouched
+# a body of ~3 MB on each managed wire and on the relay; the padding is forwarded untouched
+PADDED: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]},
     "/v1/responses": {"model": "gpt-4o-mini", "input": "hi"},
     "/v1/messages": {"model": "gpt-4o-mini", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]},

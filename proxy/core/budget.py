@@ -58,7 +58,8 @@ class Budget:
     hard_budget: int
     threshold: int
     hysteresis_ratio: float
-    limited_by: str = "window"  # what set B: window (window - reserve - margin), budget (trimmer.max_tokens), cap (tenant)
+    # what set B: window (window - reserve - margin), budget (trimmer.max_tokens), cap (tenant)
+    limited_by: str = "window"
 
     @property
     def step(self) -> int:

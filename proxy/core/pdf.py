@@ -14,7 +14,8 @@ What providers bill for a PDF is per page (``proxy.core.media``), so two figures
 
 The work is bounded whatever the input: at most ``MAX_STREAMS`` streams and ``MAX_INFLATED`` bytes
 inflated in all (a zip bomb stops there), regular expressions only (no recursion, no per-byte Python
-loop), and at most ``MAX_TEXT`` characters handed on for tokenizing (beyond them only their number). A file that is not a PDF, or whose pages cannot be found, is None: the caller keeps its size-based
+loop), and at most ``MAX_TEXT`` characters handed on for tokenizing (beyond them only their number). A file that is
+not a PDF, or whose pages cannot be found, is None: the caller keeps its size-based
 default.
 """
 

@@ -2,7 +2,8 @@
 
 ``settle`` runs in the managed handler's ``finally`` for every request the pipeline assembled (no
 await: nothing here can delay or fail the answer). It normalises the provider's usage
-(in the form its wire says, ``proxy.core.usage``), gives the calibration store the tenant's sample (``proxy.store.calibration``; a
+(in the form its wire says, ``proxy.core.usage``), gives the calibration store the tenant's sample
+(``proxy.store.calibration``; a
 refusal for length, ``proxy.core.refusal``, is one too), lets the
 prompt-cache tracker compare the answer with the conversation's previous one
 (``proxy.store.promptcache``), prices the request (``proxy.serve.costs``) and counts it in the

@@ -448,7 +448,8 @@ class CalibrationStore:
                 entry = self._entries.get(key)
                 if entry is None or not entry.dirty:
                     break
-        except (CacheBackendError, OSError) as exc:  # a bare backend (SafeCache already swallows): the samples stay local
+        # a bare backend (SafeCache already swallows): the samples stay local
+        except (CacheBackendError, OSError) as exc:
             log.debug("calibration write failed: %s", exc)
 
     async def _store(self, key: Key) -> None:

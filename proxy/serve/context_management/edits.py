@@ -51,7 +51,8 @@ THINKING_KEEP = 1
 COMPACT_TRIGGER = 150_000
 COMPACT_MIN_TRIGGER = 50_000
 CLEARED = "[ctxproxy: this tool result was cleared by context_management (clear_tool_uses_20250919)]"
-MARKER = "ctxproxy-compaction/1:"  # encrypted_content of the compaction blocks ctxproxy makes: where the kept part starts
+# encrypted_content of the compaction blocks ctxproxy makes: where the kept part starts
+MARKER = "ctxproxy-compaction/1:"
 
 Message = dict[str, Any]
 
