@@ -207,7 +207,9 @@ async def send(s: aiohttp.ClientSession, proxy: RunningProxy, key: str, messages
 
 
 async def claude_policy(s: aiohttp.ClientSession, proxy: RunningProxy, key: str) -> dict[str, Any]:
-    async with s.get(proxy.url + f"/v1/ctxproxy/policy?model={CLAUDE}", headers={"Authorization": f"Bearer {key}"}) as r:
+    async with s.get(
+        proxy.url + f"/v1/ctxproxy/policy?model={CLAUDE}", headers={"Authorization": f"Bearer {key}"}
+    ) as r:
         assert r.status == 200
         body: dict[str, Any] = await r.json()
         return body["calibration"][CLAUDE]

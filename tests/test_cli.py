@@ -222,7 +222,9 @@ def test_assemble_in_observe_mode_shows_the_body_as_sent_and_what_enforce_would_
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Under a policy in observe mode the client's body is what is forwarded: assemble prints it, with a report of
     what enforce would have done; ``--mode enforce`` prints what enforce would forward, with the same figures."""
-    cfg = write_config(tmp_path, mode="observe", context_manager={"type": "sliding-window", "params": {"keep_turns": 3}})
+    cfg = write_config(
+        tmp_path, mode="observe", context_manager={"type": "sliding-window", "params": {"keep_turns": 3}}
+    )
     msgs = long_conversation()
     req = write_json(tmp_path, {"model": "gpt-4o", "messages": msgs})
     outputs = []
@@ -410,8 +412,7 @@ def test_assemble_without_wire_reads_any_other_body_as_chat(tmp_path: Path, caps
     assert code == 1 and json.loads(out)["error"]["param"] == "messages"  # a named wire wins over the body
 
 
-# --------------------------------------------------------------------------- assemble --wire messages:
-# context_management
+# ------------------------------------------------------------------- assemble --wire messages: context_management
 
 
 def test_assemble_messages_applies_the_emulated_context_management(

@@ -92,7 +92,8 @@ async def test_savings_on_an_alias_are_priced_on_the_upstream_model(
     assert metric_total(text, "ctxproxy_summarizer_cost_usd_total", tenant="default", model=SUMMARISER) \
         == pytest.approx(summariser)
     # net = gross - summariser (a conversation's first request: no prompt-cache effect to measure)
-    net = metric_total(text, "ctxproxy_net_savings_usd_total", **t) - metric_total(text, "ctxproxy_net_loss_usd_total", **t)
+    net = (metric_total(text, "ctxproxy_net_savings_usd_total", **t)
+           - metric_total(text, "ctxproxy_net_loss_usd_total", **t))
     assert net == pytest.approx(gross - summariser)
     assert metric_total(text, "ctxproxy_prompt_cache_effect_usd_total", **t) == 0
 
@@ -116,7 +117,8 @@ async def test_a_compaction_that_breaks_a_cached_prefix_shows_the_cache_effect(
     assert metric_total(text, "ctxproxy_prompt_cache_effect_usd_total", **t, kind="break") == pytest.approx(effect)
     gross = metric_total(text, "ctxproxy_estimated_savings_usd_total", **t)
     summariser = metric_total(text, "ctxproxy_request_summarizer_cost_usd_total", **t)
-    net = metric_total(text, "ctxproxy_net_savings_usd_total", **t) - metric_total(text, "ctxproxy_net_loss_usd_total", **t)
+    net = (metric_total(text, "ctxproxy_net_savings_usd_total", **t)
+           - metric_total(text, "ctxproxy_net_loss_usd_total", **t))
     assert net == pytest.approx(gross - summariser - effect)
 
 
@@ -191,7 +193,8 @@ def test_prices_config_first_then_the_map(prices: dict[str, Any]) -> None:
     own = m.prices("private-llm-7b")
     assert own is not None and (own.input, own.output, own.cache_read, own.source) == (1e-6, 2e-6, 1e-6, "config")
     mixed = m.prices("gpt-4o-mini")
-    assert mixed is not None and mixed.cache_read == 1e-8 and mixed.input == prices["gpt-4o-mini"]["input_cost_per_token"]
+    assert mixed is not None and mixed.cache_read == 1e-8
+    assert mixed.input == prices["gpt-4o-mini"]["input_cost_per_token"]
     assert mixed.source == "config+map"
     assert m.prices("half") is None  # an input price without an output price: not priced
     assert m.cost("private-llm-7b", 1000, 10) == pytest.approx(1000 * 1e-6 + 10 * 2e-6)
@@ -202,7 +205,8 @@ def test_one_request_by_hand() -> None:
     m.set_price_overrides({"m": PriceOverride(1e-6, 4e-6, 1e-7, 1.25e-6)})
     report = Report(model="alias", tenant="t", context_manager="summarising", calibration=1.2,
                     removed={"summarised": 1000, "trimmed": 0}, summary="created",
-                    summary_detail={"summarizer": {"priced_model": "m", "prompt_tokens": 5000, "completion_tokens": 300}})
+                    summary_detail={"summarizer": {"priced_model": "m", "prompt_tokens": 5000,
+                                                   "completion_tokens": 300}})
     effect = CacheEffect(tracked=True, shifted=True, lost_reads=3000, extra_writes=2000, removed_reads=400, hit=1.0)
     cost = request_cost(report, "m", m, effect)
     assert cost.removed_tokens == 1200  # as the provider counts them

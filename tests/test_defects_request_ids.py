@@ -133,7 +133,7 @@ async def test_summariser_failure_log_line_says_status_message_route_and_request
 
 
 async def test_summariser_failures_are_counted_by_reason(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
-    """Issue 17: ctxproxy_summarizer_failures_total{reason=...} counts failures, a refusal apart from an empty answer."""
+    """ctxproxy_summarizer_failures_total{reason=...} counts failures, a refusal apart from an empty answer."""
     # two requests that each need a summary: without masking first (which may bring one of them under T)
     proxy = await start_proxy(config(upstream.base_url, context_manager={
         "type": "summarising", "params": {"keep_turns": 4, "mask_observations": False}}))

@@ -268,7 +268,9 @@ async def test_chunk_framing_error_mid_stream_ends_the_stream_at_once(upstream: 
             pass  # the proxy may also cut the connection
     elapsed = time.monotonic() - started
     assert b'"error"' in raw and b"[DONE]" not in raw, raw[-300:]
-    assert elapsed < idle / 2, f"the framing error surfaced {elapsed:.1f} s after the first chunk (idle timeout {idle} s)"
+    assert elapsed < idle / 2, (
+        f"the framing error surfaced {elapsed:.1f} s after the first chunk (idle timeout {idle} s)"
+    )
 
 
 async def test_explain_writes_a_request_log_line(upstream: FakeUpstream, start_proxy: StartProxy,

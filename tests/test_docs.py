@@ -127,7 +127,8 @@ def test_design_citations_name_a_heading() -> None:
 
 @pytest.mark.parametrize("doc", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(doc: Path) -> None:
-    """Every relative link of the README and docs/ reaches a file of the repository, and its heading when it names one."""
+    """Every relative link of the README and docs/ reaches a file of the repository, and its heading when it
+    names one."""
     problems = []
     for number, target in relative_links(doc):
         where, _, anchor = target.partition("#")

@@ -56,7 +56,9 @@ async def test_refused_when_the_share_cannot_hold(start_proxy: StartProxy, upstr
     assert upstream.chat == []
 
 
-async def test_a_stray_n_on_another_wire_does_not_shrink_its_cap(start_proxy: StartProxy, upstream: FakeUpstream) -> None:
+async def test_a_stray_n_on_another_wire_does_not_shrink_its_cap(
+    start_proxy: StartProxy, upstream: FakeUpstream
+) -> None:
     proxy = await start_proxy(base_config(upstream.base_url, tenants=[tenant()]))
     status, _, body = await post(proxy, {"model": "gpt-4o-mini", "input": "hi", "n": 4}, key="sk-t",
                                  path="/v1/responses")

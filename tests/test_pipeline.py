@@ -74,7 +74,8 @@ class Harness:
         self.services = services(COUNTER)
 
     async def run(self, body: dict[str, Any]) -> Assembly:
-        return await assemble(body, wire=CHAT, route=self.route, policy=self.policy, counter=COUNTER, services=self.services)
+        return await assemble(body, wire=CHAT, route=self.route, policy=self.policy, counter=COUNTER,
+                              services=self.services)
 
 
 async def check_case(h: Harness, messages: list[dict[str, Any]], **body: Any) -> tuple[str, list[str]]:
@@ -161,7 +162,8 @@ def _legacy(turns: int) -> list[dict[str, Any]]:
     for t in range(turns):
         msgs += [user(words(25, t)), legacy_call("get_weather", '{"city": "Paris"}'),
                  legacy_result("get_weather", words(70, t)), assistant(words(30, t))]
-    return [*msgs, user("and tomorrow?"), legacy_call("get_weather", '{"city": "Paris", "day": 2}'), legacy_result("get_weather", "rain")]
+    return [*msgs, user("and tomorrow?"), legacy_call("get_weather", '{"city": "Paris", "day": 2}'),
+            legacy_result("get_weather", "rain")]
 
 
 def _unknown_keys(turns: int) -> list[dict[str, Any]]:
@@ -595,7 +597,8 @@ def _messages_loop(n: int, displaced: bool = False) -> dict[str, Any]:
     for i in range(n):
         msgs.append({"role": "assistant", "content": [
             {"type": "tool_use", "id": f"t{i}", "name": "read_file", "input": {"path": f"src/m{i}.py"}}]})
-        msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}", "content": f"ok {i}"}]})
+        result = {"type": "tool_result", "tool_use_id": f"t{i}", "content": f"ok {i}"}
+        msgs.append({"role": "user", "content": [result]})
     return {"model": MODEL, "max_tokens": 1000, "messages": msgs}
 
 

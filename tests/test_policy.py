@@ -472,7 +472,9 @@ async def test_override_that_sets_one_param_keeps_the_tenants_others(env: Env) -
     keep_turns to the plugin default (10 > the tenant's 6), nor the drop summariser to llm."""
     messages = conversation(16)
     for tenant, manager in (("support", "sliding-window"), ("platform", "summarising")):
-        raw = await chat(env, tenant, messages, headers=override(type=manager, params={"trimmer": {"max_tokens": 5900}}))
+        raw = await chat(
+            env, tenant, messages, headers=override(type=manager, params={"trimmer": {"max_tokens": 5900}})
+        )
         assert "x-ctxproxy-warning" not in raw.headers
         assert user_turns(env.forwarded) <= most(6) + 1, tenant
     status, _, body = await get_json(env.proxy.base_url + "/ctxproxy/policy", KEYS["platform"],
@@ -766,11 +768,17 @@ async def test_output_cap_applies_to_every_field_and_when_none_is_sent(upstream,
     msgs = [{"role": "user", "content": "hi"}]
     async with aiohttp.ClientSession(headers={"Authorization": "Bearer k-out"}) as s:
         for extra, model, want in (
-            ({"max_tokens": 5000, "max_completion_tokens": 50}, "gpt-4o-mini", {"max_tokens": 100, "max_completion_tokens": 50}),
+            (
+                {"max_tokens": 5000, "max_completion_tokens": 50},
+                "gpt-4o-mini",
+                {"max_tokens": 100, "max_completion_tokens": 50},
+            ),
             ({}, "gpt-4o-mini", {"max_tokens": 100}),
             ({}, "o3-mini", {"max_completion_tokens": 100}),
         ):
-            async with s.post(proxy.url + "/v1/chat/completions", json={"model": model, "messages": msgs, **extra}) as r:
+            async with s.post(
+                proxy.url + "/v1/chat/completions", json={"model": model, "messages": msgs, **extra}
+            ) as r:
                 assert r.status == 200
             sent = upstream.chat[-1].body
             assert {k: sent[k] for k in ("max_tokens", "max_completion_tokens") if k in sent} == want
@@ -845,8 +853,11 @@ async def test_with_both_keys_set_each_provider_gets_its_own_and_never_the_clien
         async with s.post(proxy.base_url + "/chat/completions", json={"model": "o3", "messages": user},
                           headers={"Authorization": "Bearer sk-client"}) as r:
             assert r.status == 200
-        async with s.post(proxy.base_url + "/messages", json={"model": "claude-opus-4-1", "max_tokens": 8,
-                                                              "messages": user}, headers={"x-api-key": "sk-client"}) as r:
+        async with s.post(
+            proxy.base_url + "/messages",
+            json={"model": "claude-opus-4-1", "max_tokens": 8, "messages": user},
+            headers={"x-api-key": "sk-client"},
+        ) as r:
             assert r.status == 200
     assert upstream.chat[-1].headers["Authorization"] == "Bearer sk-op-configured"
     assert second.messages[-1].headers["x-api-key"] == "sk-an-configured"

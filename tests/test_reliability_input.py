@@ -357,7 +357,11 @@ async def test_hostile_bodies(upstream: FakeUpstream, start_proxy: Any, raw: byt
             got, out, _ = await post(s, proxy.url + path, raw)
             assert time.perf_counter() - started < 5
             assert_wellformed_answer(got, out)
-            if path.endswith("/explain") and code == "invalid_json" and raw.startswith(b'{"model": "gpt-4o-mini", "tools"'):
+            if (
+                path.endswith("/explain")
+                and code == "invalid_json"
+                and raw.startswith(b'{"model": "gpt-4o-mini", "tools"')
+            ):
                 assert got == 200
                 continue
             assert got == status, out[:300]

@@ -65,7 +65,9 @@ def test_openapi_document_is_valid() -> None:
 
 
 def test_openapi_document_loads_in_schemathesis() -> None:
-    schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is not installed (pip install schemathesis)")
+    schemathesis = pytest.importorskip(
+        "schemathesis", reason="schemathesis is not installed (pip install schemathesis)"
+    )
     schema = schemathesis.openapi.from_path(str(SPEC))
     operations = [op.ok() for op in schema.get_all_operations()]
     assert len(operations) == sum(len(ops) for ops in spec()["paths"].values())

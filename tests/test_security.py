@@ -175,8 +175,10 @@ async def test_keys_never_leak_on_any_path(upstream: FakeUpstream, start_proxy: 
         assert (await call("policy b", "GET", "/v1/ctxproxy/policy", TENANT_B_KEY))[0] == 200
         assert (await call("policy 401", "GET", "/v1/ctxproxy/policy", WRONG_KEY))[0] == 401
         assert (await call("models", "GET", "/v1/models"))[0] == 200
-        assert (await call("relay embeddings", "POST", "/v1/embeddings", body={"input": "hi", "model": MODEL}))[0] == 200
-        assert (await call("relay model not allowed", "POST", "/v1/embeddings", body={"input": "hi", "model": "e"}))[0] == 404
+        embed = {"input": "hi", "model": MODEL}
+        assert (await call("relay embeddings", "POST", "/v1/embeddings", body=embed))[0] == 200
+        embed = {"input": "hi", "model": "e"}
+        assert (await call("relay model not allowed", "POST", "/v1/embeddings", body=embed))[0] == 404
         # stored-object listings are not relayed for tenants with the operator's key (issue 11, item 13)
         assert (await call("relay get", "GET", "/v1/files?purpose=x"))[0] == 403
         assert (await call("relay stream", "GET", "/v1/stream-test"))[0] == 200
@@ -227,7 +229,8 @@ async def test_tenants_never_get_each_others_summary(upstream: FakeUpstream, sta
             assert r.status == 200
             status = r.headers["x-ctxproxy-summary"]
         forwarded = upstream.chat[-1].body["messages"]
-        summaries = [m["content"] for m in forwarded if m["role"] == "system" and "[Conversation summary" in m["content"]]
+        summaries = [m["content"] for m in forwarded
+                     if m["role"] == "system" and "[Conversation summary" in m["content"]]
         assert len(summaries) == 1
         return status, summaries[0]
 

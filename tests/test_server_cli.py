@@ -228,7 +228,9 @@ async def test_workers_share_one_port_and_aggregate_metrics(upstream: FakeUpstre
                     assert r.status == 200
             async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
                 text = await r.text()
-        total = sum(float(v) for v in re.findall(r'^ctxproxy_requests_total\{[^}]*status="200"[^}]*\} (\S+)$', text, re.M))
+        total = sum(
+            float(v) for v in re.findall(r'^ctxproxy_requests_total\{[^}]*status="200"[^}]*\} (\S+)$', text, re.M)
+        )
         assert total == 20
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), DRAIN + 10) == 0

@@ -34,7 +34,9 @@ DICT_WINDOW = 2048  # how far before "stream" its dictionary is looked for
 _STREAM = re.compile(rb"\bstream(?:\r\n|\n|\r)")
 _OBJ = re.compile(rb"\d+\s+\d+\s+obj\b")
 _PAGE = re.compile(rb"/Type\s*/Page(?![A-Za-z0-9_])")
-_PAGES_COUNT = re.compile(rb"/Type\s*/Pages\b[^>]{0,1024}?/Count\s+(\d{1,9})|/Count\s+(\d{1,9})[^>]{0,1024}?/Type\s*/Pages\b")
+_PAGES_COUNT = re.compile(
+    rb"/Type\s*/Pages\b[^>]{0,1024}?/Count\s+(\d{1,9})|/Count\s+(\d{1,9})[^>]{0,1024}?/Type\s*/Pages\b"
+)
 _TEXT_MARK = re.compile(rb"\b[BE]T\b")
 _NEW_LINE = re.compile(rb"T\*|\bT[dDm]\b|['\"]")
 _LIT = rb"\((?:[^()\\]|\\.|\((?:[^()\\]|\\.)*\))*\)"

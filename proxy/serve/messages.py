@@ -73,8 +73,11 @@ async def count_tokens_handler(request: web.Request, wire: Wire) -> web.StreamRe
         headers: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
         summarizer = runtime.config.settings.summarizer
         max_summary = summarizer.max_summary_tokens
-        unmade = max_summary + summarizer.max_values_tokens if exchange is not None and exchange.describe().get("compaction") == "would_create" \
+        unmade = (
+            max_summary + summarizer.max_values_tokens
+            if exchange is not None and exchange.describe().get("compaction") == "would_create"
             else 0
+        )
         try:
             assembly, route, _policy = await runtime.assemble(wire, probe, tenant=tenant, override=override,
                                                               offload=offload, request_id=rid, dry_run=True,

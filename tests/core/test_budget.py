@@ -39,7 +39,9 @@ def budget(window: int = 128_000, *, request: int | None = None, model_out: int 
     (1_000_000, None, DEFAULT_RESERVE),
     (3, 100, 0),  # int(3 * 0.25) == 0
 ])
-def test_default_reserve_is_bounded_by_a_quarter_of_the_window(window: int, model_out: int | None, reserve: int) -> None:
+def test_default_reserve_is_bounded_by_a_quarter_of_the_window(
+    window: int, model_out: int | None, reserve: int
+) -> None:
     b = budget(window, model_out=model_out)
     assert b.reserve == reserve
     assert b.reserve == min(model_out if model_out is not None else DEFAULT_RESERVE, int(window * RESERVE_WINDOW_SHARE))

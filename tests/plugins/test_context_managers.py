@@ -277,7 +277,10 @@ async def test_summarising_with_engine_places_one_summary_after_the_system_band(
     # the summariser's own window is the 4k model's: the aged part is summarised in chunks that fit it,
     # each folding the previous chunk's summary in
     assert a.report.summary == "created" and len(engine.calls) >= 2
-    assert "Previous summary:\n- the user booked flight HAT001 (reservation ZFA04Y) (call 1)" in engine.calls[1][1]["content"]
+    assert (
+        "Previous summary:\n- the user booked flight HAT001 (reservation ZFA04Y) (call 1)"
+        in engine.calls[1][1]["content"]
+    )
     assert all(recount(call) + 1024 <= 4_000 for call in engine.calls)  # prompt + answer fit the window
     n = a.report.turns_summarised
     assert n >= 10

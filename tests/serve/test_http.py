@@ -199,7 +199,8 @@ async def test_middleware_renders_tree_errors_in_the_requests_shape() -> None:
     (web.HTTPRequestEntityTooLarge(max_size=10, actual_size=20), 413, "request_too_large"),
     (web.HTTPConflict(), 409, "http_error"),
 ])
-async def test_middleware_turns_http_exceptions_into_openai_errors(exc: web.HTTPException, status: int, code: str) -> None:
+async def test_middleware_turns_http_exceptions_into_openai_errors(exc: web.HTTPException, status: int,
+                                                                   code: str) -> None:
     async def handler(request: web.Request) -> web.StreamResponse:
         raise exc
 
@@ -241,7 +242,8 @@ ENCODED_ROUTES = [
     ("/v1/responses", "openai", {"model": "gpt-4o-mini", "input": "hi"}),
     ("/v1/messages", "anthropic", {"model": "gpt-4o-mini", "max_tokens": 64,
                                    "messages": [{"role": "user", "content": "hi"}]}),
-    ("/v1/messages/count_tokens", "anthropic", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/messages/count_tokens", "anthropic",
+     {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
     ("/v1/ctxproxy/explain", "openai", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
     ("/v1/embeddings", "openai", {"model": "gpt-4o-mini", "input": "hi"}),  # relayed
 ]

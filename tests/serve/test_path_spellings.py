@@ -1,4 +1,5 @@
-"""Spellings of managed paths over HTTP: the pipeline or a 404, never the relay around it; errors in the wire's shape."""
+"""Spellings of managed paths over HTTP: the pipeline or a 404, never the relay around it; errors in the wire's
+shape."""
 
 from __future__ import annotations
 

@@ -54,7 +54,8 @@ Run = Callable[[FakeAnswer, StreamEnd], Awaitable[tuple[int, dict[str, str], byt
 async def run() -> AsyncIterator[Run]:
     runners: list[web.AppRunner] = []
 
-    async def go(answer: FakeAnswer, end: StreamEnd) -> tuple[int, dict[str, str], bytes, StreamWatcher, dict[str, Any]]:
+    async def go(answer: FakeAnswer,
+                 end: StreamEnd) -> tuple[int, dict[str, str], bytes, StreamWatcher, dict[str, Any]]:
         watcher = StreamWatcher(0.0, end)
         seen: dict[str, Any] = {}
 
@@ -119,7 +120,8 @@ async def test_an_upstream_content_type_is_kept_for_bodies(run: Run) -> None:
 COMPLETE = {
     "chat": (CHAT, [b"data: {\"choices\": []}\n\n", b"data: [DONE]\n\n"]),
     "responses": (RESPONSES, [b"event: response.created\ndata: {}\n\n",
-                              b"event: response.completed\ndata: {\"response\": {\"usage\": {\"input_tokens\": 3}}}\n\n"]),
+                              b"event: response.completed\n"
+                              b"data: {\"response\": {\"usage\": {\"input_tokens\": 3}}}\n\n"]),
     "messages": (MESSAGES, [b"event: message_start\ndata: {}\n\n", b"event: message_stop\ndata: {}\n\n"]),
     "sse": (SSE, [b"data: 0\n\n", b"data: 1\n\n"]),
 }

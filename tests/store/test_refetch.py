@@ -33,8 +33,8 @@ Message = dict[str, Any]
 
 def output(t: int, records: int) -> str:
     return json.dumps({"reservation_id": f"R{t:04d}X", "flights": [
-        {"flight_number": f"HAT{t:02d}{i:02d}", "origin": "JFK", "destination": "SEA", "date": f"2024-05-{i % 28 + 1:02d}",
-         "price": 100 + i, "status": "available"} for i in range(records)]})
+        {"flight_number": f"HAT{t:02d}{i:02d}", "origin": "JFK", "destination": "SEA",
+         "date": f"2024-05-{i % 28 + 1:02d}", "price": 100 + i, "status": "available"} for i in range(records)]})
 
 
 def session(turns: int, records: int = 40, chat: int = 0) -> list[Message]:

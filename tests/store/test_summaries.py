@@ -113,7 +113,9 @@ async def test_lookup_takes_the_longest_cached_prefix_in_one_get_many() -> None:
     cache = CountingCache()
     svc = service(cache)
     for k in (2, 5):
-        await cache.set(summary_key(SCOPE, CHAIN[k - 1]), {"text": f"summary of {k}", "turns": k, "chain": CHAIN[k - 1]})
+        await cache.set(
+            summary_key(SCOPE, CHAIN[k - 1]), {"text": f"summary of {k}", "turns": k, "chain": CHAIN[k - 1]}
+        )
     cache.ops.clear()
     found = await svc.lookup(SCOPE, CHAIN)
     assert found == CachedSummary(5, CHAIN[4], "summary of 5")

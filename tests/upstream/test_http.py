@@ -225,7 +225,8 @@ def test_response_headers_keep_what_clients_need_and_drop_the_rest() -> None:
     (None, "", 0, 0),
     ({"choices": [{"message": {"content": "x"}}], "usage": {"prompt_tokens": -5, "completion_tokens": True}},
      "x", 0, 0),
-    ({"choices": [{"message": {"content": "x"}}], "usage": {"prompt_tokens": 1.5, "completion_tokens": "9"}}, "x", 0, 0),
+    ({"choices": [{"message": {"content": "x"}}], "usage": {"prompt_tokens": 1.5, "completion_tokens": "9"}},
+     "x", 0, 0),
     ({"choices": [{"message": {"content": ["parts"]}}], "usage": []}, "", 0, 0),
 ])
 def test_completion_from(payload: Any, text: str, prompt: int, completion: int) -> None:
@@ -314,9 +315,9 @@ async def response_of(url: str) -> tuple[aiohttp.ClientSession, aiohttp.ClientRe
 
 async def test_read_error_redacts_the_key_and_normalises_the_body(serve: Any) -> None:
     async def echo(request: web.Request) -> web.Response:
-        return web.json_response({"error": {"message": f"Incorrect API key provided: {SECRET}", "type": "invalid_request_error",
-                                            "code": "invalid_api_key"}}, status=400, headers={"Retry-After": "1",
-                                                                                              "Set-Cookie": "a=b"})
+        return web.json_response({"error": {"message": f"Incorrect API key provided: {SECRET}",
+                                            "type": "invalid_request_error", "code": "invalid_api_key"}},
+                                 status=400, headers={"Retry-After": "1", "Set-Cookie": "a=b"})
 
     url = await serve(echo)
     session, response = await response_of(url + "/v1/chat/completions")

@@ -375,8 +375,10 @@ def test_media_atoms_digest_the_reference_not_the_envelope() -> None:
     assert atoms(a)[0][0:2] == ("media", USER)
     audio = {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}
     file_by_id = {"role": "user", "content": [{"type": "file", "file": {"file_id": "file-abc"}}]}
-    file_by_data = {"role": "user", "content": [{"type": "file", "file": {"filename": "a.pdf",
-                                                                          "file_data": "data:application/pdf;base64,JVBE"}}]}
+    file_by_data = {
+        "role": "user",
+        "content": [{"type": "file", "file": {"filename": "a.pdf", "file_data": "data:application/pdf;base64,JVBE"}}],
+    }
     kinds = {atoms(m)[0][2] for m in (a, audio, file_by_id, file_by_data)}
     assert len(kinds) == 4
 

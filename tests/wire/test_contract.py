@@ -144,8 +144,9 @@ def test_the_metric_label_is_the_wires_own(wire: Wire) -> None:
     metrics = Metrics(["default"], ["m"], ModelMap(), wires=ALL)
     metrics.finished("default", "m", 200, overhead=None, upstream=None, ttft=None, usage=SAMPLES[wire.name]["usage"],
                      wire=wire.name)
-    requests = metrics.registry.get_sample_value("ctxproxy_requests_total",
-                                                 {"tenant": "default", "model": "m", "wire": wire.name, "status": "200"})
+    requests = metrics.registry.get_sample_value(
+        "ctxproxy_requests_total", {"tenant": "default", "model": "m", "wire": wire.name, "status": "200"}
+    )
     cached = metrics.registry.get_sample_value("ctxproxy_provider_cached_tokens_total",
                                                {"tenant": "default", "model": "m"})
     assert (requests, cached) == (1.0, 20.0)

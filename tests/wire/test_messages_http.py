@@ -45,7 +45,9 @@ def config(upstream: FakeUpstream, *, key: str | None = UPSTREAM_KEY, api: str =
 def factor_of(proxy: RunningProxy) -> float:
     """The calibration factor the proxy applies to Claude counts (issue 15; a family default until it learns)."""
     runtime = proxy.state.runtime
-    return float(runtime.calibration.factor(runtime.route(CLAUDE), "default")) if runtime.calibration is not None else 1.0
+    return (
+        float(runtime.calibration.factor(runtime.route(CLAUDE), "default")) if runtime.calibration is not None else 1.0
+    )
 
 
 def client(proxy: RunningProxy, key: str = "sk-ant-client", **kwargs: Any) -> anthropic.AsyncAnthropic:

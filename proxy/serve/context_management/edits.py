@@ -1,4 +1,5 @@
-"""``context_management`` emulated for an upstream that does not apply it (a litellm route, ``context_management: emulate``).
+"""``context_management`` emulated for an upstream that does not apply it (a litellm route,
+``context_management: emulate``).
 
 What is emulated follows Anthropic's documentation as of 2026-12 and the request and
 response types of the official SDK (``anthropic`` 2.14: ``BetaClearToolUses20250919EditParam``,
