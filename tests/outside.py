@@ -1,7 +1,7 @@
 """Helpers for tests that drive the proxy only from the outside: HTTP, /metrics and independent token counts.
 
 Nothing here imports ``proxy.*``: these helpers must keep working whatever the
-proxy's internal layout becomes (the defect tests of issues 11, 17 and 18).
+proxy's internal layout becomes (the defect tests reproduce a bug from the client's side, not the code's).
 """
 
 from __future__ import annotations

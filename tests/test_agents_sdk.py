@@ -1,4 +1,4 @@
-"""The OpenAI Agents SDK through the proxy (issue 13): its default Responses model, a tool, a multi-turn loop.
+"""The OpenAI Agents SDK through the proxy: its default Responses model, a tool, a multi-turn loop.
 
 Nothing in the agent changes but the base URL (``OPENAI_BASE_URL``; tracing is switched off with
 ``OPENAI_AGENTS_DISABLE_TRACING`` because this machine has no network). The fake upstream plays the

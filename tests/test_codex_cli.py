@@ -1,4 +1,4 @@
-"""Codex CLI (``@openai/codex``) through the proxy on the Responses wire (issue 13; ``make check``).
+"""Codex CLI (``@openai/codex``) through the proxy on the Responses wire (``make check``).
 
 Codex is installed from the npm registry into a cache folder (``CTXPROXY_NPM_CACHE``, default
 ``~/.cache/ctxproxy-tests/npm``) on first use; where it cannot be installed the test is skipped

@@ -1,4 +1,4 @@
-"""Net savings, honestly (issue 15): priced on the upstream model, summariser subtracted, prompt-cache effect measured.
+"""Net savings, honestly: priced on the upstream model, summariser subtracted, prompt-cache effect measured.
 
 Prices come from litellm's bundled map file, read here with ``json`` (not through the proxy's
 ``ModelMap``); the fake upstream reports its true counts and, where the test needs it, cached tokens

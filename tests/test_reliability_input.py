@@ -338,7 +338,7 @@ HOSTILE: list[tuple[str, bytes, int, str | None]] = [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "same", "type": "function", "function": {"name": "f", "arguments": "{}"}}] * 3},
         {"role": "tool", "tool_call_id": "same", "content": "r"},
-        # one id three times: no result can say which call it answers (issue 11, item 11)
+        # one id three times: no result can say which call it answers, so it is refused
         {"role": "tool", "tool_call_id": "same", "content": "r"}]}), 400, "duplicate_tool_call_id"),
     ("tools-not-a-list", b'{"model": "gpt-4o-mini", "tools": 5, "messages": [{"role": "user", "content": "hi"}]}',
      200, None),

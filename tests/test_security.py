@@ -179,7 +179,7 @@ async def test_keys_never_leak_on_any_path(upstream: FakeUpstream, start_proxy: 
         assert (await call("relay embeddings", "POST", "/v1/embeddings", body=embed))[0] == 200
         embed = {"input": "hi", "model": "e"}
         assert (await call("relay model not allowed", "POST", "/v1/embeddings", body=embed))[0] == 404
-        # stored-object listings are not relayed for tenants with the operator's key (issue 11, item 13)
+        # stored-object listings are not relayed for tenants with the operator's key (they would list every tenant's)
         assert (await call("relay get", "GET", "/v1/files?purpose=x"))[0] == 403
         assert (await call("relay stream", "GET", "/v1/stream-test"))[0] == 200
         assert (await call("relay 401", "GET", "/v1/files", WRONG_KEY))[0] == 401

@@ -1,4 +1,4 @@
-"""The container image, built and run (issue 16.2): podman, read-only root, cache volume, healthcheck,
+"""The container image, built and run as an operator would: podman, read-only root, cache volume, healthcheck,
 non-root, SIGTERM drain. And compose.yaml checked by a compose implementation.
 
 Needs podman + runc (Debian: ``apt-get install podman runc uidmap slirp4netns fuse-overlayfs``) and,

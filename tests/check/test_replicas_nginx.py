@@ -1,4 +1,5 @@
-"""Three ctxproxy replicas on one real redis-server behind a real nginx (issue 16.4).
+"""Three ctxproxy replicas on one real redis-server behind a real nginx: the deployment
+the docs recommend for more than one process.
 
 nginx runs the shipped ``deploy/nginx/ctxproxy.conf`` (only the replica addresses and the listen port
 are rewritten to this test's free ports on 127.0.0.1). Six agents hold growing conversations through

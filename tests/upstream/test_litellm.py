@@ -135,7 +135,7 @@ async def test_litellm_failure_mid_stream_ends_with_an_error_event_without_trace
     assert "Traceback" not in raw and "site-packages" not in raw
 
 
-# --------------------------------------------------------------------------- the Responses wire (issue 13)
+# --------------------------------------------------------------------------- the Responses wire
 
 
 async def test_litellm_route_responses_non_streaming_through_aresponses(start_proxy: Any, litellm_httpx: None) -> None:

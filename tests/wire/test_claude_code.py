@@ -1,4 +1,4 @@
-"""Claude Code (``claude -p``) through ctxproxy against the fake Anthropic upstream (issue 14; ``make check``).
+"""Claude Code (``claude -p``) through ctxproxy against the fake Anthropic upstream (``make check``).
 
 Claude Code installs from the npm registry (``@anthropic-ai/claude-code``) into a cache folder on first use; where
 npm or the registry is not available the test is skipped with one line saying so. It is pointed at the proxy with

@@ -1,4 +1,4 @@
-"""The Messages wire adapter through the pipeline (issue 14): round trips, pairing per block, thinking,
+"""The Messages wire adapter through the pipeline: round trips, pairing per block, thinking,
 cache breakpoints, wire-neutral summaries, hostile inputs, and property tests as for Chat Completions.
 
 Checks use independent helpers (tests/wire/messages_helpers.py): Anthropic's pairing rules and the

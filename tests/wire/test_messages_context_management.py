@@ -1,4 +1,4 @@
-"""``context_management`` emulated for an upstream that lacks it (issue 14), compared with Anthropic's documented
+"""``context_management`` emulated for an upstream that lacks it, compared with Anthropic's documented
 semantics (https://platform.claude.com/docs/en/build-with-claude/context-editing and .../compaction; request and
 response types of the official SDK), and forwarded unchanged to one that has it.
 
@@ -41,7 +41,7 @@ def config(upstream: FakeUpstream, emulate: bool = True, **extra: Any) -> dict[s
 
 
 def factor_of(proxy: RunningProxy) -> float:
-    """The calibration factor the proxy applies to Claude counts (issue 15; a family default until it learns)."""
+    """The calibration factor the proxy applies to Claude counts (a family default until it learns)."""
     runtime = proxy.state.runtime
     return (
         float(runtime.calibration.factor(runtime.route(CLAUDE), "default")) if runtime.calibration is not None else 1.0

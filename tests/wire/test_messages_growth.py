@@ -1,4 +1,4 @@
-"""A growing 60-turn Messages conversation on a 16k budget, end to end over HTTP (issue 14's closing figures):
+"""A growing 60-turn Messages conversation on a 16k budget, end to end over HTTP (the figures docs/wires.md quotes):
 summariser calls, tokens received vs forwarded, and the share of consecutive requests whose prompt-cache prefix
 (up to the previous request's last cache_control breakpoint) survived.
 

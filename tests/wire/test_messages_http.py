@@ -1,4 +1,4 @@
-"""The Messages wire over HTTP with the official ``anthropic`` client (issue 14), against a fake Anthropic
+"""The Messages wire over HTTP with the official ``anthropic`` client, against a fake Anthropic
 upstream on 127.0.0.1 that records what it receives (tests/fake_upstream.py)."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def config(upstream: FakeUpstream, *, key: str | None = UPSTREAM_KEY, api: str =
 
 
 def factor_of(proxy: RunningProxy) -> float:
-    """The calibration factor the proxy applies to Claude counts (issue 15; a family default until it learns)."""
+    """The calibration factor the proxy applies to Claude counts (a family default until it learns)."""
     runtime = proxy.state.runtime
     return (
         float(runtime.calibration.factor(runtime.route(CLAUDE), "default")) if runtime.calibration is not None else 1.0
@@ -143,7 +143,7 @@ async def test_count_tokens_is_answered_locally_when_the_upstream_does_not_serve
     request = {"model": CLAUDE, "system": "Be brief.", "messages": [{"role": "user", "content": "hello there"}]}
     async with client(proxy) as c:
         count = await c.messages.count_tokens(**request)  # type: ignore[arg-type]
-    # the proxy's count in the provider's units: times the model's calibration factor (issue 15)
+    # the proxy's count in the provider's units: times the model's calibration factor (Claude's tokenizer is not o200k)
     assert count.input_tokens == math.ceil(recount({**request, "max_tokens": 1}) * factor_of(proxy))
     assert len(upstream.counts) == (1 if api == "anthropic" else 0)
 

@@ -1,5 +1,5 @@
 """The 200 tau-bench trajectories (OpenAI chat format) converted to Messages blocks, through the pipeline over an
-8k model, for each context manager (issue 14): whole, cut mid tool round, and damaged (an orphan result, a lost
+8k model, for each context manager: whole, cut mid tool round, and damaged (an orphan result, a lost
 result, a displaced result, a duplicate). Every forwarded body is paired by Anthropic's rules, fits the budget by
 an independent recount, keeps the system prompt and the current user turn; a refusal is justified."""
 

@@ -1,4 +1,4 @@
-"""The Responses wire adapter (issue 13): parse/render, pairing per item type, reasoning adjacency, pinned items,
+"""The Responses wire adapter: parse/render, pairing per item type, reasoning adjacency, pinned items,
 property tests over generated conversations, and real tau-bench trajectories as Responses items.
 
 Every forwarded payload is judged by checkers written in ``tests/wire/responses_helpers.py`` (pairing,

@@ -1,4 +1,4 @@
-"""The Responses wire over HTTP (issue 13): the official ``openai`` client against the proxy and a fake upstream.
+"""The Responses wire over HTTP: the official ``openai`` client against the proxy and a fake upstream.
 
 ``client.responses.create`` (streaming and not) and ``client.responses.compact`` are driven
 exactly as users drive them; the fake upstream records what it receives, and every
