@@ -29,11 +29,11 @@ from tests.conftest import StartProxy, base_config
 from tests.fake_upstream import FakeUpstream, responses_events
 from tests.helpers import pairing_problems
 from tests.outside import Message, metric_samples, post, request, scrape, share_model_map
-from tests.test_summarisation import config as summarising_config
-from tests.test_summarisation import conversation
+from tests.store.test_summaries_http import config as summarising_config
+from tests.store.test_summaries_http import conversation
 
 MODEL = "gpt-4o-mini"
-SMALL = "small-model"  # tests.test_summarisation: 8k window, keep_turns 4, summariser gpt-4o-mini
+SMALL = "small-model"  # tests.store.test_summaries_http: 8k window, keep_turns 4, summariser gpt-4o-mini
 TENANT_KEY = "sk-tenant-acme-7f3a"
 OVERRIDE = "x-ctxproxy-context-manager"
 
@@ -510,8 +510,8 @@ async def loop_lag_until(done: asyncio.Future[Any], tick: float = 0.005) -> floa
 
 async def test_a_large_explain_call_does_not_stall_the_event_loop(upstream: FakeUpstream, start_proxy: StartProxy
                                                                    ) -> None:
-    from tests.test_server_nostall import PROMPT_LIMIT, SMALL, huge_body
-    from tests.test_server_nostall import post as post_raw
+    from tests.core.test_offload_http import PROMPT_LIMIT, SMALL, huge_body
+    from tests.core.test_offload_http import post as post_raw
 
     proxy = await start_proxy(base_config(upstream.base_url))  # a fresh proxy: the big body's counts are cold
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -521,5 +521,5 @@ async def test_a_large_explain_call_does_not_stall_the_event_loop(upstream: Fake
         worst = await loop_lag_until(big)
         status, _, raw = await big
     assert status == 200, raw[:300]
-    # the same body on the chat path holds the loop for ~30 ms (tests/test_server_nostall.py)
+    # the same body on the chat path holds the loop for ~30 ms (tests/core/test_offload_http.py)
     assert worst < PROMPT_LIMIT, f"the event loop was held for {1000 * worst:.0f} ms by one explain call"

@@ -16,7 +16,7 @@ from proxy.serve.report import parse_since, render
 from tests.conftest import RunningProxy, StartProxy
 from tests.fake_upstream import FakeUpstream
 from tests.outside import metric_samples, metric_total, scrape
-from tests.test_costs import ALIAS, SUMMARISER, config, growing
+from tests.serve.test_costs import ALIAS, SUMMARISER, config, growing
 
 ADMIN = "sk-admin"
 TENANTS = {"acme": "sk-acme", "globex": "sk-globex"}

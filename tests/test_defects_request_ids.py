@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import RunningProxy, StartProxy
 from tests.fake_upstream import FakeUpstream, is_uuid
 from tests.outside import metric_samples, scrape, share_model_map
-from tests.test_summarisation import config, conversation
+from tests.store.test_summaries_http import config, conversation
 
 MODEL = "small-model"  # 8k window: conversation(40) is summarised
 SUMMARISER = "gpt-4o-mini"  # the summariser's model route (config(): summarizer_model)

@@ -40,10 +40,10 @@ from tests.outside import (
     text_of,
 )
 from tests.redis_server import RedisServer
-from tests.test_summarisation import config as summarising_config
-from tests.test_summarisation import conversation, turn
+from tests.store.test_summaries_http import config as summarising_config
+from tests.store.test_summaries_http import conversation, turn
 
-SMALL = "small-model"  # tests.test_summarisation: 8k window, max output 1000, keep_turns 4
+SMALL = "small-model"  # tests.store.test_summaries_http: 8k window, max output 1000, keep_turns 4
 
 
 @pytest.fixture(autouse=True)

@@ -2,12 +2,12 @@
 
 Already covered elsewhere (not repeated here):
 
-* tests/test_server_errors.py -- upstream 500/503/401/429 relayed with Retry-After and rate-limit headers,
+* tests/serve/test_server_errors.py -- upstream 500/503/401/429 relayed with Retry-After and rate-limit headers,
   connection refused (502), slow first byte (504), stall between chunks / upstream closing mid-stream /
   no [DONE] / error object inside a 200 stream (error event, never [DONE]), malformed SSE relayed, the
   openai client raising on a truncated stream, a client disconnect cancelling one upstream request.
-* tests/test_summarisation.py -- a summariser answering 500 / hanging / empty: served by the trimmer alone.
-* tests/test_summarisation_redis.py::test_redis_down_then_back -- Redis down (served, 503 on /readyz,
+* tests/store/test_summaries_http.py -- a summariser answering 500 / hanging / empty: served by the trimmer alone.
+* tests/store/test_summaries_redis.py::test_redis_down_then_back -- Redis down (served, 503 on /readyz,
   cache errors counted) and back (summaries created and reused again).
 
 Here: what those leave open -- leaks counted after client disconnects (asyncio tasks in the proxy's loop,

@@ -28,7 +28,7 @@ import yaml
 
 from tests.check._support import ROOT, ctxproxy_command, free_port, record, wait_http
 from tests.fake_upstream import REPLY, FakeUpstream
-from tests.test_summarisation import conversation
+from tests.store.test_summaries_http import conversation
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -25,7 +25,7 @@ from tests.conftest import ROOT, StartProxy
 from tests.fake_upstream import FakeUpstream
 from tests.outside import metric_total, scrape
 from tests.redis_server import RedisServer
-from tests.test_summarisation import config, conversation, post
+from tests.store.test_summaries_http import config, conversation, post
 
 ADMIN = "sk-admin"
 PASSWORD = "s3cret-redis-pw"

@@ -22,9 +22,9 @@ from proxy.store.refetch import RefetchTracker, removed_outputs
 from tests.fake_upstream import FakeUpstream
 from tests.helpers import assistant, call, system, tool, user, words
 from tests.outside import metric_total, scrape
+from tests.plugins.test_masking_http import WIRES, send
+from tests.plugins.test_masking_http import config as wires_config
 from tests.wire.chat_helpers import items_of
-from tests.wire.test_masking_http import WIRES, send
-from tests.wire.test_masking_http import config as wires_config
 
 ADMIN = "sk-admin"
 COUNTER = TokenCounter("o200k_base")

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from tests.fake_upstream import FakeUpstream
+from tests.store.test_summaries_http import conversation
 from tests.test_observability import ADMIN_KEY, MODEL, TENANT_KEY, call, priced_config, scrape, value
-from tests.test_summarisation import conversation
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 WAIT = 20.0  # seconds, for each of: Prometheus ready, target up, the value scraped

@@ -25,9 +25,9 @@ import pytest
 import yaml
 
 from proxy.settings import load_config
-from tests import test_summarisation as travel
 from tests.conftest import ROOT, base_config
 from tests.fake_upstream import FakeUpstream
+from tests.store import test_summaries_http as travel
 from tests.test_policy import (
     ADMIN_KEY,
     BIG,

@@ -20,7 +20,7 @@ from proxy.serve.metrics import Metrics
 from proxy.store.calibration import Sample
 from proxy.store.promptcache import CacheEffect
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "config" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "config" / "grafana-dashboard.json"
 METRIC = re.compile(r"\bctxproxy_[A-Za-z0-9_:]*")
 SELECTOR = re.compile(r"\b(ctxproxy_[A-Za-z0-9_:]*)\s*\{([^}]*)\}")
 MATCHER = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)")

@@ -19,7 +19,7 @@ import tiktoken
 from tests.conftest import base_config
 from tests.fake_upstream import FakeUpstream
 
-HUGE = Path(__file__).resolve().parents[1] / "bench" / "payloads" / "agent_huge.json.gz"  # 1.6 MB gzip-compressed
+HUGE = Path(__file__).resolve().parents[2] / "bench" / "payloads" / "agent_huge.json.gz"  # 1.6 MB gzip-compressed
 MODEL = "gpt-4o-mini"
 WINDOW, MAX_OUT = 128_000, 16_384
 HARD_BUDGET = WINDOW - MAX_OUT - 12_800  # window - the model's max output - ceil(0.1 * window)

@@ -22,7 +22,7 @@ from proxy.store.promptcache import CacheEffect
 from tests.conftest import RunningProxy, StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
 from tests.outside import metric_total, scrape
-from tests.test_summarisation import conversation, turn
+from tests.store.test_summaries_http import conversation, turn
 
 ALIAS, UPSTREAM_MODEL, SUMMARISER = "my-alias", "gpt-4o", "gpt-4o-mini"
 WINDOW = 8000

@@ -18,7 +18,7 @@ from tests.conftest import RunningProxy, StartProxy, base_config
 from tests.fake_upstream import FakeUpstream, request_tokens
 from tests.helpers import words
 from tests.outside import metric_total, n_tokens, scrape
-from tests.test_summarisation import conversation
+from tests.store.test_summaries_http import conversation
 
 MODEL = "gpt-4o-mini"
 WINDOW, OUTPUT = 8000, 1000

@@ -15,7 +15,7 @@ import yaml
 
 from tests.conftest import ROOT
 from tests.redis_server import RedisServer
-from tests.test_summarisation import config, conversation, post
+from tests.store.test_summaries_http import config, conversation, post
 
 
 def _start_process(cfg: dict[str, Any], tmp_path: Path, name: str) -> tuple[subprocess.Popen[str], str]:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = ["ctxproxy-1", "ctxproxy-2", "ctxproxy-3"]
 
 

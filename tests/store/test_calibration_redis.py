@@ -20,8 +20,8 @@ from proxy.store.calibration import POOLED, cache_key
 from tests.conftest import RunningProxy, StartProxy
 from tests.fake_upstream import FakeUpstream
 from tests.redis_server import RedisServer, redis_server_fixture
-from tests.test_calibration_server import MODEL, RESERVE, SCALE, WINDOW, config, policy, post
-from tests.test_summarisation import conversation
+from tests.store.test_calibration_server import MODEL, RESERVE, SCALE, WINDOW, config, policy, post
+from tests.store.test_summaries_http import conversation
 
 redis_server = redis_server_fixture(scope="module")
 ADMIN = "sk-admin-report"
