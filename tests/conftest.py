@@ -36,6 +36,14 @@ class RunningProxy:
 
 
 @pytest.fixture
+def shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    """litellm's model map read once per session instead of once per app (speed only; tests.outside)."""
+    from tests.outside import share_model_map  # tests.outside imports this module
+
+    share_model_map(monkeypatch)
+
+
+@pytest.fixture
 async def upstream() -> AsyncIterator[FakeUpstream]:
     fake = await FakeUpstream().start()
     yield fake

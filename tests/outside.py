@@ -120,3 +120,8 @@ def message_tokens(messages: list[Message]) -> int:
             if isinstance(v, str):
                 total += n_tokens(v) + (1 if k == "name" else 0)
     return total
+
+
+def chat_body(messages: list[Any], model: str = "small-model", **extra: Any) -> dict[str, Any]:
+    """A Chat Completions body (``small-model``: the 8k route of tests.store.test_summaries_http's config)."""
+    return {"model": model, "messages": messages, **extra}

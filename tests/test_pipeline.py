@@ -55,7 +55,15 @@ from tests.helpers import (
     user,
     words,
 )
-from tests.outside import post, text_of
+from tests.outside import (
+    Message,
+    chat_body,
+    message_tokens,
+    n_tokens,
+    post,
+    text_of,
+)
+from tests.store.test_summaries_http import config as summarising_config
 from tests.wire.chat_helpers import repair_messages as repair
 
 WINDOWS = (2_000, 4_000, 8_000)
@@ -654,3 +662,53 @@ def test_a_long_conversation_is_assembled_in_linear_time(case: str) -> None:
 
     growth = per_item_growth(setup, 500)
     assert growth < LINEAR, f"time per item grew {growth:.1f}x from 500 to 4,000 pairs"
+
+
+def prefill() -> Message:
+    """An assistant prefill of ~260 tokens."""
+    return {"role": "assistant", "content": 'Here is the JSON: {"notes": "' + text_of(250, 9)}
+
+
+def tool_round(call_id: str, result: str) -> list[Message]:
+    return [{"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": "fetch", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": result}]
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_trimmer_never_forwards_without_the_assistant_prefill(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                    ) -> None:
+    """The last WM group (an assistant prefill) is never dropped: kept, or the request is refused."""
+    # B = 4000 - 500 - 400 = 3100; system + question + live round ~2950 fit; + prefill (~250) does not
+    cfg = base_config(upstream.base_url, models=[{"name": "tiny", "context_window": 4000, "max_output_tokens": 500}])
+    proxy = await start_proxy(cfg)
+    system, question = {"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": "Fetch both."}
+    live = tool_round("call_b", text_of(2900, 2))
+    last = prefill()
+    messages = [system, question, *tool_round("call_a", text_of(1000, 1)), *live, last]
+    pinned = message_tokens([system, question, *live]) + 20  # + the call's name, arguments and overhead
+    assert pinned < 3100 < pinned + n_tokens(last["content"])
+    status, _headers, body = await post(proxy, chat_body(messages, "tiny"))
+    if status == 400:  # never dropping the prefill may leave nothing that fits: a refusal is right
+        assert body["error"]["code"] == "context_length_exceeded", body
+        return
+    assert status == 200, body
+    assert upstream.chat[-1].body["messages"][-1] == last
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_working_memory_cap_keeps_the_assistant_prefill(upstream: FakeUpstream, start_proxy: StartProxy
+                                                              ) -> None:
+    """With working_memory_messages 2, the older round goes and the prefill stays last."""
+    cfg = summarising_config(upstream.base_url, context_manager={"type": "summarising", "params": {
+        "keep_turns": 4, "working_memory_messages": 2}})
+    proxy = await start_proxy(cfg)
+    # B = 8000 - 1000 - 800 = 6200, T = 5636: a 5700-token system prompt puts the request over T, under B
+    messages = [{"role": "system", "content": text_of(5700, 3)}, {"role": "user", "content": "Fetch both."},
+                *tool_round("call_a", "a is 1"), *tool_round("call_b", "b is 2"),
+                {"role": "assistant", "content": "Here is the JSON: {"}]
+    status, _headers, body = await post(proxy, chat_body(messages))
+    assert status == 200, body
+    forwarded = upstream.chat[-1].body["messages"]
+    assert forwarded[-1] == messages[-1]
+    assert forwarded[-3:-1] == messages[-3:-1]  # and the live tool round before it

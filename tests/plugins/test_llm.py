@@ -9,7 +9,16 @@ import pytest
 from plugins.base import Completion, Services, SummaryUnavailable
 from plugins.summarizers.llm import PROMPT, LLMParams, LLMSummarizer, _cap, _chunks, render_turn
 from proxy.core.tokens import TokenCounter
+from tests.conftest import StartProxy
+from tests.fake_upstream import FakeUpstream
 from tests.helpers import assistant, call, tool, user
+from tests.outside import (
+    chat_body,
+    message_tokens,
+    post,
+)
+from tests.store.test_summaries_http import config as summarising_config
+from tests.store.test_summaries_http import conversation
 from tests.wire.chat_helpers import items_of
 
 COUNTER = TokenCounter("o200k_base")
@@ -166,3 +175,24 @@ async def test_a_long_output_keeps_for_the_summariser_the_values_later_turns_use
     assert "] flight HAT140 JFK-SEA 16:00 $240 [" in body  # the line, between two gap marks
     assert "flight HAT000" in body and "flight HAT299" in body  # both ends, as before
     assert "HAT150" not in body  # the rest of the middle is still cut
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_summariser_chunks_fit_the_summariser_models_window(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                  ) -> None:
+    """With params.model: small (8k) summarising for a 60k request model, every call fits 8k."""
+    cfg = summarising_config(
+        upstream.base_url,
+        models=[{"name": "big", "context_window": 60000, "max_output_tokens": 4096},
+                {"name": "small", "context_window": 8000, "max_output_tokens": 1000}],
+        context_manager={"type": "summarising", "params": {  # the summariser's input is the subject: no masking
+            "keep_turns": 4, "mask_observations": False, "summarizer": {"type": "llm", "params": {"model": "small"}}}},
+    )
+    cfg.pop("summarizer_model")
+    proxy = await start_proxy(cfg)
+    status, headers, _ = await post(proxy, chat_body(conversation(200), "big"))
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
+    assert {c.body["model"] for c in upstream.summaries} == {"small"}
+    sizes = [message_tokens(c.body["messages"]) for c in upstream.summaries]
+    answer = 300  # config(): summarizer.max_summary_tokens
+    assert all(size + answer <= 8000 for size in sizes), sizes

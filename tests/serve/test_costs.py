@@ -21,7 +21,13 @@ from proxy.serve.costs import request_cost
 from proxy.store.promptcache import CacheEffect
 from tests.conftest import RunningProxy, StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
-from tests.outside import metric_total, scrape
+from tests.outside import (
+    chat_body,
+    metric_total,
+    post,
+    scrape,
+)
+from tests.store.test_summaries_http import config as summarising_config
 from tests.store.test_summaries_http import conversation, turn
 
 ALIAS, UPSTREAM_MODEL, SUMMARISER = "my-alias", "gpt-4o", "gpt-4o-mini"
@@ -272,3 +278,46 @@ async def test_explain_reports_one_requests_figures(upstream: FakeUpstream, star
     assert cost["summarizer_usd"] is None and cost["prompt_cache_usd"] is None  # known only once made / answered
     assert cost["net_before_prompt_cache_usd"] is None
     assert report["calibration_detail"]["source"] == "default" and report["calibration_detail"]["family"] == "openai"
+
+
+def alias_config(upstream_url: str, upstream_model: str = "gpt-4o-mini") -> dict[str, Any]:
+    """A route ``fast`` whose upstream model is ``upstream_model``; it summarises for itself."""
+    return summarising_config(
+        upstream_url,
+        models=[{"name": "fast", "model": upstream_model, "context_window": 8000, "max_output_tokens": 1000}],
+        summarizer_model="fast",
+    )
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_savings_priced_on_the_upstream_model_of_an_alias(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                ) -> None:
+    """A route name: fast, model: gpt-4o-mini records estimated savings at gpt-4o-mini's input price."""
+    proxy = await start_proxy(alias_config(upstream.base_url))
+    status, headers, _ = await post(proxy, chat_body(conversation(40), "fast"))
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
+    assert metric_total(await scrape(proxy), "ctxproxy_estimated_savings_usd_total") > 0
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_summariser_cost_priced_on_the_upstream_model_of_an_alias(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """The summariser's calls through the alias 'fast' cost gpt-4o-mini's prices."""
+    proxy = await start_proxy(alias_config(upstream.base_url))
+    status, headers, _ = await post(proxy, chat_body(conversation(40), "fast"))
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
+    assert upstream.summaries
+    text = await scrape(proxy)
+    assert metric_total(text, "ctxproxy_summarizer_tokens_total") > 0
+    # the fake summariser reports 1000 prompt + 100 completion tokens per call
+    assert metric_total(text, "ctxproxy_summarizer_cost_usd_total") > 0
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_unknown_price_is_a_counted_warning(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A model with no known price counts ctxproxy_unpriced_model_total instead of a silent 0 USD."""
+    proxy = await start_proxy(alias_config(upstream.base_url, "acme-internal/mystery-1"))
+    status, headers, _ = await post(proxy, chat_body(conversation(40), "fast"))
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
+    assert metric_total(await scrape(proxy), "ctxproxy_unpriced_model_total") >= 1

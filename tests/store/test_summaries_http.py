@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.conftest import base_config
-from tests.outside import metric_total, scrape
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.outside import Message, chat_body, metric_total, scrape
+from tests.outside import post as send
+from tests.redis_server import RedisServer
 
 MODEL = "small-model"
 WINDOW = 8000
@@ -226,3 +231,93 @@ async def test_summariser_work_per_request_is_bounded_and_oversized_summaries_ar
     text, _, values = summary.partition("\n\nValues these turns acted on")
     counter = TokenCounter("o200k_base")
     assert counter.text(text) <= 300 + 40 and 0 < counter.text(values) <= 1024
+
+
+def fleet_conversation(agent: int, turns: int) -> list[Message]:
+    """An agent of a fleet: the same system prompt and first turn as every other agent, then its own turns."""
+    messages: list[Message] = [{"role": "system", "content": "You are a travel agent assistant."}]
+    messages += turn(0)
+    for i in range(1, turns - 1):
+        for m in turn(i):
+            m = dict(m)
+            if m["role"] == "user":
+                m["content"] = f"[agent {agent}] " + m["content"]
+            messages.append(m)
+    messages.append({"role": "user", "content": f"[agent {agent}] Turn {turns - 1}: anything else?"})
+    return messages
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_a_fleet_sharing_the_first_turn_keeps_every_summary(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                  ) -> None:
+    """Ten agents sharing system prompt and first turn: agent 0's summary is still reused afterwards."""
+    proxy = await start_proxy(config(upstream.base_url))
+    for agent in range(10):
+        status, headers, _ = await send(proxy, chat_body(fleet_conversation(agent, 40)))
+        assert (status, headers["x-ctxproxy-summary"]) == (200, "waited"), agent
+    calls = len(upstream.summaries)
+    status, headers, _ = await send(proxy, chat_body(fleet_conversation(0, 41)))  # agent 0's next request
+    assert status == 200
+    assert headers["x-ctxproxy-summary"] == "reused"
+    assert len(upstream.summaries) == calls
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_a_single_growing_conversation_reuses_its_summary(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                ) -> None:
+    """The same growth step reuses the summary when no other agent interferes."""
+    proxy = await start_proxy(config(upstream.base_url))
+    status, headers, _ = await send(proxy, chat_body(fleet_conversation(0, 40)))
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
+    status, headers, _ = await send(proxy, chat_body(fleet_conversation(0, 41)))
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "reused")
+    assert len(upstream.summaries) == 1
+
+
+@pytest.mark.usefixtures("shared_model_map")
+@pytest.mark.parametrize("backend", ["disk", "redis"])  # (the memory cache's yields are too short to show it)
+async def test_concurrent_summaries_with_the_same_first_turn_both_stay_indexed(
+    upstream: FakeUpstream, start_proxy: StartProxy, tmp_path: Path, backend: str
+) -> None:
+    """Two conversations sharing the first turn, summarised at the same moment: both are reused later."""
+    with contextlib.ExitStack() as stack:
+        cache: dict[str, Any] = {"backend": backend}
+        if backend == "disk":
+            cache["path"] = str(tmp_path / "cache")
+        if backend == "redis":
+            cache["url"] = stack.enter_context(RedisServer.started()).url
+        proxy = await start_proxy(config(upstream.base_url, cache=cache))
+        upstream.summary_barrier = 2  # both summariser calls are answered together
+        results = await asyncio.gather(*(send(proxy, chat_body(fleet_conversation(a, 40))) for a in (1, 2)))
+        assert [(s, h["x-ctxproxy-summary"]) for s, h, _ in results] == [(200, "waited")] * 2
+        upstream.summary_barrier = 0
+        calls = len(upstream.summaries)
+        statuses = []
+        for agent in (1, 2):
+            status, headers, _ = await send(proxy, chat_body(fleet_conversation(agent, 41)))
+            statuses.append((status, headers["x-ctxproxy-summary"]))
+    assert statuses == [(200, "reused")] * 2
+    assert len(upstream.summaries) == calls
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_summary_counted_created_when_the_leaders_client_disconnects(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """The leader's client leaves mid-summary; the one summary made is still counted as created."""
+    proxy = await start_proxy(config(upstream.base_url))
+    upstream.summary_delay = 1.0
+    leader = asyncio.ensure_future(send(proxy, chat_body(conversation(40))))
+    while not upstream.summaries:
+        await asyncio.sleep(0.01)
+    waiters = [asyncio.ensure_future(send(proxy, chat_body(conversation(40)))) for _ in range(2)]
+    await asyncio.sleep(0.3)  # the waiters joined the flight
+    leader.cancel()  # the leader's client disconnects
+    with contextlib.suppress(asyncio.CancelledError):
+        await leader
+    results = await asyncio.gather(*waiters)
+    assert [s for s, _, _ in results] == [200, 200]
+    assert len(upstream.summaries) == 1
+    text = await scrape(proxy)
+    assert metric_total(text, "ctxproxy_summaries_total", result="created") == 1, \
+        [h["x-ctxproxy-summary"] for _, h, _ in results]

@@ -11,9 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, StartProxy
+from tests.fake_upstream import FakeUpstream
+from tests.outside import chat_body, metric_total, scrape
+from tests.outside import post as send
 from tests.redis_server import RedisServer
 from tests.store.test_summaries_http import config, conversation, post
 
@@ -87,3 +91,27 @@ async def test_redis_down_then_back(upstream, start_proxy):
             assert len(upstream.summaries) == calls + 1
             async with s.get(proxy.url + "/readyz") as r:
                 assert r.status == 200
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_single_flight_across_replicas_outlasts_the_lock_wait(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                    ) -> None:
+    """Two replicas on one Redis, a 1 s summary, lock_wait 0.2 s: one summariser call, one 'created'."""
+    with RedisServer.started() as redis:
+        cfg = config(upstream.base_url, cache={"backend": "redis", "url": redis.url})
+        cfg["summarizer"]["lock_wait_seconds"] = 0.2
+        replicas = [await start_proxy(cfg), await start_proxy(cfg)]
+        # warm both replicas up (tokenizer, model map): the second must reach the lock while the first summarises
+        await asyncio.gather(*(send(r, chat_body([{"role": "user", "content": "hi"}])) for r in replicas))
+        upstream.summary_delay = 1.0  # longer than lock_wait_seconds
+        first = asyncio.ensure_future(send(replicas[0], chat_body(conversation(40))))
+        while not upstream.summaries:  # replica 0 holds the lock and is summarising
+            await asyncio.sleep(0.01)
+        second = await send(replicas[1], chat_body(conversation(40)))
+        results = [await first, second]
+        made = [metric_total(await scrape(r), "ctxproxy_summaries_total", result="created") for r in replicas]
+        reused = [metric_total(await scrape(r), "ctxproxy_summaries_total", result="reused") for r in replicas]
+    assert [s for s, _, _ in results] == [200, 200]
+    assert len(upstream.summaries) == 1
+    assert [h["x-ctxproxy-summary"] for _, h, _ in results] == ["waited", "waited"]  # both needed it to fit
+    assert (made, reused) == ([1, 0], [0, 1])

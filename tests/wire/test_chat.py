@@ -23,7 +23,10 @@ from proxy.core.tokens import REPLY_PRIMING, TokenCounter
 from proxy.wire.chat import WIRE
 from proxy.wire.chat.items import LEGACY, count_message
 from tests import media_files as mf
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
 from tests.helpers import assistant, call, legacy_call, legacy_result, system, tool, user
+from tests.outside import chat_body, post, text_of
 from tests.wire.chat_helpers import check_messages, count, items_of, repair_messages, scan
 
 Message = dict[str, Any]
@@ -482,3 +485,39 @@ def test_scan_agrees_with_is_paired_on_legacy_mixes() -> None:
     ]
     for messages in mixes:
         assert scan(messages) == is_paired(items_of(messages))
+
+
+CUSTOM_CALL: Message = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "custom", "custom": {"name": "code_exec", "input": "print(1)"}}]}
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_custom_tool_call_is_accepted_and_forwarded(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A GPT-5 custom tool call with its result is forwarded unchanged."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    messages = [{"role": "user", "content": "Run print(1)."}, CUSTOM_CALL,
+                {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
+    status, _headers, body = await post(proxy, chat_body(messages, "gpt-4o-mini"))
+    assert status == 200, body
+    assert upstream.chat[-1].body["messages"] == messages
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_custom_tool_call_inputs_are_counted_and_paired(upstream: FakeUpstream, start_proxy: StartProxy
+                                                              ) -> None:
+    """A custom call's input counts as tokens, and an unanswered custom call is repaired like any call."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    big_input = text_of(3000, seed=6)
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_big", "type": "custom", "custom": {"name": "code_exec", "input": big_input}}]}
+    answered = [{"role": "user", "content": "Run it."}, call,
+                {"role": "tool", "tool_call_id": "call_big", "content": "done"}]
+    status, headers, body = await post(proxy, chat_body(answered, "gpt-4o-mini"))
+    assert status == 200, body
+    assert int(headers["x-ctxproxy-tokens-in"]) >= 3000
+    unanswered = [{"role": "user", "content": "Run it."}, CUSTOM_CALL, {"role": "user", "content": "Never mind."}]
+    status, headers, body = await post(proxy, chat_body(unanswered, "gpt-4o-mini"))
+    assert status == 200, body
+    assert int(headers["x-ctxproxy-repairs"]) >= 1
+    forwarded = upstream.chat[-1].body["messages"]
+    assert not any(m.get("tool_calls") for m in forwarded)  # a call without a result never reaches a provider
