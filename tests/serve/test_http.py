@@ -8,6 +8,7 @@ import uuid
 import zlib
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
@@ -36,7 +37,7 @@ from proxy.serve.http import (
 from proxy.wire import WIRES
 from tests.conftest import StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
-from tests.outside import request
+from tests.outside import post, request
 
 
 def req(headers: dict[str, str] | list[tuple[str, str]] | None = None, method: str = "POST",
@@ -311,3 +312,27 @@ async def test_an_integer_beyond_64_bits_reaches_the_upstream_exactly(
     assert int(headers["x-ctxproxy-tokens-out"]) < int(headers["x-ctxproxy-tokens-in"])  # managed: re-written
     sent = json.loads(upstream.chat[-1].raw)
     assert sent["seed"] == big and sent["metadata"] == {"n": bigger}
+
+
+MODEL = "gpt-4o-mini"
+
+
+OVERRIDE = "x-ctxproxy-context-manager"
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_escaped_crlf_in_an_override_never_reaches_a_header(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                  ) -> None:
+    """An override whose JSON key holds \\r\\n is ignored with a clean, single-line warning header."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    override = '{"type": "stack", "params": {"bad\\r\\nX-Injected: yes": 1}}'  # JSON escapes, valid header text
+    assert "\r" not in override and "\n" not in override
+    try:
+        status, headers, body = await post(proxy, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                                           headers={OVERRIDE: override})
+    except aiohttp.ClientError as exc:
+        pytest.fail(f"the client got no answer: {exc!r}")
+    assert status == 200, body
+    assert "x-injected" not in headers
+    warning = headers.get("x-ctxproxy-warning", "")
+    assert warning and "\r" not in warning and "\n" not in warning, warning

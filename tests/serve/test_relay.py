@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
+import aiohttp
 import pytest
 
 from proxy.core.errors import BadRequest, ModelNotFound, NotFound
 from proxy.serve.relay import _allowed, _check_model, _models_of, canonical_path, relay_url
 from proxy.settings import DEFAULT_RELAY_ALLOW, load_config
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.outside import request
 
 # --------------------------------------------------------------------------- canonical paths
 
@@ -191,3 +196,126 @@ def test_check_model_refuses_a_model_outside_the_tenants_list() -> None:
 
 def test_check_model_without_a_list_allows_everything() -> None:
     _check_model(b'{"model": "anything"}', "application/json", tenant(None))
+
+
+MODEL = "gpt-4o-mini"
+
+
+TENANT_KEY = "sk-tenant-acme-7f3a"
+
+
+def tenant_config(upstream_url: str, **tenant: Any) -> dict[str, Any]:
+    return base_config(upstream_url, tenants=[{"name": "acme", "keys": [TENANT_KEY], **tenant}],
+                       summarizer={"retry_backoff_seconds": 0, "timeout_seconds": 2, "max_summary_tokens": 300})
+
+
+def error_of(payload: Any) -> dict[str, Any]:
+    assert isinstance(payload, dict) and set(payload) == {"error"}, payload
+    error = payload["error"]
+    assert set(error) >= {"message", "type", "param", "code"}, error
+    return dict(error)
+
+
+def raw_multipart(parts: list[tuple[bytes, bytes]], boundary: bytes = b"BB") -> bytes:
+    """A multipart body written byte for byte: each part's raw header lines, then its value."""
+    out = b""
+    for headers, value in parts:
+        out += b"--" + boundary + b"\r\n" + headers + b"\r\n\r\n" + value + b"\r\n"
+    return out + b"--" + boundary + b"--\r\n"
+
+
+MP = "multipart/form-data; boundary=BB"
+
+
+HOSTILE_BODIES = {
+    # JSON orjson refuses and Python's json (FastAPI, vLLM, a LiteLLM proxy) reads, model and all
+    "json-bom": (b'\xef\xbb\xbf{"model": "whisper-1", "input": "x"}', "application/json"),
+    "json-utf16": ('{"model": "whisper-1", "input": "x"}'.encode("utf-16"), "application/json"),
+    "json-nan": (b'{"model": "whisper-1", "input": "x", "temperature": NaN}', "application/json"),
+    "json-1e400": (b'{"model": "whisper-1", "input": "x", "t": 1e400}', "application/json"),
+    "json-lone-surrogate": (b'{"model": "whisper-1", "input": "\\ud800"}', "application/json"),
+    # a first-wins parser reads the first of two model keys
+    "json-duplicate-model": (b'{"model": "whisper-1", "model": "gpt-4o-mini"}', "application/json"),
+    "json-octet-stream-bom": (b'\xef\xbb\xbf{"model": "whisper-1"}', "application/octet-stream"),
+    # python-multipart reads the last name / header / boundary, the stdlib's parser the first
+    "multipart-two-names": (raw_multipart([(b'Content-Disposition: form-data; name="x"; name="model"', b"whisper-1")]),
+                            MP),
+    "multipart-two-dispositions": (raw_multipart([(b'Content-Disposition: form-data; name="x"\r\n'
+                                               b'Content-Disposition: form-data; name="model"', b"whisper-1")]), MP),
+    "multipart-two-boundaries": (raw_multipart([(b'Content-Disposition: form-data; name="model"', b"whisper-1")],
+                                           b"B2"), "multipart/form-data; boundary=B1; boundary=B2"),
+}
+
+
+@pytest.mark.usefixtures("shared_model_map")
+@pytest.mark.parametrize("name", list(HOSTILE_BODIES))
+async def test_relayed_bodies_parsers_read_differently_never_escape_the_model_list(
+    upstream: FakeUpstream, start_proxy: StartProxy, name: str
+) -> None:
+    """A tenant limited to gpt-4o-mini: a body a lenient or another form parser reads as whisper-1 is refused."""
+    raw, content_type = HOSTILE_BODIES[name]
+    proxy = await start_proxy(tenant_config(upstream.base_url, models=[MODEL]))
+    status, _headers, answer = await request(proxy, "POST", "/v1/audio/transcriptions", key=TENANT_KEY, data=raw,
+                                             headers={"Content-Type": content_type})
+    assert status in (400, 404), answer[:300]
+    assert error_of(json.loads(answer))["code"] in ("model_not_found", "ambiguous_form_field", "invalid_json")
+    assert upstream.other == []
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_plain_relayed_bodies_still_pass(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """Control: an allowed model in plain JSON, in escaped JSON and in a plain multipart field is relayed."""
+    proxy = await start_proxy(tenant_config(upstream.base_url, models=[MODEL]))
+    bodies = [(json.dumps({"model": MODEL, "input": "héllo"}).encode(), "application/json"),  # \u00e9: the slow path
+              (raw_multipart([(b'Content-Disposition: form-data; name="model"', MODEL.encode()),
+                          (b'Content-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+                           b"Content-Type: audio/wav", b"RIFF")]), MP)]
+    for raw, content_type in bodies:
+        status, _headers, answer = await request(proxy, "POST", "/v1/audio/transcriptions", key=TENANT_KEY, data=raw,
+                                                 headers={"Content-Type": content_type})
+        assert status == 200, answer[:300]
+    assert len(upstream.other) == 2
+
+
+@pytest.mark.usefixtures("shared_model_map")
+@pytest.mark.parametrize("path", ["/v1/ctxproxy%2Fpolicy", "/v1/ctxproxy%2fexplain", "/v1//ctxproxy/policy"])
+async def test_the_proxys_namespace_is_never_relayed_however_spelled(upstream: FakeUpstream, start_proxy: StartProxy,
+                                                                    path: str) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url))  # no tenants: every other path is relayed
+    for method in ("GET", "POST"):
+        status, _headers, answer = await request(proxy, method, path, data=b"{}" if method == "POST" else None)
+        assert status == 404, answer[:300]
+        error_of(json.loads(answer))
+    assert upstream.other == []
+
+
+def error_shape(raw: bytes) -> dict[str, Any]:
+    body = json.loads(raw)
+    assert set(body) == {"error"} and set(body["error"]) >= {"message", "type", "param", "code"}, body
+    return dict(body["error"])
+
+
+@pytest.mark.usefixtures("shared_model_map")
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/chatcmpl-abc123/messages",
+                                  "/v1/files"])
+async def test_stored_object_listings_are_not_relayed_for_tenants(upstream: FakeUpstream, start_proxy: StartProxy,
+                                                                  path: str) -> None:
+    """With tenants, GET listings of stored objects answer 403/404 (OpenAI's shape) and reach nobody."""
+    proxy = await start_proxy(tenant_config(upstream.base_url, models=[MODEL]))
+    status, _headers, raw = await request(proxy, "GET", path, key=TENANT_KEY)
+    assert status in (403, 404), raw[:300]
+    error_shape(raw)
+    assert upstream.other == [] and upstream.chat == []
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_model_allow_list_holds_on_multipart_bodies(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A multipart /v1/audio/transcriptions with a model outside the tenant's allow-list is refused."""
+    proxy = await start_proxy(tenant_config(upstream.base_url, models=[MODEL]))
+    form = aiohttp.FormData()
+    form.add_field("model", "whisper-1")
+    form.add_field("file", b"RIFF\x00\x00\x00\x00WAVEfmt ", filename="a.wav", content_type="audio/wav")
+    status, _headers, raw = await request(proxy, "POST", "/v1/audio/transcriptions", key=TENANT_KEY, data=form)
+    assert status in (403, 404), raw[:300]
+    assert error_shape(raw)["code"] in ("model_not_found", "forbidden", "not_found", "permission_denied")
+    assert upstream.other == []

@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
+from tests.outside import post
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -52,3 +53,28 @@ async def test_a_wrong_method_on_the_messages_path_answers_in_anthropics_shape(
         assert r.status >= 400
         body = await r.json(content_type=None)
     assert body["type"] == "error" and isinstance(body["error"]["type"], str), body
+
+
+MODEL = "gpt-4o-mini"
+
+
+TENANT_KEY = "sk-tenant-acme-7f3a"
+
+
+def tenant_config(upstream_url: str, **tenant: Any) -> dict[str, Any]:
+    return base_config(upstream_url, tenants=[{"name": "acme", "keys": [TENANT_KEY], **tenant}],
+                       summarizer={"retry_backoff_seconds": 0, "timeout_seconds": 2, "max_summary_tokens": 300})
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_trailing_slash_chat_path_goes_through_the_pipeline(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                  ) -> None:
+    """Every spelling of the chat path goes through the pipeline: the tenant's max_output_tokens holds."""
+    proxy = await start_proxy(tenant_config(upstream.base_url, models=[MODEL], max_output_tokens=100))
+    status, headers, body = await post(proxy, {"model": MODEL, "max_tokens": 5000,
+                                               "messages": [{"role": "user", "content": "hi"}]},
+                                       path="/v1/chat/completions/", key=TENANT_KEY)
+    assert status == 200, body
+    assert upstream.other == [], [r.path for r in upstream.other]
+    assert [r.body["max_tokens"] for r in upstream.chat] == [100]
+    assert "x-ctxproxy-tokens-out" in headers

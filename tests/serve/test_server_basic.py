@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 from typing import Any
 
 import aiohttp
@@ -12,7 +14,7 @@ import pytest
 from yarl import URL
 
 from tests import media_files as mf
-from tests.conftest import base_config
+from tests.conftest import RunningProxy, StartProxy, base_config
 from tests.fake_upstream import REPLY, USAGE, FakeUpstream
 
 MODEL = "gpt-4o-mini"
@@ -462,3 +464,52 @@ async def test_chat_media_are_counted_as_billed(upstream: FakeUpstream, start_pr
         {"role": "user", "content": [part, {"type": "text", "text": "Summarise it."}]}]})
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
     assert len(upstream.chat) == sent
+
+
+async def slow_client(proxy: RunningProxy, payload: bytes, wait: float) -> tuple[bool, bytes]:
+    """Send ``payload`` and stall; whether the server closed the connection within ``wait`` s, and what it sent."""
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(payload)
+        await writer.drain()
+        got = b""
+        deadline = time.monotonic() + wait
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                chunk = await asyncio.wait_for(reader.read(4096), left)
+            except asyncio.TimeoutError:
+                break
+            except ConnectionError:
+                return True, got
+            if not chunk:
+                return True, got
+            got += chunk
+        return False, got
+    finally:
+        writer.close()
+
+
+async def start_with_read_timeouts(upstream: FakeUpstream, start_proxy: StartProxy) -> tuple[RunningProxy, float]:
+    """The proxy with 1 s header/body read timeouts (``server.header_timeout`` and ``server.body_timeout``)."""
+    return await start_proxy(base_config(upstream.base_url, server={"header_timeout": 1, "body_timeout": 1})), 2.5
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_slow_headers_are_timed_out(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A client that sends partial headers and stalls is disconnected after the header timeout."""
+    proxy, wait = await start_with_read_timeouts(upstream, start_proxy)
+    closed, got = await slow_client(proxy, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: 1", wait)
+    assert closed, f"the connection was still open after {wait} s of partial headers"
+    assert got == b"" or got.startswith(b"HTTP/1.1 408"), got[:200]
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_slow_body_is_timed_out(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A client that sends 10 of its announced 1000 body bytes and stalls is disconnected (or 408)."""
+    proxy, wait = await start_with_read_timeouts(upstream, start_proxy)
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n")
+    closed, got = await slow_client(proxy, head + b'{"model": ', wait)
+    assert closed or got.startswith(b"HTTP/1.1 408"), f"no answer and still open after {wait} s: {got[:200]!r}"
+    assert upstream.chat == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -18,6 +19,8 @@ from proxy.wire.chat.stream import STREAM as CHAT
 from proxy.wire.messages.stream import STREAM as MESSAGES
 from proxy.wire.responses.stream import STREAM as RESPONSES
 from proxy.wire.sse import SSE, StreamEnd, StreamWatcher
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
 
 
 class FakeAnswer:
@@ -169,3 +172,30 @@ async def test_a_stream_that_breaks_off_ends_with_one_error_event(run: Run, erro
     assert not watcher.done
     assert seen["stream_error"] == code
     assert answer.closed == [False]
+
+
+MODEL = "gpt-4o-mini"
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_chunk_framing_error_mid_stream_ends_the_stream_at_once(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                      ) -> None:
+    """The upstream breaks HTTP chunked framing mid-stream: the client's stream ends with an error at once."""
+    upstream.mode = "bad_chunk"
+    idle = 2.0
+    proxy = await start_proxy(base_config(upstream.base_url, server={"idle_timeout": idle}))
+    async with aiohttp.ClientSession() as s, s.post(proxy.base_url + "/chat/completions", json={
+            "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+        assert r.status == 200
+        raw = await r.content.readany()  # the first chunk; the framing breaks 0.2 s later
+        started = time.monotonic()
+        try:
+            async for chunk in r.content.iter_any():
+                raw += chunk
+        except aiohttp.ClientPayloadError:
+            pass  # the proxy may also cut the connection
+    elapsed = time.monotonic() - started
+    assert b'"error"' in raw and b"[DONE]" not in raw, raw[-300:]
+    assert elapsed < idle / 2, (
+        f"the framing error surfaced {elapsed:.1f} s after the first chunk (idle timeout {idle} s)"
+    )

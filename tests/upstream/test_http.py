@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 from aiohttp import web
 from hypothesis import example, given, settings
@@ -34,6 +35,8 @@ from proxy.upstream.http import (
     response_headers,
     upstream_headers,
 )
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
 
 SECRET = "sk-proj-Abc123_def-456XYZ"
 ROUTE = ModelRoute("gpt-4o-mini", "u", "gpt-4o-mini-2024-07-18", "openai", 128_000, 16_384, "o200k_base")
@@ -461,3 +464,22 @@ async def test_the_pool_keeps_one_session_per_base_url() -> None:
         await pool.close()
     assert pool.session(a) is not None
     await pool.close()
+
+
+MODEL = "gpt-4o-mini"
+
+
+UPSTREAM_KEY = "sk-upstream-secret"  # base_config's upstream key
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_upstream_key_echoed_in_a_stream_is_redacted(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """The upstream's key, echoed back inside a streamed 200 answer, never reaches the client."""
+    upstream.mode = "echo_key"
+    proxy = await start_proxy(base_config(upstream.base_url))
+    async with openai.AsyncOpenAI(base_url=proxy.base_url, api_key="sk-client", max_retries=0) as client:
+        stream = await client.chat.completions.create(model=MODEL, stream=True,
+                                                      messages=[{"role": "user", "content": "hi"}])
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text.startswith("You called me with")  # the echo came through ...
+    assert UPSTREAM_KEY not in text  # ... redacted, as in relayed errors

@@ -521,3 +521,39 @@ async def test_custom_tool_call_inputs_are_counted_and_paired(upstream: FakeUpst
     assert int(headers["x-ctxproxy-repairs"]) >= 1
     forwarded = upstream.chat[-1].body["messages"]
     assert not any(m.get("tool_calls") for m in forwarded)  # a call without a result never reaches a provider
+
+
+MODEL = "gpt-4o-mini"
+
+
+def error_of(payload: Any) -> dict[str, Any]:
+    assert isinstance(payload, dict) and set(payload) == {"error"}, payload
+    error = payload["error"]
+    assert set(error) >= {"message", "type", "param", "code"}, error
+    return dict(error)
+
+
+@pytest.mark.usefixtures("shared_model_map")
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Weather?"}, legacy_call("get_weather"),
+     {"role": "tool", "tool_call_id": "\u0000fn:get_weather", "content": "sunny"},
+     {"role": "user", "content": "Thanks."}],
+    [{"role": "user", "content": "Weather?"},
+     {"role": "assistant", "content": None, "tool_calls": [
+         {"id": "\u0000fn:get_weather", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+     {"role": "function", "name": "get_weather", "content": "sunny"},
+     {"role": "user", "content": "Thanks."}],
+    [{"role": "user", "content": "Run it."},
+     {"role": "assistant", "content": None, "tool_calls": [
+         {"id": "\u0000x", "type": "custom", "custom": {"name": "code_exec", "input": "print(1)"}}]},
+     {"role": "tool", "tool_call_id": "\u0000x", "content": "1"}],
+], ids=["tool-result-for-a-legacy-call", "legacy-result-for-a-tool-call", "custom-call"])
+async def test_ids_in_the_legacy_namespace_are_refused(upstream: FakeUpstream, start_proxy: StartProxy,
+                                                       messages: list[Message]) -> None:
+    """A NUL-prefixed id could pair a tool result with a legacy function_call: refused, never forwarded."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    for stream in (False, True):
+        status, _headers, body = await post(proxy, {"model": MODEL, "messages": messages, "stream": stream})
+        assert status == 400, body
+        assert error_of(body)["code"] == "invalid_tool_call"
+    assert upstream.chat == []
