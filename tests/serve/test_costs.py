@@ -7,6 +7,7 @@ as a provider's prompt cache would (the longest common prefix with the conversat
 
 from __future__ import annotations
 
+import asyncio
 import json
 from importlib.util import find_spec
 from pathlib import Path
@@ -18,9 +19,11 @@ import pytest
 from proxy.core.modelinfo import ModelMap, PriceOverride
 from proxy.pipeline import Report
 from proxy.serve.costs import request_cost
+from proxy.serve.report import cost_report
 from proxy.store.promptcache import CacheEffect
 from tests.conftest import RunningProxy, StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
+from tests.helpers import words
 from tests.outside import (
     chat_body,
     metric_total,
@@ -321,3 +324,54 @@ async def test_unknown_price_is_a_counted_warning(upstream: FakeUpstream, start_
     status, headers, _ = await post(proxy, chat_body(conversation(40), "fast"))
     assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
     assert metric_total(await scrape(proxy), "ctxproxy_unpriced_model_total") >= 1
+
+
+def priced_total(proxy: Any, name: str) -> float:
+    text = proxy.state.metrics.render()[0].decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+async def test_a_request_the_upstream_failed_saved_nothing(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """Tokens removed from a request whose answer failed are counted as tokens, never as money saved."""
+    cfg = base_config(upstream.base_url, context_manager={"type": "sliding-window",
+                                                          "params": {"keep_turns": 1, "cut_step": 1}})
+    cfg["trimmer"] = {"max_tokens": 2000}
+    proxy = await start_proxy(cfg)
+    upstream.mode, upstream.status = "status", 500
+    msgs: list[dict[str, Any]] = []
+    for i in range(6):
+        msgs += [{"role": "user", "content": words(300, i)}, {"role": "assistant", "content": words(300, i + 50)}]
+    msgs.append({"role": "user", "content": "now"})
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/chat/completions",
+                                                    json={"model": "gpt-4o-mini", "messages": msgs}) as r:
+        assert r.status == 500
+        assert int(r.headers["x-ctxproxy-tokens-out"]) < int(r.headers["x-ctxproxy-tokens-in"])
+    await asyncio.sleep(0.05)  # the after-answer step runs on the next loop turn
+    assert priced_total(proxy, "ctxproxy_tokens_removed_total") > 0
+    assert priced_total(proxy, "ctxproxy_estimated_savings_usd_total") == 0
+    assert priced_total(proxy, "ctxproxy_net_savings_usd_total") == 0
+    await proxy.state.shared.ledger.flush()
+    total = (await cost_report(proxy.state.shared.ledger.store, 3600))["total"]
+    assert total["gross_usd"] == 0 and total["net_usd"] == 0
+
+
+async def test_a_summary_made_by_compact_is_paid_for_in_the_ledger(upstream: FakeUpstream,
+                                                                   start_proxy: StartProxy) -> None:
+    """Every summariser call counts against net savings and in the cost report, whatever asked for it."""
+    cfg = base_config(upstream.base_url)
+    cfg["upstreams"]["fake"]["responses_compact"] = "emulate"
+    proxy = await start_proxy(cfg)
+    items: list[dict[str, Any]] = []
+    for i in range(4):
+        items += [{"role": "user", "content": words(200, i)}, {"role": "assistant", "content": words(200, i + 9)}]
+    items.append({"role": "user", "content": "go"})
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/responses/compact",
+                                                    json={"model": "gpt-4o-mini", "input": items}) as r:
+        assert r.status == 200, await r.text()
+    assert len(upstream.summaries) == 1
+    paid = priced_total(proxy, "ctxproxy_summarizer_cost_usd_total")
+    assert paid > 0
+    assert priced_total(proxy, "ctxproxy_net_loss_usd_total") == paid
+    await proxy.state.shared.ledger.flush()
+    total = (await cost_report(proxy.state.shared.ledger.store, 3600))["total"]
+    assert abs(total["summarizer_usd"] - paid) < 1e-12 and abs(total["net_usd"] + paid) < 1e-12

@@ -35,9 +35,10 @@ from proxy.serve.http import (
     request_id,
 )
 from proxy.wire import WIRES
-from tests.conftest import StartProxy, base_config
-from tests.fake_upstream import FakeUpstream
+from tests.conftest import RunningProxy, StartProxy, base_config
+from tests.fake_upstream import FakeUpstream, is_uuid
 from tests.outside import post, request
+from tests.store.test_summaries_http import config
 
 
 def req(headers: dict[str, str] | list[tuple[str, str]] | None = None, method: str = "POST",
@@ -336,3 +337,41 @@ async def test_escaped_crlf_in_an_override_never_reaches_a_header(upstream: Fake
     assert "x-injected" not in headers
     warning = headers.get("x-ctxproxy-warning", "")
     assert warning and "\r" not in warning and "\n" not in warning, warning
+
+
+async def chat(proxy: RunningProxy, messages: list[dict[str, Any]], request_id: str | None = None
+               ) -> tuple[int, dict[str, str]]:
+    headers = {"Authorization": "Bearer sk-client"}
+    if request_id is not None:
+        headers["x-request-id"] = request_id
+    async with aiohttp.ClientSession() as s, s.post(proxy.base_url + "/chat/completions", headers=headers,
+                                                    json={"model": "small-model", "messages": messages}) as r:
+        await r.read()
+        return r.status, {k.lower(): v for k, v in r.headers.items()}
+
+
+def ids(upstream: FakeUpstream, purpose: str) -> list[str | None]:
+    """X-Request-ID of every request the upstream received for ``purpose`` (summarize, or a path)."""
+    return [rid for p, rid in upstream.request_ids if p == purpose]
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_chat_request_id_sent_upstream_is_a_uuid(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A chat request without x-request-id is sent upstream with a generated UUID."""
+    proxy = await start_proxy(config(upstream.base_url))
+    status, headers = await chat(proxy, [{"role": "user", "content": "hi"}])
+    assert status == 200
+    sent = ids(upstream, "/v1/chat/completions")
+    assert len(sent) == 1 and is_uuid(sent[0]), sent
+    assert headers["x-request-id"] == sent[0]
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_clients_own_request_id_is_kept_upstream(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """The client's own x-request-id is sent upstream and echoed back unchanged."""
+    proxy = await start_proxy(config(upstream.base_url))
+    mine = str(uuid.uuid4())
+    status, headers = await chat(proxy, [{"role": "user", "content": "hi"}], request_id=mine)
+    assert status == 200
+    assert ids(upstream, "/v1/chat/completions") == [mine]
+    assert headers["x-request-id"] == mine
