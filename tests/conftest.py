@@ -43,6 +43,31 @@ def shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
     share_model_map(monkeypatch)
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@pytest.fixture
+async def serve_routes() -> AsyncIterator[Callable[[dict[str, Handler]], Awaitable[str]]]:
+    """A purpose-built upstream: ``{"/v1/path": handler}`` on 127.0.0.1, its base URL returned."""
+    runners: list[web.AppRunner] = []
+
+    async def start(routes: dict[str, Handler]) -> str:
+        app = web.Application()
+        for path, handler in routes.items():
+            app.router.add_route("*", path, handler)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return f"http://127.0.0.1:{port}/v1"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
 @pytest.fixture
 async def upstream() -> AsyncIterator[FakeUpstream]:
     fake = await FakeUpstream().start()

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from plugins.base import Completion, Services, SummaryUnavailable
 from plugins.summarizers.llm import PROMPT, LLMParams, LLMSummarizer, _cap, _chunks, render_turn
 from proxy.core.tokens import TokenCounter
-from tests.conftest import StartProxy
+from tests.conftest import Handler, StartProxy
 from tests.fake_upstream import FakeUpstream
 from tests.helpers import assistant, call, tool, user
 from tests.outside import (
@@ -196,3 +199,46 @@ async def test_summariser_chunks_fit_the_summariser_models_window(upstream: Fake
     sizes = [message_tokens(c.body["messages"]) for c in upstream.summaries]
     answer = 300  # config(): summarizer.max_summary_tokens
     assert all(size + answer <= 8000 for size in sizes), sizes
+
+
+MODEL = "gpt-4o-mini"
+
+
+SMALL = "small-model"  # tests.store.test_summaries_http: 8k window, keep_turns 4, summariser gpt-4o-mini
+
+
+TENANT_KEY = "sk-tenant-acme-7f3a"
+
+
+def chat(messages: list[Any], model: str = MODEL, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": messages, **extra}
+
+
+async def test_an_echoed_upstream_key_never_reaches_a_tenant_through_a_summary(
+    upstream: FakeUpstream, serve_routes: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy
+) -> None:
+    """A summariser gateway that echoes its own key into the summary text: that key is never forwarded to
+    the chat provider, nor shown to the tenant by explain."""
+    secret = "sk-summariser-gw-9d8c7b6a"
+
+    async def echo(request: web.Request) -> web.Response:
+        body = await request.json()
+        text = f"- debug: called with {request.headers.get('Authorization')}; user asked about booking ZX0Q"
+        return web.json_response({"id": "chatcmpl-s", "object": "chat.completion", "model": body["model"],
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                               "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 900, "completion_tokens": 40}})
+
+    gateway = await serve_routes({"/v1/chat/completions": echo})
+    cfg = summarising_config(upstream.base_url, tenants=[{"name": "acme", "keys": [TENANT_KEY]}])
+    cfg["upstreams"]["summariser-gw"] = {"base_url": gateway, "api_key": secret}
+    cfg["models"] = [m if m["name"] != MODEL else {**m, "upstream": "summariser-gw"} for m in cfg["models"]]
+    proxy = await start_proxy(cfg)
+    messages = conversation(40)
+    status, headers, _ = await post(proxy, chat(messages, model=SMALL), key=TENANT_KEY)
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
+    assert secret not in json.dumps(upstream.chat[-1].body), "the summariser's key was forwarded to another provider"
+    status, _, explained = await post(proxy, chat(messages, model=SMALL), path="/v1/ctxproxy/explain", key=TENANT_KEY)
+    assert status == 200
+    assert explained["report"]["summary"] == "reused"
+    assert secret not in json.dumps(explained), "explain showed the tenant the operator's summariser key"

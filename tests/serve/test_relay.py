@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from proxy.core.errors import BadRequest, ModelNotFound, NotFound
 from proxy.serve.relay import _allowed, _check_model, _models_of, canonical_path, relay_url
 from proxy.settings import DEFAULT_RELAY_ALLOW, load_config
-from tests.conftest import StartProxy, base_config
+from tests.conftest import Handler, StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
 from tests.outside import request
 
@@ -319,3 +321,61 @@ async def test_model_allow_list_holds_on_multipart_bodies(upstream: FakeUpstream
     assert status in (403, 404), raw[:300]
     assert error_shape(raw)["code"] in ("model_not_found", "forbidden", "not_found", "permission_denied")
     assert upstream.other == []
+
+
+async def test_the_stored_chat_completions_list_is_relayed_without_tenants(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """Without tenants, ``GET /v1/chat/completions`` (OpenAI's list of stored completions) is relayed with its
+    query, not taken for a managed chat request."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    status, _, raw = await request(proxy, "GET", "/v1/chat/completions?limit=2&model=gpt-4o-mini")
+    assert status == 200, raw[:300]
+    assert [r.path for r in upstream.other] == ["/v1/chat/completions?limit=2&model=gpt-4o-mini"]
+
+
+@pytest.mark.parametrize("kind", ["multipart", "urlencoded"])
+async def test_a_body_with_two_model_fields_is_held_to_the_tenants_allow_list(
+    upstream: FakeUpstream, start_proxy: StartProxy, kind: str
+) -> None:
+    """A multipart or urlencoded body with two ``model`` fields is refused for a tenant with an allow-list: the
+    proxy and the upstream might read different ones."""
+    proxy = await start_proxy(base_config(upstream.base_url, tenants=[
+        {"name": "acme", "keys": [TENANT_KEY], "models": ["whisper-1"]}]))
+    data: Any
+    if kind == "multipart":
+        data = aiohttp.FormData()
+        data.add_field("model", "whisper-1")
+        data.add_field("model", "gpt-4o-transcribe")
+        data.add_field("file", b"RIFF\x00\x00\x00\x00WAVEfmt ", filename="a.wav", content_type="audio/wav")
+    else:
+        data = aiohttp.FormData([("model", "whisper-1"), ("model", "gpt-4o-transcribe")])
+    status, _, raw = await request(proxy, "POST", "/v1/audio/transcriptions", key=TENANT_KEY, data=data)
+    assert status in (400, 403, 404), raw[:300]
+    assert upstream.other == []
+
+
+@pytest.mark.parametrize("disposition", ["name*=UTF-8''model", "name*=utf-8''%6Dodel", 'name="mod\\el"'])
+async def test_every_spelling_of_a_multipart_model_field_is_held_to_the_allow_list(
+    serve_routes: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy, disposition: str
+) -> None:
+    """RFC 2231 and escaped spellings of a multipart ``model`` field name (``name*=UTF-8''model``,
+    ``name="mod\\el"``) are held to the tenant's allow-list: never relayed past it."""
+    used: list[Any] = []
+
+    async def transcriptions(request: web.Request) -> web.Response:
+        form = await request.post()
+        used.append(form.get("model"))
+        return web.json_response({"text": "hello"})
+
+    base = await serve_routes({"/v1/audio/transcriptions": transcriptions})
+    proxy = await start_proxy(base_config(base, tenants=[
+        {"name": "acme", "keys": [TENANT_KEY], "models": ["whisper-1"]}]))
+    boundary = "----ctxproxyBoundary7MA4YWxk"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; {disposition}\r\n\r\ngpt-4o-transcribe\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
+            f"Content-Type: audio/wav\r\n\r\nRIFF\x00\x00\x00\x00WAVEfmt \r\n--{boundary}--\r\n").encode()
+    status, _, raw = await request(proxy, "POST", "/v1/audio/transcriptions", key=TENANT_KEY, data=body,
+                                   headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert status in (400, 403, 404), (raw[:300], "the upstream used model", used)
+    assert used == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -321,3 +322,30 @@ async def test_summary_counted_created_when_the_leaders_client_disconnects(
     text = await scrape(proxy)
     assert metric_total(text, "ctxproxy_summaries_total", result="created") == 1, \
         [h["x-ctxproxy-summary"] for _, h, _ in results]
+
+
+def spoken(transcript: str, audio_id: str) -> Message:
+    return {"role": "assistant", "content": None, "audio": {"id": audio_id, "transcript": transcript}}
+
+
+async def test_conversations_differing_only_in_a_spoken_answer_do_not_share_a_summary(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """Two conversations that differ only in an assistant's audio transcript have different summaries: the
+    summary key covers what was said, so one conversation is never served the other's summary."""
+    proxy = await start_proxy(config(upstream.base_url))
+
+    def with_spoken(transcript: str, audio_id: str) -> list[Message]:
+        messages = conversation(40)
+        messages[4] = spoken(transcript, audio_id)  # turn 0's answer, long summarised by turn 39
+        return messages
+
+    a = with_spoken("Your flight UA0 to JFK is cancelled; rebook before Friday.", "audio_a1")
+    b = with_spoken("Your flight UA0 to JFK is confirmed; seat 14C, boarding 07:40.", "audio_b2")
+    status, headers, _ = await send(proxy, chat_body(a))
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
+    assert "is cancelled" in json.dumps(upstream.summaries[-1].body)
+    status, headers, _ = await send(proxy, chat_body(b))
+    assert status == 200
+    assert headers["x-ctxproxy-summary"] == "waited", "B was served A's summary (its flight is 'cancelled')"
+    assert "is confirmed" in json.dumps(upstream.summaries[-1].body)

@@ -11,10 +11,12 @@ import asyncio
 import logging
 import re
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from plugins.base import Completion
 from proxy.core.errors import (
@@ -29,10 +31,11 @@ from proxy.core.errors import (
 )
 from proxy.policy import ModelRoute
 from proxy.upstream.engine import FAILURE_REASONS, UpstreamEngine
-from tests.conftest import RunningProxy, StartProxy
+from tests.conftest import Handler, RunningProxy, StartProxy
 from tests.fake_upstream import FakeUpstream, is_uuid
-from tests.outside import metric_samples, scrape
+from tests.outside import chat_body, metric_samples, post, scrape
 from tests.store.test_summaries_http import config, conversation
+from tests.store.test_summaries_http import config as summarising_config
 
 ROUTE = ModelRoute("summarizer", "openai-eu", "gpt-4o-mini-2024-07-18", "openai", 128_000, 16_384, "o200k_base")
 MESSAGES = [{"role": "system", "content": "Summarise."}, {"role": "user", "content": "New turns: ..."}]
@@ -286,3 +289,39 @@ async def test_summariser_failures_are_counted_by_reason(upstream: FakeUpstream,
     reasons = {labels.get("reason"): value for labels, value in samples if value > 0}
     assert sum(reasons.values()) == 2, samples
     assert None not in reasons and len(reasons) == 2, samples  # an upstream refusal and an empty answer differ
+
+
+async def test_an_empty_summariser_answer_is_counted_as_empty(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A summariser that answers with empty text serves the request by the trimmer (``failed``) and counts one
+    failure with reason ``empty``, apart from upstream errors."""
+    proxy = await start_proxy(summarising_config(upstream.base_url))
+    upstream.summary_mode = "empty"
+    status, headers, _ = await post(proxy, chat_body(conversation(40)))
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "failed")
+    samples = metric_samples(await scrape(proxy), "ctxproxy_summarizer_failures_total")
+    reasons = {labels["reason"]: value for labels, value in samples if value > 0}
+    assert reasons == {"empty": 1.0}
+
+
+@pytest.mark.parametrize("answer", [b"<html>upstream gateway page</html>", b'{"choices": [{"message": {"con'])
+async def test_a_garbage_summariser_answer_is_reported_like_every_other_failure(
+    upstream: FakeUpstream, serve_routes: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy,
+    caplog: pytest.LogCaptureFixture, answer: bytes
+) -> None:
+    """A summariser answer that is not JSON (a gateway's HTML page, a cut body) is a failure like any other:
+    the request is still served, and the log line names the route and the summariser request."""
+    async def garbage(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=answer, content_type="application/json")
+
+    summariser = await serve_routes({"/v1/chat/completions": garbage})
+    cfg = summarising_config(upstream.base_url)
+    cfg["upstreams"]["summariser-gw"] = {"base_url": summariser}
+    cfg["models"] = [m if m["name"] != SUMMARISER else {**m, "upstream": "summariser-gw"} for m in cfg["models"]]
+    proxy = await start_proxy(cfg)
+    caplog.set_level(logging.WARNING, logger="ctxproxy.summaries")
+    status, headers, _ = await post(proxy, chat_body(conversation(40)))
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "failed")
+    lines = [r.getMessage() for r in caplog.records if "summariser failed" in r.getMessage()]
+    assert lines, caplog.text
+    assert f"route '{SUMMARISER}'" in lines[0] and "summariser request" in lines[0], lines[0]

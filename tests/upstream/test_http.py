@@ -37,6 +37,7 @@ from proxy.upstream.http import (
 )
 from tests.conftest import StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
+from tests.outside import chat_body
 
 SECRET = "sk-proj-Abc123_def-456XYZ"
 ROUTE = ModelRoute("gpt-4o-mini", "u", "gpt-4o-mini-2024-07-18", "openai", 128_000, 16_384, "o200k_base")
@@ -483,3 +484,29 @@ async def test_upstream_key_echoed_in_a_stream_is_redacted(upstream: FakeUpstrea
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert text.startswith("You called me with")  # the echo came through ...
     assert UPSTREAM_KEY not in text  # ... redacted, as in relayed errors
+
+
+async def test_the_clients_x_ctxproxy_headers_are_the_proxys_own(
+    serve_routes: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy
+) -> None:
+    """``x-ctxproxy-*`` headers an upstream sends (on a 200 or an error) never reach the client: those headers
+    report what the proxy did, and an upstream must not be able to spoof them."""
+    spoofed = {"x-ctxproxy-summary": "created", "x-ctxproxy-tokens-out": "1", "x-ctxproxy-warning": "from upstream"}
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("user") == "fail":
+            return web.json_response({"error": {"message": "slow down"}}, status=429, headers=spoofed)
+        return web.json_response({"id": "chatcmpl-1", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]},
+            headers=spoofed)
+
+    base = await serve_routes({"/v1/chat/completions": completions})
+    proxy = await start_proxy(base_config(base))
+    for user in ("ok", "fail"):
+        body = chat_body([{"role": "user", "content": "hi"}], MODEL, user=user)
+        async with aiohttp.ClientSession() as s, s.post(proxy.base_url + "/chat/completions", json=body,
+                                                        headers={"Authorization": "Bearer sk-client"}) as r:
+            assert r.headers.getall("x-ctxproxy-summary", []) == ["none"], (user, r.headers)
+            assert r.headers.getall("x-ctxproxy-tokens-out") != ["1"], (user, r.headers)
+            assert "x-ctxproxy-warning" not in r.headers, (user, r.headers)

@@ -352,3 +352,65 @@ async def test_duplicate_ids_inside_one_tool_calls_are_not_forwarded(upstream: F
     for m in upstream.chat[-1].body["messages"]:
         ids = [c.get("id") for c in m.get("tool_calls") or []]
         assert len(ids) == len(set(ids)), m
+
+
+MODEL = "gpt-4o-mini"
+
+
+def chat(messages: list[Any], model: str = MODEL, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": messages, **extra}
+
+
+CROSSED = {
+    "tool-call-answered-by-function": [
+        {"role": "user", "content": "Look it up."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "fn:lookup", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "function", "name": "lookup", "content": "found it"},
+        {"role": "user", "content": "Thanks, and now?"},
+    ],
+    "function-call-answered-by-tool": [
+        {"role": "user", "content": "Look it up."},
+        {"role": "assistant", "content": None, "function_call": {"name": "lookup", "arguments": "{}"}},
+        {"role": "tool", "tool_call_id": "fn:lookup", "content": "found it"},
+        {"role": "user", "content": "Thanks, and now?"},
+    ],
+}
+
+
+async def test_an_unanswered_tool_call_whose_id_starts_with_fn_gets_a_tool_placeholder(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """A client's tool call id that happens to start with ``fn:`` (the prefix of legacy function-call ids) is
+    still a tool call: left unanswered, it gets a tool placeholder under its own id, not a legacy one."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    messages = [
+        {"role": "user", "content": "Look up my booking and the weather."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_booking", "arguments": "{}"}},
+            {"id": "fn:lookup", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "booking ZX1Q"},
+        {"role": "user", "content": "And?"},
+    ]
+    status, headers, body = await post(proxy, chat(messages))
+    assert status == 200, body
+    forwarded = upstream.chat[-1].body["messages"]
+    assert headers["x-ctxproxy-repairs"] == "1"
+    assert pairing_problems(forwarded) == [], forwarded
+    assert forwarded[3]["role"] == "tool" and forwarded[3]["tool_call_id"] == "fn:lookup", forwarded[3]
+
+
+@pytest.mark.parametrize("case", list(CROSSED))
+async def test_tool_calls_and_legacy_function_calls_never_answer_each_other(
+    upstream: FakeUpstream, start_proxy: StartProxy, case: str
+) -> None:
+    """A tool call answered by a legacy ``function`` message, or a legacy call answered by a ``tool`` message,
+    is a pairing the provider refuses: repaired or refused here, never forwarded as paired."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    status, _, body = await post(proxy, chat(CROSSED[case]))
+    if status == 400:  # refusing it is as good as repairing it
+        assert body["error"]["code"] in ("unpaired_tool_call", "unpaired_tool_result", "invalid_tool_pairing")
+        return
+    assert status == 200, body
+    forwarded = upstream.chat[-1].body["messages"]
+    assert pairing_problems(forwarded) == [], forwarded

@@ -16,16 +16,19 @@ ending its streams exactly as the providers do (``tests/fake_upstream.py``).
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import anthropic
 import openai
 import pytest
+from aiohttp import web
 
-from tests.conftest import RunningProxy, StartProxy, base_config
-from tests.fake_upstream import REPLY, FakeUpstream
+from tests.conftest import Handler, RunningProxy, StartProxy, base_config
+from tests.fake_upstream import REPLY, FakeUpstream, responses_events
 from tests.outside import share_model_map
 
 MODEL = "gpt-4o-mini"
@@ -373,3 +376,69 @@ async def test_the_official_sdks_read_a_cr_only_stream_through_the_proxy(
     async with anthropic_client(proxy) as aclient, aclient.messages.stream(**ANTHROPIC_BODY) as astream:
         message = await astream.get_final_message()
     assert message.content[0].text == REPLY  # type: ignore[union-attr]
+
+
+def cut_stream(head: bytes) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(head)
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    return handler
+
+
+CHUNK = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":0,"model":"gpt-4o-mini",'
+         b'"choices":[{"index":0,"delta":{"content":"Hello"},"finish_reason":null}]}\n\n')
+
+
+async def test_a_connection_lost_after_the_terminal_event_adds_nothing_to_a_complete_stream(
+    serve_routes: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy
+) -> None:
+    """An upstream that closes the connection right after a complete Responses stream loses nothing: the client
+    gets the bytes as sent and no error event, and the SDK ends on ``response.completed``."""
+    sent = b"".join(responses_events(MODEL))
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        await resp.write(sent)
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.close()  # the stream is complete; the connection ends without the last chunk
+        return resp
+
+    base = await serve_routes({"/v1/responses": responses})
+    proxy = await start_proxy(base_config(base, server={"idle_timeout": 5}))
+    async with aiohttp.ClientSession() as s, s.post(proxy.base_url + "/responses", json={
+            "model": MODEL, "input": "hi", "stream": True}, headers={"Authorization": "Bearer sk-client"}) as r:
+        raw = await r.read()
+    assert raw == sent, raw[len(sent):]
+    client = openai.AsyncOpenAI(base_url=proxy.base_url, api_key="sk-client", max_retries=0)
+    async with client:
+        stream = await client.responses.create(model=MODEL, input="hi", stream=True)
+        events = [event async for event in stream]
+    assert events[-1].type == "response.completed"
+
+
+@pytest.mark.parametrize("cut", [10, 40, len(CHUNK) - 1], ids=["in-data-prefix", "mid-json", "before-blank-line"])
+async def test_an_error_event_after_a_cut_inside_a_line_is_its_own_event(
+    serve_routes: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy, cut: int
+) -> None:
+    """A stream cut inside an SSE line: the error event the proxy appends starts on a line of its own, so the
+    SDK reads an error ("closed the stream"), not a garbled chunk."""
+    base = await serve_routes({"/v1/chat/completions": cut_stream(CHUNK + CHUNK[:cut])})
+    proxy = await start_proxy(base_config(base, server={"idle_timeout": 5}))
+    client = openai.AsyncOpenAI(base_url=proxy.base_url, api_key="sk-client", max_retries=0)
+    async with client:
+        stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                      stream=True)
+        with pytest.raises(openai.APIError) as err:
+            async for _ in stream:
+                pass
+    assert "closed the stream" in str(err.value)
