@@ -375,3 +375,24 @@ def test_repair_of_a_merged_run_without_placeholders_is_paired() -> None:
         check(repaired, merge_call_runs=True)
     except PayloadError as exc:
         pytest.fail(f"repair's own output is refused: {exc.code}: {exc} -> {repaired}")
+
+
+EMPTIED: list[list[dict[str, Any]]] = [
+    [{"role": "assistant", "function_call": {"name": "lookup"}}],
+    [{"role": "assistant", "content": None,
+      "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+    [{"role": "tool", "tool_call_id": "nowhere", "content": "orphan"}],
+]
+
+
+@pytest.mark.parametrize("messages", EMPTIED)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/ctxproxy/explain"])
+async def test_a_payload_emptied_by_repair_is_refused(upstream: FakeUpstream, start_proxy: StartProxy,
+                                                      messages: list[dict[str, Any]], path: str) -> None:
+    """A payload that pairing repair empties (an unanswered legacy call alone) is refused with
+    ``empty_after_repair``, never forwarded (or explained) as ``"messages": []``; fuzzing found it."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    status, _, body = await post(proxy, {"model": "gpt-4o-mini", "messages": messages}, path=path)
+    assert status == 400
+    assert body["error"]["code"] == "empty_after_repair" and body["error"]["param"] == "messages"
+    assert upstream.chat == []

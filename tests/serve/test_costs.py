@@ -22,6 +22,7 @@ from proxy.serve.costs import request_cost
 from proxy.serve.report import cost_report
 from proxy.store.promptcache import CacheEffect
 from tests.conftest import RunningProxy, StartProxy, base_config
+from tests.cost_run import run
 from tests.fake_upstream import FakeUpstream
 from tests.helpers import words
 from tests.outside import (
@@ -375,3 +376,26 @@ async def test_a_summary_made_by_compact_is_paid_for_in_the_ledger(upstream: Fak
     await proxy.state.shared.ledger.flush()
     total = (await cost_report(proxy.state.shared.ledger.store, 3600))["total"]
     assert abs(total["summarizer_usd"] - paid) < 1e-12 and abs(total["net_usd"] + paid) < 1e-12
+
+
+MANAGERS = {  # the default (tool outputs masked before anything is summarised), and summaries alone
+    "default": None,
+    "summaries-only": {"type": "summarising", "params": {"mask_observations": False}},
+}
+
+
+@pytest.mark.parametrize("model", ["gpt-4o", "claude-sonnet-4-5"])
+@pytest.mark.parametrize("manager", sorted(MANAGERS))
+async def test_net_savings_match_the_real_difference(model: str, manager: str) -> None:
+    """ctxproxy's net (its metrics) lands within 5 % of the real saving, the difference of the same conversation's
+    cost sent straight and through the proxy, whatever its sign: gross savings alone would claim a saving either way."""
+    f = await run(turns=16, budget=8_000, model=model, manager=MANAGERS[manager])
+    if manager == "summaries-only":
+        assert f.summaries_created >= 2 and f.summaries_reused > f.summaries_created
+    else:  # masking first leaves less to summarise, but not nothing on this 8k budget
+        assert f.summaries_created >= 1
+    assert f.cache_break > 0 and f.cache_removed > 0 and f.summariser > 0
+    assert abs(f.net - f.actual_saving) <= 0.05 * f.gross
+    assert (f.net > 0) == (f.actual_saving > 0)
+    # without the prompt-cache terms the figure would be far off: removed tokens would mostly have been cache reads
+    assert (f.gross - f.summariser - f.cache_break) - f.actual_saving > 0.3 * f.gross
