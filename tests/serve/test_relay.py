@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 from aiohttp import web
+from yarl import URL
 
 from proxy.core.errors import BadRequest, ModelNotFound, NotFound
 from proxy.serve.relay import _allowed, _check_model, _models_of, canonical_path, relay_url
 from proxy.settings import DEFAULT_RELAY_ALLOW, load_config
-from tests.conftest import Handler, StartProxy, base_config
+from tests.conftest import Handler, RunningProxy, StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
 from tests.outside import request
+from tests.wire.messages_helpers import CLAUDE
 
 # --------------------------------------------------------------------------- canonical paths
 
@@ -283,6 +290,8 @@ async def test_plain_relayed_bodies_still_pass(upstream: FakeUpstream, start_pro
 @pytest.mark.parametrize("path", ["/v1/ctxproxy%2Fpolicy", "/v1/ctxproxy%2fexplain", "/v1//ctxproxy/policy"])
 async def test_the_proxys_namespace_is_never_relayed_however_spelled(upstream: FakeUpstream, start_proxy: StartProxy,
                                                                     path: str) -> None:
+    """The proxy's own namespace is never relayed upstream, however its path is spelled: ``/v1/ctxproxy%2Fpolicy``
+    (an encoded slash) used to be relayed with the operator's key."""
     proxy = await start_proxy(base_config(upstream.base_url))  # no tenants: every other path is relayed
     for method in ("GET", "POST"):
         status, _headers, answer = await request(proxy, method, path, data=b"{}" if method == "POST" else None)
@@ -379,3 +388,433 @@ async def test_every_spelling_of_a_multipart_model_field_is_held_to_the_allow_li
                                    headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
     assert status in (400, 403, 404), (raw[:300], "the upstream used model", used)
     assert used == []
+
+
+def client(proxy: Any, key: str = "sk-client-key", **kw: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=proxy.base_url, api_key=key, **kw)
+
+
+async def post_raw(url: str, data: bytes, headers: dict[str, str] | None = None) -> tuple[int, Any, bytes]:
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    async with aiohttp.ClientSession() as s, s.post(url, data=data, headers=hdrs) as r:
+        return r.status, r.headers, await r.read()
+
+
+async def test_relay_post_embeddings_untouched(upstream: FakeUpstream, start_proxy: Any) -> None:
+    cfg = base_config(upstream.base_url)
+    cfg["upstreams"]["fake"].pop("api_key")
+    proxy = await start_proxy(cfg)
+    raw = b'{"model": "text-embedding-3-small",  "input": ["a", "b"], "x": 1.50}'
+    status, headers, out = await post_raw(proxy.url + "/v1/embeddings", raw,
+                                          {"Authorization": "Bearer sk-client", "X-Custom": "yes"})
+    assert status == 200
+    got = upstream.other[-1]
+    assert got.path == "/v1/embeddings"
+    assert got.raw == raw
+    assert got.headers["X-Custom"] == "yes"
+    assert got.headers["Authorization"] == "Bearer sk-client"
+    assert json.loads(out) == {"object": "list", "path": "/v1/embeddings", "echo": raw.decode()}
+    assert headers["Content-Type"].startswith("application/json")
+
+
+async def test_relay_openai_client_embeddings(upstream: FakeUpstream, start_proxy: Any) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url))
+    async with client(proxy) as c:
+        raw = await c.embeddings.with_raw_response.create(model="text-embedding-3-small", input="hi")
+    assert raw.status_code == 200
+    assert json.loads(upstream.other[-1].raw)["input"] == "hi"
+    assert upstream.other[-1].headers["Authorization"] == "Bearer sk-upstream-secret"
+
+
+async def test_relay_get_with_query_untouched(upstream: FakeUpstream, start_proxy: Any) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url))
+    async with aiohttp.ClientSession() as s, s.get(proxy.url + "/v1/files?x=1&purpose=fine-tune") as r:
+        assert r.status == 200
+        out = await r.json()
+    assert upstream.other[-1].path == "/v1/files?x=1&purpose=fine-tune"
+    assert out["path"] == "/v1/files?x=1&purpose=fine-tune"
+    assert upstream.other[-1].raw == b""
+
+
+async def test_relay_encoded_query_delimiters_untouched(upstream: FakeUpstream, start_proxy: Any) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url))
+    path_qs = "/v1/files?q=a%26b&n=1%2B1&after=file-1"
+    async with aiohttp.ClientSession() as s, s.get(URL(proxy.url + path_qs, encoded=True)) as r:
+        assert r.status == 200
+    assert upstream.other[-1].path == path_qs
+
+
+async def test_relay_encoded_slash_in_path_untouched(upstream: FakeUpstream, start_proxy: Any) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url))
+    path = "/v1/files/file-a%2Fb/content"
+    async with aiohttp.ClientSession() as s, s.get(URL(proxy.url + path, encoded=True)) as r:
+        assert r.status == 200
+    assert upstream.other[-1].path == path
+
+
+async def test_relay_streaming_path(upstream: FakeUpstream, start_proxy: Any) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url))
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/stream-test", data=b"{}") as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = [line async for line in r.content]
+    assert b"".join(events) == b"data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+
+
+async def test_relay_holds_the_tenant_model_allow_list_and_never_relays_the_proxy_namespace(upstream, start_proxy):
+    import aiohttp
+
+    cfg = {
+        "upstreams": {"fake": {"base_url": upstream.base_url, "api_key": "sk-up"}},
+        "cache": {"backend": "memory"},
+        "tenants": [{"name": "t", "keys": ["k-relay"], "models": ["gpt-4o-mini"]}],
+    }
+    proxy = await start_proxy(cfg)
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer k-relay"}) as s:
+        async with s.post(proxy.url + "/v1/responses", json={"model": "gpt-4o", "input": "hi"}) as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+        async with s.post(proxy.url + "/v1/responses", json={"model": "gpt-4o-mini", "input": "hi"}) as r:
+            assert r.status == 200
+        async with s.post(proxy.url + "/v1/ctxproxy/policy", json={}) as r:
+            assert r.status == 404
+        async with s.get(proxy.url + "/v1/files/%2e%2e/%2e%2e/admin") as r:
+            assert r.status == 404
+    assert [o.path for o in upstream.other] == ["/v1/responses"]
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return predicate()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@dataclass
+class Resources:
+    """What a request could leak, counted in this process (proxy and fake upstream share the test's loop)."""
+
+    tasks: int
+    fds: int
+    acquired: int  # upstream connections in use by the proxy
+    pooled: int  # idle upstream connections kept by the proxy
+    upstream_active: int
+
+    @classmethod
+    def take(cls, proxy: RunningProxy, upstream: FakeUpstream | None = None) -> Resources:
+        current = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+        acquired = pooled = 0
+        for session in proxy.state.shared.pool._sessions.values():
+            connector = session.connector
+            acquired += len(connector._acquired)
+            pooled += sum(len(v) for v in connector._conns.values())
+        return cls(len(tasks), open_fds(), acquired, pooled, upstream.active if upstream else 0)
+
+    def settled(self, now: Resources) -> bool:
+        return (now.tasks <= self.tasks and now.fds <= self.fds and now.acquired == 0
+                and now.pooled <= self.pooled and now.upstream_active == 0)
+
+
+async def settle(proxy: RunningProxy, upstream: FakeUpstream | None, before: Resources,
+                 timeout: float = 3.0) -> Resources:
+    ok = await eventually(lambda: before.settled(Resources.take(proxy, upstream)), timeout)
+    now = Resources.take(proxy, upstream)
+    assert ok, f"leaked: before {before}, after {now}; tasks: {_task_names()}"
+    return now
+
+
+def _task_names() -> list[str]:
+    return sorted(repr(t.get_coro()) for t in asyncio.all_tasks() if t is not asyncio.current_task())[:20]
+
+
+def openai_error(raw: bytes) -> dict[str, Any]:
+    assert b"Traceback" not in raw
+    body = json.loads(raw)
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+class RawUpstream:
+    """A TCP server on 127.0.0.1:0 that does one scripted misbehaviour per connection."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.connections = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        self.url = ""
+
+    async def start(self) -> RawUpstream:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}/v1"
+        return self
+
+    async def stop(self) -> None:
+        for w in self._writers:
+            w.close()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self._writers.append(writer)
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            mode = self.mode
+            if mode == "close_at_once":
+                writer.close()
+                return
+            if mode == "silent":
+                await asyncio.sleep(3600)
+            if mode == "garbage":
+                writer.write(b"HELLO THIS IS NOT HTTP\r\n\r\n")
+            elif mode == "short_body":
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                             b'{"id": "x", "choi')
+            elif mode == "stall_body":
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                             b'{"id": "x"')
+                await writer.drain()
+                await asyncio.sleep(3600)
+            elif mode == "bad_chunked_stream":
+                event = b'data: {"id": "c", "choices": []}\n\n'
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             + f"{len(event):x}\r\n".encode() + event + b"\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.1)
+                writer.write(b"ZZZ\r\nnot a chunk\r\n")
+            elif mode == "short_sse":  # an SSE answer with a Content-Length it never reaches
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 5000\r\n\r\n"
+                             b'data: {"id": "c", "choices": []}\n\n')
+                await writer.drain()
+                await asyncio.sleep(0.1)
+            elif mode == "huge_header":
+                writer.write(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n")
+            await writer.drain()
+            writer.close()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            writer.close()
+
+
+class SlowStreamUpstream:
+    """Streams ``chunks`` SSE chunks, ``interval`` seconds apart, then [DONE] (any path, any method)."""
+
+    def __init__(self, chunks: int = 10, interval: float = 0.2) -> None:
+        self.chunks = chunks
+        self.interval = interval
+        self.active = 0
+        self.cancelled = 0
+        self.url = ""
+        self._runner: Any = None
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    async def start(self) -> SlowStreamUpstream:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._stream)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _stream(self, request: Any) -> Any:
+        from aiohttp import web
+
+        await request.read()
+        self.active += 1
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(self.chunks):
+                chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                         "choices": [{"index": 0, "delta": {"content": f"piece {i} "}, "finish_reason": None}]}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                await asyncio.sleep(self.interval)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1
+
+
+async def test_client_gone_from_a_relayed_stream_nothing_leaks(start_proxy: Any) -> None:
+    """The generic /v1/* relay: a client leaving a stream closes the upstream request too."""
+    slow = await SlowStreamUpstream(chunks=3, interval=0.01).start()
+    try:
+        proxy = await start_proxy(base_config(slow.base_url))
+        async with aiohttp.ClientSession() as s, s.get(proxy.url + "/v1/anything/stream") as r:
+            assert r.status == 200  # warm: one full relayed stream
+            await r.read()
+        before = Resources.take(proxy)
+        slow.chunks, slow.interval = 50, 3600
+        async with aiohttp.ClientSession() as s:
+            r = await s.get(proxy.url + "/v1/anything/stream")
+            assert r.status == 200
+            await asyncio.wait_for(r.content.readuntil(b"\n\n"), 3)
+            assert slow.active == 1
+            r.close()
+        assert await eventually(lambda: slow.active == 0 and slow.cancelled == 1)
+        await settle(proxy, None, before)
+    finally:
+        await slow.stop()
+
+
+@pytest.mark.parametrize("mode", ["close_at_once", "garbage", "silent", "short_body", "stall_body"])
+async def test_raw_upstream_faults_on_the_relay(start_proxy: Any, mode: str) -> None:
+    """Any other /v1/* path: failures before the answer are 502/504; after it started, the client's answer is
+    cut short (never a clean end) and the proxy stays up."""
+    raw_up = await RawUpstream(mode).start()
+    try:
+        cfg = base_config(raw_up.url)
+        cfg["server"] = {"first_byte_timeout": 0.5, "idle_timeout": 0.5}
+        proxy = await start_proxy(cfg)
+        async with aiohttp.ClientSession() as s:
+            started = time.monotonic()
+            async with s.get(proxy.url + "/v1/files/file-1/content") as r:
+                status = r.status
+                try:
+                    raw = await r.read()
+                    complete = True
+                except aiohttp.ClientPayloadError:
+                    raw, complete = b"", False
+            assert time.monotonic() - started < 3
+        if mode in ("short_body", "stall_body"):
+            assert status == 200 and not complete  # headers were relayed, then the body was cut
+        else:
+            assert status == (504 if mode == "silent" else 502)
+            openai_error(raw)
+        assert await eventually(lambda: Resources.take(proxy).acquired == 0)
+    finally:
+        await raw_up.stop()
+
+
+UPSTREAM_KEY = "sk-ant-upstream-secret"
+
+
+def config(upstream: FakeUpstream, *, key: str | None = UPSTREAM_KEY, api: str = "anthropic", **extra: Any
+           ) -> dict[str, Any]:
+    up: dict[str, Any] = {"base_url": upstream.url if api == "anthropic" else upstream.base_url, "api": api}
+    if key:
+        up["api_key"] = key
+    out: dict[str, Any] = {
+        "upstreams": {"a": up},
+        "models": [{"name": CLAUDE, "context_window": 200_000, "max_output_tokens": 64_000}],
+        "cache": {"backend": "memory"},
+        "summarizer": {"retry_backoff_seconds": 0},
+        "server": {"idle_timeout": 5},
+    }
+    out.update(extra)
+    return out
+
+
+async def post(proxy: RunningProxy, payload: Any, headers: dict[str, str] | None = None,
+               path: str = "/v1/messages") -> tuple[int, Any]:
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + path, data=data, headers={
+            "x-api-key": "sk-ant-client", "content-type": "application/json", **(headers or {})}) as r:
+        return r.status, await r.json(content_type=None)
+
+
+def tenants(*models: str) -> list[dict[str, Any]]:
+    return [{"name": "team", "keys": ["proxy-key-1"], **({"models": list(models)} if models else {})}]
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_unmanaged_messages_paths_are_relayed_the_anthropic_way(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """/v1/messages/batches (not managed) goes to {root}/v1/messages/batches with x-api-key, for tenants too."""
+    proxy = await start_proxy(config(upstream, tenants=tenants(), relay={"allow": ["POST /v1/messages/batches"]}))
+    status, _ = await post(proxy, {"requests": []}, {"x-api-key": "proxy-key-1"}, path="/v1/messages/batches")
+    assert status == 200
+    sent = upstream.other[-1]
+    headers = {k.lower(): v for k, v in sent.headers.items()}
+    assert sent.path == "/v1/messages/batches"
+    assert headers["x-api-key"] == UPSTREAM_KEY and "authorization" not in headers
+
+
+Event = tuple[str | None, Any]
+
+
+async def proxy_for(upstream: FakeUpstream, start_proxy: StartProxy, **server: Any) -> RunningProxy:
+    return await start_proxy(base_config(upstream.base_url, server={"idle_timeout": 5, **server}))
+
+
+def parse_sse(raw: bytes) -> list[Event]:
+    """(event name or None, parsed data or the raw data string) for every SSE event in ``raw``."""
+    out: list[Event] = []
+    for block in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
+        name: str | None = None
+        data: list[str] = []
+        for line in block.decode("utf-8", "replace").split("\n"):
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].strip())
+        if name is None and not data:
+            continue
+        text = "\n".join(data)
+        try:
+            out.append((name, json.loads(text)))
+        except ValueError:
+            out.append((name, text))
+    return out
+
+
+async def post_stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+                      ) -> tuple[int, bytes, BaseException | None]:
+    """POST and read the whole streamed body; a cut connection is returned, not raised."""
+    hdrs = {"Authorization": "Bearer sk-client", **(headers or {})}
+    async with aiohttp.ClientSession() as s, s.post(url, json=body, headers=hdrs) as r:
+        chunks: list[bytes] = []
+        try:
+            async for chunk in r.content.iter_any():
+                chunks.append(chunk)
+        except aiohttp.ClientError as exc:
+            return r.status, b"".join(chunks), exc
+        return r.status, b"".join(chunks), None
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_unknown_relayed_sse_stream_ends_on_clean_close(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """an unknown relayed SSE path ends when the upstream closes cleanly: bytes unchanged, nothing added."""
+    proxy = await proxy_for(upstream, start_proxy)
+    status, raw, cut = await post_stream(proxy.base_url + "/sse-clean-close", {"job": 1})
+    assert (status, cut) == (200, None)
+    assert upstream.sent and raw == upstream.sent
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_truncated_unknown_relayed_sse_stream_still_surfaces_an_error(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """an unknown relayed SSE stream cut mid-way is never presented as complete."""
+    upstream.wire_mode = "break"
+    proxy = await proxy_for(upstream, start_proxy)
+    status, raw, cut = await post_stream(proxy.base_url + "/sse-clean-close", {"job": 1})
+    assert status == 200
+    assert raw.startswith(upstream.sent)
+    added = parse_sse(raw[len(upstream.sent):])
+    # either an error event after the upstream's bytes, or the client's connection is cut too
+    assert cut is not None or any(isinstance(d, dict) and ("error" in d or d.get("type") == "error")
+                                  for _, d in added), added

@@ -322,18 +322,6 @@ async def test_tenant_output_cap_clamps_max_tokens(upstream: FakeUpstream, start
     assert upstream.messages[-1].body["max_tokens"] == 100
 
 
-async def test_unmanaged_messages_paths_are_relayed_the_anthropic_way(
-        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
-    """/v1/messages/batches (not managed) goes to {root}/v1/messages/batches with x-api-key, for tenants too."""
-    proxy = await start_proxy(config(upstream, tenants=tenants(), relay={"allow": ["POST /v1/messages/batches"]}))
-    status, _ = await post(proxy, {"requests": []}, {"x-api-key": "proxy-key-1"}, path="/v1/messages/batches")
-    assert status == 200
-    sent = upstream.other[-1]
-    headers = {k.lower(): v for k, v in sent.headers.items()}
-    assert sent.path == "/v1/messages/batches"
-    assert headers["x-api-key"] == UPSTREAM_KEY and "authorization" not in headers
-
-
 # --------------------------------------------------------------------------- explain, metrics, caches
 
 
