@@ -69,6 +69,16 @@ async def serve_routes() -> AsyncIterator[Callable[[dict[str, Handler]], Awaitab
 
 
 @pytest.fixture
+async def slow_upstream() -> AsyncIterator[Any]:
+    """A raw streaming upstream: 10 chunks, 0.1 s apart (tests.faults.SlowStreamUpstream)."""
+    from tests.faults import SlowStreamUpstream  # tests.faults imports this module
+
+    slow = await SlowStreamUpstream(chunks=10, interval=0.1).start()
+    yield slow
+    await slow.stop()
+
+
+@pytest.fixture
 async def upstream() -> AsyncIterator[FakeUpstream]:
     fake = await FakeUpstream().start()
     yield fake

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, base_config
-from tests.test_reliability_faults import SlowStreamUpstream
+from tests.faults import SlowStreamUpstream
 
 MODEL = "gpt-4o-mini"
 STREAMS = 50

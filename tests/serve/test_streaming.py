@@ -21,6 +21,17 @@ from proxy.wire.responses.stream import STREAM as RESPONSES
 from proxy.wire.sse import SSE, StreamEnd, StreamWatcher
 from tests.conftest import StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
+from tests.faults import (
+    CHAT_MODEL,
+    HELLO,
+    Resources,
+    SlowStreamUpstream,
+    eventually,
+    send_chat,
+    settle,
+    sse_data,
+    warm,
+)
 
 
 class FakeAnswer:
@@ -199,3 +210,65 @@ async def test_chunk_framing_error_mid_stream_ends_the_stream_at_once(upstream: 
     assert elapsed < idle / 2, (
         f"the framing error surfaced {elapsed:.1f} s after the first chunk (idle timeout {idle} s)"
     )
+
+
+async def test_many_clients_disconnect_mid_stream_nothing_leaks(upstream: FakeUpstream, start_proxy: Any) -> None:
+    """20 streams cut by their clients mid-stream: 20 upstream requests cancelled, no task, connection or fd
+    left behind, and the proxy keeps serving."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    before = await warm(proxy, upstream)
+    upstream.mode = "stall"  # two chunks, then an hour of silence
+    body = {"model": CHAT_MODEL, "messages": HELLO, "stream": True}
+    sessions = [aiohttp.ClientSession() for _ in range(20)]
+    try:
+        responses = await asyncio.gather(*(s.post(proxy.url + "/v1/chat/completions", json=body)
+                                           for s in sessions))
+        firsts = await asyncio.gather(*(asyncio.wait_for(r.content.readuntil(b"\n\n"), 3) for r in responses))
+        assert all(f.startswith(b"data: ") for f in firsts)
+        assert upstream.active == 20
+        during = Resources.take(proxy, upstream)
+        assert during.acquired == 20
+        for r in responses:
+            r.close()  # drop the connection mid-stream
+    finally:
+        for s in sessions:
+            await s.close()
+    assert await eventually(lambda: upstream.cancelled == 20, 3.0), upstream.cancelled
+    after = await settle(proxy, upstream, before)
+    print(f"\nbefore {before}\nduring {during}\nafter  {after}")
+    upstream.mode = "ok"
+    async with aiohttp.ClientSession() as s:
+        status, _, raw = await send_chat(s, proxy.url, body)
+    assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+
+
+async def test_client_gone_while_waiting_for_headers_nothing_leaks(upstream: FakeUpstream,
+                                                                   start_proxy: Any) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url))
+    before = await warm(proxy, upstream)
+    upstream.mode = "hang"
+    async with aiohttp.ClientSession() as s:
+        pending = [asyncio.ensure_future(send_chat(s, proxy.url)) for _ in range(10)]
+        assert await eventually(lambda: upstream.active == 10)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    assert await eventually(lambda: upstream.cancelled == 10)
+    await settle(proxy, upstream, before)
+
+
+async def test_slow_streams_relayed_chunk_by_chunk(slow_upstream: SlowStreamUpstream, start_proxy: Any) -> None:
+    """A stream that takes 1 s arrives piece by piece (first chunk long before the end), complete."""
+    proxy = await start_proxy(base_config(slow_upstream.base_url))
+    body = {"model": CHAT_MODEL, "messages": HELLO, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        started = time.monotonic()
+        async with s.post(proxy.url + "/v1/chat/completions", json=body) as r:
+            first = await r.content.readuntil(b"\n\n")
+            first_at = time.monotonic() - started
+            rest = await r.read()
+        total = time.monotonic() - started
+    assert first.startswith(b"data: ")
+    assert total >= 0.9 and first_at < total - 0.6  # (the first request also loads the tokenizer)
+    events = sse_data(first + rest)
+    assert events[-1] == b"[DONE]" and len(events) == 11

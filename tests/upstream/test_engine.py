@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,8 +32,16 @@ from proxy.core.errors import (
 )
 from proxy.policy import ModelRoute
 from proxy.upstream.engine import FAILURE_REASONS, UpstreamEngine
-from tests.conftest import Handler, RunningProxy, StartProxy
+from tests.conftest import Handler, RunningProxy, StartProxy, base_config
 from tests.fake_upstream import FakeUpstream, is_uuid
+from tests.faults import (
+    CHAT_MODEL,
+    eventually,
+    openai_error,
+    send_chat,
+    settle,
+    warm,
+)
 from tests.outside import chat_body, metric_samples, post, scrape
 from tests.store.test_summaries_http import config, conversation
 from tests.store.test_summaries_http import config as summarising_config
@@ -325,3 +334,97 @@ async def test_a_garbage_summariser_answer_is_reported_like_every_other_failure(
     lines = [r.getMessage() for r in caplog.records if "summariser failed" in r.getMessage()]
     assert lines, caplog.text
     assert f"route '{SUMMARISER}'" in lines[0] and "summariser request" in lines[0], lines[0]
+
+
+SMALL = "small-model"
+
+
+def hanging_config(upstream: FakeUpstream, **extra: Any) -> dict[str, Any]:
+    cfg = base_config(
+        upstream.base_url,
+        models=[{"name": SMALL, "context_window": 8000, "max_output_tokens": 1000},
+                {"name": CHAT_MODEL, "context_window": 128000, "max_output_tokens": 16384}],
+        summarizer_model=CHAT_MODEL,
+        context_manager={"type": "summarising", "params": {"keep_turns": 4}},
+        summarizer={"retry_backoff_seconds": 0, "timeout_seconds": 2, "max_summary_tokens": 300},
+    )
+    cfg.update(extra)
+    return cfg
+
+
+def tagged_conversation(turns: int, tag: str = "") -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a travel agent assistant."}]
+    for i in range(turns - 1):
+        messages += [
+            {"role": "user", "content": f"{tag}Turn {i}: please check booking ZX{i}Q and its seat."},
+            {"role": "assistant", "content": f"Booking ZX{i}Q: seat 14C, price 412.{i % 60:02d} USD. " * 12},
+        ]
+    messages.append({"role": "user", "content": f"Turn {turns - 1}: anything else?"})
+    return messages
+
+
+async def test_client_gone_while_the_summariser_runs(upstream: FakeUpstream, start_proxy: Any) -> None:
+    """The summary is shielded (others may wait for it); it still ends at its deadline, leaving nothing."""
+    proxy = await start_proxy(hanging_config(upstream, summarizer={"timeout_seconds": 1,
+                                                                       "retry_backoff_seconds": 0}))
+    before = await warm(proxy, upstream)
+    upstream.summary_mode = "hang"
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.ensure_future(send_chat(s, proxy.url, {"model": SMALL, "messages": tagged_conversation(30)}))
+        assert await eventually(lambda: len(upstream.summaries) == 1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    started = time.monotonic()
+    await settle(proxy, upstream, before, timeout=4)
+    assert time.monotonic() - started < 2.5  # the summariser's deadline (1 s), not the upstream's hour
+
+
+@pytest.mark.parametrize("timeout", [0.5, 1.0])
+async def test_hanging_summariser_meets_its_deadline(upstream: FakeUpstream, start_proxy: Any,
+                                                     timeout: float) -> None:
+    """summarizer.timeout_seconds bounds the wait; then the failure path: served by the trimmer, 'failed'."""
+    proxy = await start_proxy(hanging_config(upstream, summarizer={"timeout_seconds": timeout,
+                                                                       "retry_backoff_seconds": 0}))
+    async with aiohttp.ClientSession() as s:
+        await send_chat(s, proxy.url)  # loads the tokenizer: the timing below is the summariser's alone
+        upstream.summary_mode = "hang"
+        started = time.monotonic()
+        status, headers, raw = await send_chat(s, proxy.url, {"model": SMALL, "messages": tagged_conversation(40)})
+        elapsed = time.monotonic() - started
+    assert status == 200, raw[:300]
+    assert headers["x-ctxproxy-summary"] == "failed"
+    assert int(headers["x-ctxproxy-tokens-out"]) <= 8000 - 1000 - 800
+    assert timeout <= elapsed < timeout + 1.0, elapsed
+    assert len(upstream.chat) == 2  # the warm-up, then this request
+
+
+async def test_hanging_summariser_concurrent_requests_share_one_deadline(upstream: FakeUpstream,
+                                                                         start_proxy: Any) -> None:
+    proxy = await start_proxy(hanging_config(upstream, summarizer={"timeout_seconds": 1,
+                                                                       "retry_backoff_seconds": 0}))
+    async with aiohttp.ClientSession() as s:
+        await send_chat(s, proxy.url)  # loads the tokenizer: the timing below is the summariser's alone
+        upstream.summary_mode = "hang"
+        started = time.monotonic()
+        results = await asyncio.gather(*(send_chat(s, proxy.url, {"model": SMALL, "messages": tagged_conversation(40)})
+                                         for _ in range(10)))
+        elapsed = time.monotonic() - started
+    assert [r[0] for r in results] == [200] * 10
+    assert {r[1]["x-ctxproxy-summary"] for r in results} == {"failed"}
+    assert len(upstream.summaries) == 1  # single flight: one call, one deadline
+    assert elapsed < 2.5
+
+
+async def test_hanging_summariser_with_on_error_fail_is_502_at_the_deadline(upstream: FakeUpstream,
+                                                                            start_proxy: Any) -> None:
+    proxy = await start_proxy(hanging_config(upstream, on_summarizer_error="fail",
+                                                 summarizer={"timeout_seconds": 0.5, "retry_backoff_seconds": 0}))
+    async with aiohttp.ClientSession() as s:
+        await send_chat(s, proxy.url)  # loads the tokenizer: the timing below is the summariser's alone
+        upstream.summary_mode = "hang"
+        started = time.monotonic()
+        status, _, raw = await send_chat(s, proxy.url, {"model": SMALL, "messages": tagged_conversation(40)})
+    assert time.monotonic() - started < 1.5
+    assert status == 502
+    assert openai_error(raw)["code"] == "summarizer_failed"
+    assert len(upstream.chat) == 1  # the warm-up only: the refused request was never forwarded

@@ -7,6 +7,8 @@ needed); everything runs in well under a second.
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -37,6 +39,17 @@ from proxy.upstream.http import (
 )
 from tests.conftest import StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
+from tests.faults import (
+    CHAT_MODEL,
+    HELLO,
+    RAW_FAULTS,
+    RawUpstream,
+    Resources,
+    eventually,
+    openai_error,
+    send_chat,
+    sse_data,
+)
 from tests.outside import chat_body
 
 SECRET = "sk-proj-Abc123_def-456XYZ"
@@ -510,3 +523,33 @@ async def test_the_clients_x_ctxproxy_headers_are_the_proxys_own(
             assert r.headers.getall("x-ctxproxy-summary", []) == ["none"], (user, r.headers)
             assert r.headers.getall("x-ctxproxy-tokens-out") != ["1"], (user, r.headers)
             assert "x-ctxproxy-warning" not in r.headers, (user, r.headers)
+
+
+@pytest.mark.parametrize(("mode", "stream", "status", "code"), RAW_FAULTS, ids=[f[0] for f in RAW_FAULTS])
+async def test_raw_upstream_faults(start_proxy: Any, mode: str, stream: bool, status: int, code: str) -> None:
+    raw_up = await RawUpstream(mode).start()
+    try:
+        cfg = base_config(raw_up.url)
+        cfg["server"] = {"first_byte_timeout": 0.5, "idle_timeout": 0.5}
+        proxy = await start_proxy(cfg)
+        async with aiohttp.ClientSession() as s:
+            started = time.monotonic()
+            body = {"model": CHAT_MODEL, "messages": HELLO, "stream": stream}
+            got, headers, raw = await send_chat(s, proxy.url, body)
+            elapsed = time.monotonic() - started
+        assert elapsed < 3
+        assert got == status, raw[:300]
+        if stream:
+            events = sse_data(raw)
+            assert b"[DONE]" not in events
+            err = json.loads(events[-1])["error"]
+        else:
+            err = openai_error(raw)
+            assert headers["x-request-id"]
+        # (a chunk-framing error is seen as a stall: the client's parser drops the connection's data)
+        assert err["code"] == code or (mode == "bad_chunked_stream" and err["code"] == "upstream_timeout")
+        assert raw_up.connections == 1  # no retry behind the client's back
+        # the broken connection is not kept for reuse
+        assert await eventually(lambda: Resources.take(proxy).acquired == 0)
+    finally:
+        await raw_up.stop()
