@@ -51,6 +51,7 @@ class Report:
     hard_budget: int = 0
     threshold: int = 0
     calibration: float = 1.0
+    provider_window: int | None = None  # the provider's real window, where it narrowed the route's
     turns_total: int = 0
     turns_kept: int = 0
     turns_summarised: int = 0
@@ -213,6 +214,7 @@ async def assemble(
     services: Services,
     offload: bool = False,
     calibration: float = 1.0,
+    provider_window: int | None = None,
 ) -> Assembly:
     """Run the whole pipeline on one body of ``wire`` (raises a CtxProxyError to refuse).
 
@@ -220,8 +222,10 @@ async def assemble(
     summariser) is synchronous and linear in the number of items. With ``offload`` (a large body) the
     synchronous steps run in a worker thread, before and after that await, so the event loop keeps
     serving other requests while a long conversation is parsed, counted, trimmed and rendered.
+    ``calibration`` and ``provider_window``: what the provider's counts and refusals taught (``compute_budget``).
     """
-    planned = await run_step(offload, _plan, body, wire, route, policy, counter, services, calibration, offload)
+    planned = await run_step(offload, _plan, body, wire, route, policy, counter, services, calibration, offload,
+                             provider_window)
     if isinstance(planned, Assembly):
         return planned
     result = await policy.manager.manage_history(planned.view)
@@ -250,11 +254,11 @@ def _tokens(items: list[Item]) -> int:
 
 def _plan(
     body: dict[str, Any], wire: WireAdapter, route: ModelRoute, policy: Policy, counter: TokenCounter,
-    services: Services, calibration: float, offload: bool,
+    services: Services, calibration: float, offload: bool, provider_window: int | None = None,
 ) -> Assembly | _Plan:
     """Parse, repair, budget and bands; the finished Assembly when nothing needs managing."""
     report = Report(model=route.name, tenant=policy.tenant, context_manager=policy.binding.type, wire=wire.name,
-                    warnings=list(policy.warnings), calibration=calibration)
+                    warnings=list(policy.warnings), calibration=calibration, provider_window=provider_window)
     prepared = prepare(body, wire, counter)
     received, repaired, repairs, fixed = prepared.received, prepared.repaired, prepared.repairs, prepared.fixed
     report.warnings.extend(prepared.notes)
@@ -262,7 +266,7 @@ def _plan(
     max_tokens, changes = limit_output(body, wire, route, policy, report)
     changes.update(wire.model_changes(body, route.upstream_model))
     if prepared.unmanaged is not None:
-        return _unmanaged(body, prepared, wire, route, policy, report, max_tokens, changes, calibration)
+        return _unmanaged(body, prepared, wire, route, policy, report, max_tokens, changes, calibration, provider_window)
 
     report.repairs = dict(repairs)
     if repairs and policy.pairing == "strict":
@@ -273,7 +277,7 @@ def _plan(
     total = fixed + _tokens(repaired)
     report.tokens_before = total
 
-    budget = _budget(route, policy, max_tokens, calibration)
+    budget = _budget(route, policy, max_tokens, calibration, provider_window)
     report.window, report.reserve, report.margin = budget.window, budget.reserve, budget.margin
     report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
 
@@ -399,7 +403,7 @@ def whole_turns(history: list[Item], kept: list[Item]) -> tuple[list[Item], list
 
 def _unmanaged(
     body: dict[str, Any], prepared: Prepared, wire: WireAdapter, route: ModelRoute, policy: Policy, report: Report,
-    max_tokens: int | None, changes: dict[str, Any], calibration: float,
+    max_tokens: int | None, changes: dict[str, Any], calibration: float, provider_window: int | None = None,
 ) -> Assembly:
     """The provider holds part of this history: forward the conversation as sent; only the body's rules apply.
 
@@ -410,7 +414,7 @@ def _unmanaged(
     report.unmanaged = prepared.unmanaged
     visible = prepared.fixed + _tokens(prepared.received)
     report.tokens_before = report.tokens_after = visible
-    budget = _budget(route, policy, max_tokens, calibration)
+    budget = _budget(route, policy, max_tokens, calibration, provider_window)
     report.window, report.reserve, report.margin = budget.window, budget.reserve, budget.margin
     report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
     check_visible(visible, policy, calibration, wire.field, prepared.unmanaged)
@@ -440,7 +444,8 @@ def check_visible(visible: int, policy: Policy, calibration: float, param: str, 
     )
 
 
-def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibration: float) -> Budget:
+def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibration: float,
+            provider_window: int | None = None) -> Budget:
     manager = policy.manager
     cap = policy.max_context_tokens
     if policy.budget_cap is not None:
@@ -454,6 +459,7 @@ def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibrati
         hysteresis_ratio=manager.hysteresis_ratio,
         summary_threshold=manager.summary_threshold,
         calibration=calibration,
+        provider_window=provider_window,
     )
     if policy.base_threshold is not None:
         # an override may lower the summary threshold, never raise it above the policy's own

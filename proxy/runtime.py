@@ -34,6 +34,9 @@ class Calibration(Protocol):
 
     def factor(self, route: ModelRoute, tenant: str) -> float: ...
 
+    def window(self, route: ModelRoute) -> int | None:
+        """The provider's real window where its refusals showed it narrower than the route's (None: not)."""
+
     async def prime(self, route: ModelRoute, tenant: str) -> None: ...
 
 
@@ -155,6 +158,7 @@ class Runtime:
             body, wire=wire, route=route, policy=policy, counter=counter,
             services=self.services(route, policy, request_id=request_id, dry_run=dry_run),
             offload=offload, calibration=calibration,
+            provider_window=self.calibration.window(route) if self.calibration is not None else None,
         )
         if assembly.report.summary == "failed" and policy.on_summarizer_error == "fail":
             raise SummarizerFailed("the summariser failed and this proxy is configured with on_summarizer_error: fail")

@@ -338,9 +338,9 @@ class FakeUpstream:
         ``window``)."""
         if self.window is not None:
             n = self.window.count(body)
-            usage = {"prompt_tokens": n, "completion_tokens": 12, "total_tokens": n + 12}
-            self.usages.append(usage)
-            return usage
+            counted: dict[str, Any] = {"prompt_tokens": n, "completion_tokens": 12, "total_tokens": n + 12}
+            self.usages.append(counted)
+            return counted
         if not self.truthful:
             return self.fixed_usage  # type: ignore[no-any-return]
         messages = body.get("messages") if isinstance(body.get("messages"), list) else []

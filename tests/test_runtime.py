@@ -47,6 +47,10 @@ class Calibration:
         self.tenants.append(tenant)
         return self.value
 
+    def window(self, route: ModelRoute) -> int | None:
+        """No refusal seen: the route's window holds."""
+        return None
+
 
 TENANTS = [{"name": "acme", "keys": ["sk-acme-1", "sk-acme-2"]},
            {"name": "globex", "keys": ["sha256:" + "a" * 64]}]

@@ -14,10 +14,13 @@ from typing import Any, Protocol
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.core.errors import UpstreamStatus
 from proxy.core.offload import run_step
 from proxy.pipeline import Assembly
+from proxy.policy import ModelRoute
 from proxy.runtime import Runtime
 from proxy.serve.http import OVERRIDE_HEADER, Handler, dumps_body, header_safe
+from proxy.serve.overflow import recover
 from proxy.serve.scope import request_scope
 from proxy.serve.state import State
 from proxy.serve.streaming import relay_answer
@@ -106,32 +109,61 @@ async def _handle(request: web.Request, wire: Wire, hook: RequestHook | None) ->
         forwardable: bytes | None = scope.raw
         if exchange is not None and exchange.edited:
             body, forwardable = exchange.body, None
-        assembly, route, _policy = await runtime.assemble(
-            wire, body, tenant=scope.tenant, override=override, offload=scope.offload, request_id=rid,
-            params=request.match_info,
-        )
-        if exchange is not None:
-            assembly.report.warnings.extend(exchange.warnings)
-        record.report = assembly.report
-        record.model = route.name
-        scope.settled = (route, assembly)
-        st.metrics.assembled(record.tenant, route.name, assembly.report, route.upstream_model)
-        stable, data = await run_step(scope.offload, _outgoing, st, forwardable, assembly, record.tenant)
-        if stable is not None:
-            st.metrics.prefix(record.tenant, route.name, stable)
-        overhead = time.perf_counter() - record.started
-        record.overhead = overhead
-        scope.headers.update(report_headers(assembly, overhead))
-        call = Outgoing(wire.name, wire.upstream_path(route.upstream_model), assembly.body, data,
-                        body.get("stream") is True, request.headers, rid, wire.litellm_fields)
-        sent = time.perf_counter()
-        watcher = StreamWatcher(sent, wire.stream_end)
-        try:
-            answer = await served.providers.for_route(route).send(route, call)
+
+        async def assemble() -> tuple[Assembly, ModelRoute]:
+            assembled, route, _policy = await runtime.assemble(
+                wire, body, tenant=scope.tenant, override=override, offload=scope.offload, request_id=rid,
+                params=request.match_info,
+            )
             if exchange is not None:
-                answer = exchange.wrap(answer)
-            response = await relay_answer(request, answer, scope.headers, idle_timeout=idle, watcher=watcher)
+                assembled.report.warnings.extend(exchange.warnings)
+            return assembled, route
+
+        assembly, route = await assemble()
+        record.model = route.name
+        forwarded = assembly  # the assembly the provider last received: its figures are the request's
+        try:
+            stable, data = await run_step(scope.offload, _outgoing, st, forwardable, assembly, record.tenant)
+            if stable is not None:
+                st.metrics.prefix(record.tenant, route.name, stable)
+            overhead = time.perf_counter() - record.started
+            record.overhead = overhead
+            stream = body.get("stream") is True
+            provider = served.providers.for_route(route)
+
+            async def send(managed: Assembly) -> Answer:
+                nonlocal forwarded
+                forwarded = managed
+                record.report, scope.settled = managed.report, (route, managed)
+                scope.headers.update(report_headers(managed, overhead))
+                payload = data if managed is assembly else await run_step(scope.offload, _again, st, managed,
+                                                                          record.tenant)
+                call = Outgoing(wire.name, wire.upstream_path(route.upstream_model), managed.body, payload, stream,
+                                request.headers, rid, wire.litellm_fields)
+                return await provider.send(route, call)
+
+            async def reassemble() -> Assembly:
+                return (await assemble())[0]
+
+            sent = time.perf_counter()
+            watcher = StreamWatcher(sent, wire.stream_end)
+            try:
+                try:
+                    answer = await send(assembly)
+                except UpstreamStatus as exc:  # nothing has reached the client yet: a refusal for length is recovered
+                    _, answer = await recover(scope, exc, route, assembly, reassemble, send)
+                if exchange is not None:
+                    answer = exchange.wrap(answer)
+                response = await relay_answer(request, answer, scope.headers, idle_timeout=idle, watcher=watcher)
+            finally:
+                record.upstream = time.perf_counter() - sent
+                record.ttft, record.usage = watcher.ttft, watcher.usage
         finally:
-            record.upstream = time.perf_counter() - sent
-            record.ttft, record.usage = watcher.ttft, watcher.usage
+            st.metrics.assembled(record.tenant, route.name, forwarded.report, route.upstream_model)
         return scope.answered(response)
+
+
+def _again(st: State, assembly: Assembly, tenant: str) -> bytes:
+    """A retry's bytes; the prefix tracker now remembers what it forwarded (its figure was counted for the first)."""
+    st.prefix.observe(assembly.received, assembly.items, tenant)
+    return forward_bytes(None, assembly)

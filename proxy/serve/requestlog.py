@@ -1,7 +1,8 @@
 """One structured JSON line per request (logger ``ctxproxy.requests``).
 
 Fields: request id, wire, tenant, model, status, tokens in/out, what was removed and
-how, how many tool outputs were masked, summary status, repairs, overhead and upstream latency. Keys and prompt
+how, how many tool outputs were masked, summary status, repairs, overhead and upstream latency, and
+what became of a refusal for length (``overflow``: recovered or failed). Keys and prompt
 text are never part of a record.
 """
 
@@ -38,7 +39,8 @@ class RequestRecord:
     upstream: float | None = None
     ttft: float | None = None
     usage: dict[str, Any] | None = None
-    refusal: Refusal | None = None  # the provider refused the payload for length (calibration evidence; not logged)
+    refusal: Refusal | None = None  # the provider refused the payload for length (learned from; not logged)
+    overflow: str | None = None  # recovered | failed: what became of a refusal for length (proxy.serve.overflow)
     cost: RequestCost | None = None
 
     def fields(self) -> dict[str, Any]:
@@ -52,6 +54,8 @@ class RequestRecord:
         }
         if self.error:
             out["error"] = self.error
+        if self.overflow:
+            out["overflow"] = self.overflow
         r = self.report
         if r is not None:
             out.update(
