@@ -219,6 +219,8 @@ class FakeUpstream:
     usages: list[dict[str, Any]] = field(default_factory=list)
     summary_usages: list[dict[str, Any]] = field(default_factory=list)
     window: ProviderWindow | None = None
+    # mode "error_in_stream": the error event written after the stream began
+    stream_error: dict[str, Any] = field(default_factory=lambda: {"message": "overloaded", "type": "server_error"})
     window_counts: list[int] = field(default_factory=list)
     window_refused: list[int] = field(default_factory=list)
     _conversations: dict[str, list[str]] = field(default_factory=dict)
@@ -394,7 +396,7 @@ class FakeUpstream:
                 request.transport.close()  # type: ignore[union-attr]
                 return resp
             if self.mode == "error_in_stream" and i == 2:
-                await resp.write(b'data: {"error": {"message": "overloaded", "type": "server_error"}}\n\n')
+                await resp.write(b"data: " + json.dumps({"error": self.stream_error}).encode() + b"\n\n")
                 return resp
             if self.mode == "malformed" and i == 2:
                 await resp.write(b"data: {not json\n\n")

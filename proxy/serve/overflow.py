@@ -39,6 +39,7 @@ from proxy.core.errors import UpstreamStatus
 from proxy.core.refusal import Refusal, length_refusal
 from proxy.pipeline import Assembly
 from proxy.store.calibration import hidden_input
+from proxy.store.windows import MIN_WINDOW
 
 if TYPE_CHECKING:
     from proxy.policy import ModelRoute
@@ -76,14 +77,15 @@ def learn(scope: Scope, route: ModelRoute, assembly: Assembly, refusal: Refusal)
     st.metrics.calibration_sample(route.upstream_model, sample, None, report.tokens_after, report.calibration)
     scope.record.refusal = refusal
     limit, source = _window(refusal, report.tokens_after, report.calibration, report.reserve, window_in_effect)
-    if source is None or (source != "stated" and (hidden is not None or report.unmanaged is not None)):
-        # the proxy's count of a payload whose history the provider holds says nothing about the provider's window
+    if limit < MIN_WINDOW or (source != "stated" and (hidden is not None or report.unmanaged is not None)):
+        # not believed; or the proxy's count of a payload whose history the provider holds, which says nothing
+        # about the provider's window
         return Lesson(window_in_effect, None, _detail(refusal))
     window = st.shared.calibration.learn_window(route.upstream, route.upstream_model, limit, route.window, source)
     return Lesson(window, source, _detail(refusal))
 
 
-def _window(refusal: Refusal, tokens: int, factor: float, reserve: int, in_effect: int) -> tuple[int, str | None]:
+def _window(refusal: Refusal, tokens: int, factor: float, reserve: int, in_effect: int) -> tuple[int, str]:
     """The provider's window as a refusal gives it, and how it was found."""
     if refusal.limit is not None:
         return refusal.limit, "stated"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 TRUST_SECONDS = 7 * 24 * 3600.0
+MIN_WINDOW = 256  # no chat model's window is smaller: a refusal that says so is not believed
 SOURCES = frozenset({"stated", "estimated", "stepped"})  # the provider said it; from its count; a blind step
 MAX_WINDOW = 10**9
 
@@ -57,7 +58,8 @@ def from_record(raw: Any) -> LearnedWindow | None:
         return None
     limit, configured, source, at = _count(raw.get("limit")), _count(raw.get("configured")), raw.get("source"), \
         raw.get("at")
-    if limit is None or configured is None or not isinstance(source, str) or source not in SOURCES:
+    if limit is None or configured is None or limit < MIN_WINDOW or not isinstance(source, str) \
+            or source not in SOURCES:
         return None
     if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
         return None
