@@ -342,10 +342,12 @@ async def tool_heavy_then_text_heavy(upstream: FakeUpstream, proxy: RunningProxy
 @pytest.mark.parametrize(("tool_scale", "text_scale"), [(0.5, 1.3), (0.2, 1.4)])
 async def test_a_ratio_learned_on_tools_does_not_overflow_text(
         upstream: FakeUpstream, start_proxy: StartProxy, tool_scale: float, text_scale: float) -> None:
+    """The first requests teach a ratio near 0.55 (0.3 in the extreme run); a median of them put the first
+    text-heavy payload 35 % over B by the provider's count. Every request must be answered, with at most two
+    refused attempts in the 36."""
     upstream.window = ProviderWindow(RUN_WINDOW, text_scale=text_scale, tool_scale=tool_scale, dialect="anthropic")
     proxy = await start_proxy(run_config(upstream))
     statuses = await tool_heavy_then_text_heavy(upstream, proxy)
-    print("STATUSES", statuses, "REFUSED", len(upstream.window_refused), upstream.window_refused,
-          "COUNTS", upstream.window_counts)
     assert statuses == [200] * RUN_REQUESTS
-    assert len(upstream.window_refused) <= 2
+    assert len(upstream.window_refused) <= 2  # measured: 0 (before: 1, and its client got the provider's 400)
+    assert max(upstream.window_counts) > RUN_WINDOW // 2  # the conversation did press against the window
