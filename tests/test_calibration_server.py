@@ -342,9 +342,10 @@ async def tool_heavy_then_text_heavy(upstream: FakeUpstream, proxy: RunningProxy
 @pytest.mark.parametrize(("tool_scale", "text_scale"), [(0.5, 1.3), (0.2, 1.4)])
 async def test_a_ratio_learned_on_tools_does_not_overflow_text(
         upstream: FakeUpstream, start_proxy: StartProxy, tool_scale: float, text_scale: float) -> None:
-    """The first requests teach a ratio near 0.55 (0.3 in the extreme run); a median of them put the first
-    text-heavy payload 35 % over B by the provider's count. Every request must be answered, with at most two
-    refused attempts in the 36."""
+    """The first requests teach a low ratio (0.55; in the extreme run 0.28, too low to be taken, and the next ones
+    are still low); the rule before, a median, put a text-heavy payload 35 % (33 %) over B by the provider's
+    count, and its client got the provider's 400. Every request must be answered, with at most two refused
+    attempts in the 36."""
     upstream.window = ProviderWindow(RUN_WINDOW, text_scale=text_scale, tool_scale=tool_scale, dialect="anthropic")
     proxy = await start_proxy(run_config(upstream))
     statuses = await tool_heavy_then_text_heavy(upstream, proxy)

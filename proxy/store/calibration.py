@@ -14,10 +14,12 @@ How the factor is kept (the design choices, each for a reason):
   every ``HOLD`` more; the family default is the oldest sample of all. A ratio above the factor in use
   raises it with the very next request (a payload that the provider counts higher than the proxy did is
   the one that overflows); a lower one lowers it only after ``HOLD`` consistent samples, and by at most
-  10 % every ``HOLD`` samples, never below the highest recent ratio. A factor learned on one mix of
+  10 % every ``HOLD`` samples, never below the last ``HOLD`` ratios. The price: one odd request the
+  provider counts high (an image it prices differently) narrows the budget at once, for about fifteen
+  requests when it was 1.5 times the usual ratio. A factor learned on one mix of
   content (a 15k-token tool list the provider counts at half the proxy's count) therefore cannot widen
-  the budget for the next mix (text, counted at 1.3x) faster than the evidence; a median of three tool-heavy
-  samples did, and put the next request 29 % over B. ``spread`` (the highest recent ratio less the lowest)
+  the budget for the next mix (text, counted at 1.3x) faster than the evidence; the median of the samples
+  did, and put a text-heavy payload 35 % over B. ``spread`` (the highest recent ratio less the lowest)
   is kept and shown beside the factor. docs/cost.md#calibration compares this with calibrating tool schemas
   and messages apart, on two runs.
 - **Samples are filtered, then clamped.** Not a sample: no usage, a provider count of 0, a forwarded
