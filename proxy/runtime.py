@@ -105,9 +105,14 @@ class Runtime:
 
     def window_of(self, model: str) -> int:
         try:
-            return self.routes.resolve(model).window
+            return self.window(self.routes.resolve(model))
         except ModelNotFound:
             return self.routes.fallback_window()
+
+    def window(self, route: ModelRoute) -> int:
+        """The route's window, narrowed to the provider's real one where its refusals showed it smaller."""
+        learned = self.calibration.window(route) if self.calibration is not None else None
+        return min(route.window, learned) if learned is not None else route.window
 
     def services(self, route: ModelRoute, policy: Policy, *, request_id: str = "", dry_run: bool = False) -> Services:
         s = self.config.settings
@@ -120,7 +125,7 @@ class Runtime:
             summarizer_model=policy.summarizer_model,
             summary_tokens=s.summarizer.max_summary_tokens,
             summarizer_timeout=s.summarizer.timeout_seconds,
-            summarizer_window=route.window,
+            summarizer_window=self.window(route),
             window_of=self.window_of,
             summarizer_max_calls=s.summarizer.max_calls_per_summary,
             counter=self.tokenizers.get(route.encoding),

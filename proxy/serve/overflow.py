@@ -138,7 +138,7 @@ async def recover(scope: Scope, exc: UpstreamStatus, route: ModelRoute, refused:
         _failed(scope, route, lesson, "the retry failed")
         raise
     scope.state.metrics.overflow(tenant, route.name, recovered=True)
-    scope.record.overflow = "recovered"
+    scope.record.overflow, scope.record.refusal = "recovered", None  # the answer's usage is the next sample
     log.warning("request %s: the provider refused %d tokens of %s for length (%s); recovered with %d tokens "
                 "(window %d, %s)", scope.request_id, refused.report.tokens_after, route.name[:100], lesson.detail,
                 retry.report.tokens_after, retry.report.window, lesson.source or "unchanged")

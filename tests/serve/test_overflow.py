@@ -107,6 +107,10 @@ async def test_a_window_ten_times_too_large_is_recovered_once_and_then_fits(
     model = CLAUDE if wire == "messages" else GPT
     assert metric_total(text, "ctxproxy_overflow_recovered_total", tenant="acme", model=model) == 1
     assert metric_total(text, "ctxproxy_overflow_failed_total") == 0
+    # the refusal and both answers taught calibration (a stream's usage only where the client asked for it)
+    assert metric_total(text, "ctxproxy_calibration_samples_total", result="refused") == 1
+    assert metric_total(text, "ctxproxy_calibration_samples_total", result="used") == (0 if stream and wire == "chat"
+                                                                                      else 2)
 
 
 async def explain(proxy: RunningProxy, wire: str) -> dict[str, Any]:
