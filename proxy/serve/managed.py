@@ -4,11 +4,13 @@ One handler serves every wire (``make_handler(wire)``); ``proxy.serve.routes`` r
 registered wire's paths. The request's scope (``proxy.serve.scope``) does what every handler
 does (id, authentication, body, record, metrics, log); everything wire-specific comes from the
 wire's translator: parsing and rendering, where the model is, the upstream path, the stream's end.
+A refusal for length that comes before the answer is recovered once (``proxy.serve.overflow``).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -21,7 +23,7 @@ from proxy.policy import ModelRoute
 from proxy.runtime import Runtime
 from proxy.serve.http import OVERRIDE_HEADER, Handler, dumps_body, header_safe
 from proxy.serve.overflow import recover
-from proxy.serve.scope import request_scope
+from proxy.serve.scope import Scope, request_scope
 from proxy.serve.state import State
 from proxy.serve.streaming import relay_answer
 from proxy.settings import Tenant
@@ -94,7 +96,7 @@ def make_handler(wire: Wire, hook: RequestHook | None = None) -> Handler:
 
 async def _handle(request: web.Request, wire: Wire, hook: RequestHook | None) -> web.StreamResponse:
     async with request_scope(request, wire) as scope:
-        st, served, runtime, record, rid = scope.state, scope.served, scope.runtime, scope.record, scope.request_id
+        st, runtime, record, rid = scope.state, scope.runtime, scope.record, scope.request_id
         idle = st.config.settings.server.idle_timeout
         body = await scope.body()
         override = request.headers.get(OVERRIDE_HEADER)
@@ -109,58 +111,76 @@ async def _handle(request: web.Request, wire: Wire, hook: RequestHook | None) ->
         forwardable: bytes | None = scope.raw
         if exchange is not None and exchange.edited:
             body, forwardable = exchange.body, None
-
-        async def assemble() -> tuple[Assembly, ModelRoute]:
-            assembled, route, _policy = await runtime.assemble(
-                wire, body, tenant=scope.tenant, override=override, offload=scope.offload, request_id=rid,
-                params=request.match_info,
-            )
-            if exchange is not None:
-                assembled.report.warnings.extend(exchange.warnings)
-            return assembled, route
-
-        assembly, route = await assemble()
+        assembly, route = await _assemble(scope, wire, body, exchange, override)
         record.model = route.name
-        forwarded = assembly  # the assembly the provider last received: its figures are the request's
+        upstream = _Upstream(scope, wire, route, body, exchange, override, assembly)
         try:
             stable, data = await run_step(scope.offload, _outgoing, st, forwardable, assembly, record.tenant)
             if stable is not None:
                 st.metrics.prefix(record.tenant, route.name, stable)
-            overhead = time.perf_counter() - record.started
-            record.overhead = overhead
-            stream = body.get("stream") is True
-            provider = served.providers.for_route(route)
-
-            async def send(managed: Assembly) -> Answer:
-                nonlocal forwarded
-                forwarded = managed
-                record.report, scope.settled = managed.report, (route, managed)
-                scope.headers.update(report_headers(managed, overhead))
-                payload = data if managed is assembly else await run_step(scope.offload, _again, st, managed,
-                                                                          record.tenant)
-                call = Outgoing(wire.name, wire.upstream_path(route.upstream_model), managed.body, payload, stream,
-                                request.headers, rid, wire.litellm_fields)
-                return await provider.send(route, call)
-
-            async def reassemble() -> Assembly:
-                return (await assemble())[0]
-
+            upstream.first_bytes = data
+            upstream.overhead = record.overhead = time.perf_counter() - record.started
             sent = time.perf_counter()
             watcher = StreamWatcher(sent, wire.stream_end)
             try:
                 try:
-                    answer = await send(assembly)
+                    answer = await upstream.send(assembly)
                 except UpstreamStatus as exc:  # nothing has reached the client yet: a refusal for length is recovered
-                    _, answer = await recover(scope, exc, route, assembly, reassemble, send)
+                    _, answer = await recover(scope, exc, route, assembly, upstream.reassemble, upstream.send)
                 if exchange is not None:
                     answer = exchange.wrap(answer)
                 response = await relay_answer(request, answer, scope.headers, idle_timeout=idle, watcher=watcher)
             finally:
                 record.upstream = time.perf_counter() - sent
                 record.ttft, record.usage = watcher.ttft, watcher.usage
-        finally:
-            st.metrics.assembled(record.tenant, route.name, forwarded.report, route.upstream_model)
+        finally:  # the figures of what the provider last received (a refused attempt's are replaced by its retry's)
+            st.metrics.assembled(record.tenant, route.name, upstream.forwarded.report, route.upstream_model)
         return scope.answered(response)
+
+
+async def _assemble(scope: Scope, wire: Wire, body: dict[str, Any], exchange: Exchange | None,
+                    override: str | None) -> tuple[Assembly, ModelRoute]:
+    """The pipeline on the request's body (the hook's edit of it, if any), with the hook's warnings."""
+    assembly, route, _policy = await scope.runtime.assemble(
+        wire, body, tenant=scope.tenant, override=override, offload=scope.offload, request_id=scope.request_id,
+        params=scope.request.match_info,
+    )
+    if exchange is not None:
+        assembly.report.warnings.extend(exchange.warnings)
+    return assembly, route
+
+
+@dataclass
+class _Upstream:
+    """One request's way to its route's provider: sends an assembly (the first, or a retry's), and can assemble the
+    request again (``proxy.serve.overflow``)."""
+
+    scope: Scope
+    wire: Wire
+    route: ModelRoute
+    body: dict[str, Any]
+    exchange: Exchange | None
+    override: str | None
+    first: Assembly
+    first_bytes: bytes = b""  # the first assembly's (the client's own when nothing changed)
+    overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.forwarded = self.first  # the assembly the provider last received: its figures are the request's
+
+    async def send(self, assembly: Assembly) -> Answer:
+        scope, wire, record = self.scope, self.wire, self.scope.record
+        self.forwarded = assembly
+        record.report, scope.settled = assembly.report, (self.route, assembly)
+        scope.headers.update(report_headers(assembly, self.overhead))
+        data = self.first_bytes if assembly is self.first else await run_step(
+            scope.offload, _again, scope.state, assembly, record.tenant)
+        call = Outgoing(wire.name, wire.upstream_path(self.route.upstream_model), assembly.body, data,
+                        self.body.get("stream") is True, scope.request.headers, scope.request_id, wire.litellm_fields)
+        return await scope.served.providers.for_route(self.route).send(self.route, call)
+
+    async def reassemble(self) -> Assembly:
+        return (await _assemble(self.scope, self.wire, self.body, self.exchange, self.override))[0]
 
 
 def _again(st: State, assembly: Assembly, tenant: str) -> bytes:
