@@ -21,8 +21,10 @@ the provider's count (calibration) and about its real window, and the proxy reco
 - Mistral: "Prompt contains 240000 tokens, too large for model with 128000 maximum context length".
 - litellm: ``ContextWindowExceededError`` (its message quotes the provider's).
 
-Not a refusal for length, whatever else it says: a status other than 400/413, and a message about a rate
-("too many tokens per minute", "throttling", "please wait"): a limit on tokens per minute is not a window.
+Not a refusal for length, whatever else it says: a status other than 400/413, a message about a rate
+("too many tokens per minute", "throttling", "please wait"): a limit on tokens per minute is not a window;
+and a limit on the request's size in bytes (Anthropic's 413 ``request_too_large``, "Request exceeds the
+maximum size", a gateway's "Payload Too Large"): fewer tokens may not make it smaller.
 
 ``input_tokens`` is the provider's own count of the input when the message states it; ``limit`` the
 window it states; ``excess`` how far over it the request was, where that is all it states (Ollama).
@@ -42,9 +44,12 @@ MAX_COUNT = 10**9
 _N = r"(\d{1,3}(?:,\d{3})+|\d+)"  # a count, with or without thousands separators
 _LENGTH = re.compile(
     r"context[ _-]?(?:length|window|size|limit)|prompt is too long|prompt too long|too many (?:input )?tokens"
-    r"|exceed(?:s|ed)? (?:the )?(?:context|configured limit|maximum)|maximum (?:model|input) length"
+    r"|exceed(?:s|ed)? (?:the )?(?:context|configured limit|maximum context)|maximum (?:model|input) length"
     r"|too large for model|model token limit|prompt token count", re.I)
 _RATE = re.compile(r"per (?:minute|second|hour|day)|rate[ _-]?limit|throttl|please wait|quota|monthly|daily", re.I)
+# a limit on the request's size in bytes (Anthropic's 413 request_too_large, a gateway's body limit) is not a window
+_SIZE = re.compile(r"request_too_large|maximum size|entity too large|payload too large|\d+ ?(?:[kmg]i?b|bytes)\b",
+                   re.I)
 _INPUT = (
     re.compile(rf"prompt is too long: {_N} tokens", re.I),
     re.compile(rf"input length and `?max_tokens`? exceed context limit: {_N} \+", re.I),
@@ -100,7 +105,8 @@ def length_refusal(status: int, body: Any) -> Refusal | None:
     found = error.get("message")
     message = (found if isinstance(found, str) else "")[:MAX_MESSAGE]
     kind = " ".join(str(error.get(k)) for k in ("code", "type") if isinstance(error.get(k), str))
-    if _RATE.search(message) or not (_LENGTH.search(kind) or _LENGTH.search(message) or _LITELLM in message):
+    if _RATE.search(message) or _SIZE.search(f"{kind} {message}") \
+            or not (_LENGTH.search(kind) or _LENGTH.search(message) or _LITELLM in message):
         return None
     limit = _field(error.get("n_ctx")) or _first(message, _LIMIT)
     return Refusal(_field(error.get("n_prompt_tokens")) or _input(message), limit, _first(message, (_EXCESS,)))

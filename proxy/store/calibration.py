@@ -37,8 +37,8 @@ How the factor is kept (the design choices, each for a reason):
   every replica publishes the same value.
 - **Shared through the cache backend** (``Cache.get/set``, one JSON object per key), so replicas and
   restarts share it: a replica merges its own new samples with the stored ones (by origin and time) and
-  writes the result back in the background; concurrent writers can lose a few samples, which a median
-  does not notice.
+  writes the result back in the background; concurrent writers can lose a few samples (a lost high one
+  comes back with the next answer of the same mix).
 - **Read through an in-process table**: the request path reads a dict (``factor``); a key seen for the
   first time is loaded once (``load``, awaited), and an entry older than ``REFRESH_SECONDS`` is refreshed
   in the background while the current value keeps serving. The table is a bounded LRU (model names can

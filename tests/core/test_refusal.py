@@ -73,6 +73,11 @@ def test_each_providers_words(raw: dict[str, Any], refusal: Refusal) -> None:
     (500, body({"message": "prompt is too long: 9000 tokens > 8000 maximum"})),  # not a refusal status
     (429, body({"message": "context length exceeded", "code": "context_length_exceeded"})),
     (400, "not json"), (400, None), (400, [1, 2]), (400, {"error": "model 'llama3' not found"}),
+    # a limit on the body's size in bytes is not a window
+    (413, {"type": "error", "error": {"type": "request_too_large", "message": "Request exceeds the maximum size"}}),
+    (413, body({"message": "Payload Too Large: the body may not exceed 32 MB", "code": "context_length_exceeded"})),
+    # not an error object
+    (400, body({"message": 123, "code": None})), (400, body(["context length exceeded"])), (400, {"error": None}),
     # a limit on tokens per minute is not a window
     (400, body({"message": "ThrottlingException: Too many tokens, please wait before trying again."})),
     (413, body({"message": "Request too large: too many tokens per minute (limit 30000, requested 42000)",

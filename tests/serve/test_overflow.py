@@ -236,6 +236,7 @@ async def test_a_stream_that_began_is_never_retried(upstream: FakeUpstream, star
     (413, "Request too large for gpt-4o-mini: tokens per min (TPM): Limit 30000, Requested 42000."),
     (400, "ThrottlingException: Too many tokens, please wait before trying again."),
     (400, "Invalid 'messages[3].content': string too long."),
+    (413, "Request exceeds the maximum size"),  # Anthropic's limit on the body's bytes, not a window
 ])
 async def test_other_refusals_are_relayed_once(
         upstream: FakeUpstream, start_proxy: StartProxy, status: int, message: str) -> None:
@@ -291,8 +292,9 @@ async def test_the_request_log_says_what_became_of_the_refusal(
 
 
 @pytest.mark.filterwarnings("ignore:.*ReadOnly.*:UserWarning")
+@pytest.mark.parametrize("stream", [False, True])
 async def test_a_litellm_route_recovers_from_context_window_exceeded(
-        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+        upstream: FakeUpstream, start_proxy: StartProxy, stream: bool) -> None:
     """litellm raises ContextWindowExceededError for the provider's refusal: recovered the same way."""
     pytest.importorskip("litellm")
     upstream.window = ProviderWindow(REAL, dialect="openai")
@@ -300,6 +302,6 @@ async def test_a_litellm_route_recovers_from_context_window_exceeded(
         {"name": GPT, "provider": "litellm", "upstream": "openai", "model": "openai/gpt-4o-mini",
          "context_window": CONFIGURED, "max_output_tokens": 16384}]))
     for turns in (40, 42):
-        status, _, raw = await send(proxy, "chat", body_of("chat", turns))
-        assert status == 200, raw
+        status, _, raw = await send(proxy, "chat", body_of("chat", turns, stream=stream))
+        assert status == 200 and answered("chat", raw, stream), raw
     assert len(upstream.window_refused) == 1 and len(upstream.window_counts) == 3
