@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from proxy.core.budget import TrimmerParams
 from proxy.core.errors import SummaryUnavailable as SummaryUnavailable  # re-exported: plugins raise it
 from proxy.core.items import Item
+from proxy.core.values import Section
 
 if TYPE_CHECKING:
     from proxy.core.budget import Budget
@@ -149,6 +150,12 @@ class Compactor(Protocol):
         """The summary of ``turns[:cut]`` (all by default): cached, else made once, else why not; in a dry
         run never made. ``looked``: ``found`` is the lookup's answer already."""
 
+    async def values_section(self, services: Services, turns: Sequence[Sequence[Item]], link: str, lead: str,
+                             *, offload: bool = False) -> tuple[Section, int]:
+        """The values section of ``turns`` (``proxy.core.values``: all the values they acted on, within
+        ``services.values_tokens``, after ``lead``) and its tokens; ``link`` is the chained hash of ``turns``
+        (the same turns give the same section: it is remembered under it)."""
+
 
 @dataclass
 class Services:
@@ -161,6 +168,7 @@ class Services:
     model: str = ""
     summarizer_model: str | None = None
     summary_tokens: int = 1024
+    values_tokens: int = 1024  # cap on a summary's values section (``proxy.core.values``), on top of summary_tokens
     summarizer_timeout: float = 60.0
     summarizer_window: int = 128_000
     window_of: Callable[[str], int] | None = None  # a model name's input window (the summariser's own)

@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p_assemble.add_argument("--summarize", action="store_true",
                             help="make summaries that would be created (calls and bills the summariser); "
                                  "default: report them without calling anyone")
+    p_assemble.add_argument("--mode", choices=("enforce", "observe"),
+                            help="assemble in this mode rather than the policy's (observe: the client's body is "
+                                 "forwarded; the report says what enforce would have done)")
     p_assemble.add_argument("--offline", action="store_true",
                             help="as if no summariser were reachable (llm degrades to drop)")
 
@@ -130,7 +133,8 @@ async def _run_assemble(config: Config, raw: bytes, args: argparse.Namespace) ->
         if args.wire is not None and named is None:
             return {"error": {"message": f"the {args.wire} wire is not available", "type": "invalid_request_error",
                               "param": "wire", "code": "unknown_wire"}}, EXIT_INVALID
-        return await explain(runtime, named, raw, tenant, args.override, summarize=args.summarize), EXIT_OK
+        return await explain(runtime, named, raw, tenant, args.override, summarize=args.summarize,
+                             mode=args.mode), EXIT_OK
     except CtxProxyError as exc:
         return (named.error_body(exc) if named is not None else exc.to_openai()), EXIT_REFUSED
     finally:

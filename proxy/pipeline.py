@@ -9,20 +9,31 @@ whole tool groups and the forwarded payload is always paired; the pairing check
 then verifies the result. Everything here is synchronous except the one await on
 ``manage_history`` (the summariser), so the same code runs in the server, in
 ``ctxproxy assemble`` and in the explain endpoint, for every wire.
+
+``observe`` is observe mode (a policy's ``mode``): the client's body is forwarded as sent, with
+only what always applies (output caps, the upstream model name), and the whole pipeline runs
+beside it in dry-run to report what enforce would have forwarded, removed or refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from plugins.base import HistoryResult, HistoryView, Services
+from plugins.base import HistoryResult, HistoryView, Services, stable_cut
 from proxy.core.bands import Bands, assign_groups, split_bands, split_turns, tool_groups
 from proxy.core.budget import Budget, compute_budget, why
 from proxy.core.conversation import Conversation, WireAdapter
-from proxy.core.errors import BadRequest, ContextLengthExceeded, OutputLimitExceeded, PayloadError
+from proxy.core.errors import (
+    BadRequest,
+    ContextLengthExceeded,
+    CtxProxyError,
+    OutputLimitExceeded,
+    PayloadError,
+)
 from proxy.core.fields import case_variant
 from proxy.core.items import USER, Item, atom_digests, turn_digest
 from proxy.core.offload import run_step
@@ -30,9 +41,14 @@ from proxy.core.pairing import check, repair
 from proxy.core.tokens import TokenCounter
 from proxy.policy import ModelRoute, Policy
 
+log = logging.getLogger("ctxproxy")
+
 # What a report's ``summary`` may say, and how removed tokens are counted (the one list of each).
 SUMMARY_STATUSES = frozenset({"none", "reused", "created", "failed", "pending", "would_create"})
+# the working-memory cap drops rows in steps of a quarter of the cap (at least one row)
+WM_CAP_STEP_SHARE = 4
 REMOVED_HOW = frozenset({"masked", "summarised", "windowed", "trimmed", "wm_capped"})
+MODES = ("enforce", "observe")
 
 
 @dataclass
@@ -66,6 +82,9 @@ class Report:
     max_tokens_clamped: bool = False
     warnings: list[str] = field(default_factory=list)
     unmanaged: str | None = None  # why the history was forwarded unmanaged (the provider holds part of it)
+    # observe: the client's body was forwarded and every figure above is what enforce would have done
+    mode: str = "enforce"
+    would_refuse: str | None = None  # observe: the code enforce would have refused the request with
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +101,14 @@ class Assembly:
     received: list[Item] = field(default_factory=list)
     field_name: str = "messages"
     body_changes: dict[str, Any] = field(default_factory=dict)  # output caps and the upstream model name
+    sent_tokens: int | None = None  # observe: ctxproxy's count of the client's payload, which is what is forwarded
+    summarised: list[Item] = field(default_factory=list)  # the items of the turns a summary covers (re-fetches)
+
+    @property
+    def forwarded_tokens(self) -> int:
+        """ctxproxy's count of what is forwarded (calibration's denominator): the managed payload's, or in
+        observe mode the client's (the report's ``tokens_after`` is then what enforce would have forwarded)."""
+        return self.report.tokens_after if self.sent_tokens is None else self.sent_tokens
 
     @property
     def messages(self) -> Any:
@@ -215,6 +242,8 @@ async def assemble(
     offload: bool = False,
     calibration: float = 1.0,
     provider_window: int | None = None,
+    report: Report | None = None,
+    prepared: Prepared | None = None,
 ) -> Assembly:
     """Run the whole pipeline on one body of ``wire`` (raises a CtxProxyError to refuse).
 
@@ -223,9 +252,13 @@ async def assemble(
     synchronous steps run in a worker thread, before and after that await, so the event loop keeps
     serving other requests while a long conversation is parsed, counted, trimmed and rendered.
     ``calibration`` and ``provider_window``: what the provider's counts and refusals taught (``compute_budget``).
+    ``report`` (filled in as the steps go, so a caller still has it when a step refuses) and ``prepared``
+    (the body already parsed): given by ``observe``.
     """
+    if report is None:
+        report = new_report(wire, route, policy, calibration, provider_window)
     planned = await run_step(offload, _plan, body, wire, route, policy, counter, services, calibration, offload,
-                             provider_window)
+                             report, prepared)
     if isinstance(planned, Assembly):
         return planned
     result = await policy.manager.manage_history(planned.view)
@@ -252,14 +285,20 @@ def _tokens(items: list[Item]) -> int:
     return sum(item.tokens for item in items)
 
 
+def new_report(wire: WireAdapter, route: ModelRoute, policy: Policy, calibration: float,
+               provider_window: int | None = None) -> Report:
+    return Report(model=route.name, tenant=policy.tenant, context_manager=policy.binding.type, wire=wire.name,
+                  warnings=list(policy.warnings), calibration=calibration, provider_window=provider_window)
+
+
 def _plan(
     body: dict[str, Any], wire: WireAdapter, route: ModelRoute, policy: Policy, counter: TokenCounter,
-    services: Services, calibration: float, offload: bool, provider_window: int | None = None,
+    services: Services, calibration: float, offload: bool, report: Report, prepared: Prepared | None,
 ) -> Assembly | _Plan:
     """Parse, repair, budget and bands; the finished Assembly when nothing needs managing."""
-    report = Report(model=route.name, tenant=policy.tenant, context_manager=policy.binding.type, wire=wire.name,
-                    warnings=list(policy.warnings), calibration=calibration, provider_window=provider_window)
-    prepared = prepare(body, wire, counter)
+    provider_window = report.provider_window
+    if prepared is None:
+        prepared = prepare(body, wire, counter)
     received, repaired, repairs, fixed = prepared.received, prepared.repaired, prepared.repairs, prepared.fixed
     report.warnings.extend(prepared.notes)
 
@@ -339,7 +378,12 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
 
     cap = plan.policy.manager.working_memory_messages
     if cap is not None and live.rows() > cap:
-        while live.rows() > cap and (dropped := live.drop_next()) is not None:
+        # on a grid counted from the working memory's start, like every other cut: the rows dropped are a
+        # multiple of the step, so the next few rounds of a tool loop append to the same forwarded prefix
+        goal = stable_cut(live.rows() - cap, max(1, -(-cap // WM_CAP_STEP_SHARE)), live.rows())
+        rows = 0
+        while rows < goal and (dropped := live.drop_next()) is not None:
+            rows += len(dropped)
             report.wm_rows_dropped += len(dropped)
             removed["wm_capped"] += _tokens(dropped)
 
@@ -357,6 +401,8 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
         size -= summary.tokens
         removed["trimmed"] += summary.tokens
         summary = None
+    if summary is not None and report.summary == "would_create":
+        report.summary_detail["placeholder_tokens"] = summary.tokens  # counted in place of the summary (observe)
 
     final = Bands(bands.system, history, bands.current, wm).flatten(summary)
     report.removed = {k: v for k, v in removed.items() if v}
@@ -367,7 +413,8 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     changed = (len(final) != len(received) or any(a is not b for a, b in zip(final, received)) or bool(changes)
                or bool(repairs))
     out = wire.render(body, final, changes) if changed else body
-    return Assembly(out, final, changed, report, received, wire.field, changes)
+    summarised = [item for turn in plan.view.turns[: result.turns_summarised] for item in turn]
+    return Assembly(out, final, changed, report, received, wire.field, changes, summarised=summarised)
 
 
 def whole_turns(history: list[Item], kept: list[Item]) -> tuple[list[Item], list[Item]]:
@@ -576,3 +623,54 @@ def _fits(size: int, budget: Budget, wire: WireAdapter) -> None:
             f"tool round cannot be dropped; shorten them or lower {output}.",
             param=wire.field,
         )
+
+
+async def observe(
+    body: dict[str, Any],
+    *,
+    wire: WireAdapter,
+    route: ModelRoute,
+    policy: Policy,
+    counter: TokenCounter,
+    services: Services,
+    offload: bool = False,
+    calibration: float = 1.0,
+    provider_window: int | None = None,
+) -> Assembly:
+    """Observe mode: forward the client's body, and report what enforce would have done with it.
+
+    What always applies is applied, and refused as in enforce: the output caps (``limit_output``) and
+    the upstream model name (the model allow-list was checked with the policy). The client's bytes are
+    forwarded when nothing of that changes them. The whole pipeline runs beside it on ``services`` in
+    dry-run (the summariser is never called: a summary it would make is counted at its largest,
+    ``summarizer.max_summary_tokens``); the report carries its figures (``tokens_before``: the client's
+    payload; ``tokens_after``: what enforce would forward) and, where enforce would refuse the request,
+    ``would_refuse`` with the refusal's code (``tokens_after`` 0: nothing would be forwarded).
+    """
+    report = new_report(wire, route, policy, calibration, provider_window)
+    report.mode = "observe"
+    _, changes = limit_output(body, wire, route, policy, report)
+    changes.update(wire.model_changes(body, route.upstream_model))
+    forwarded = {**body, **changes} if changes else body
+    received: list[Item] = []
+    sent = 0
+    try:
+        prepared = await run_step(offload, prepare, body, wire, counter)
+        received, sent = prepared.received, prepared.fixed + _tokens(prepared.received)
+        would = await assemble(body, wire=wire, route=route, policy=policy, counter=counter, services=services,
+                               offload=offload, calibration=calibration, report=report, prepared=prepared)
+    except Exception as exc:  # what enforce would refuse; observed, never answered
+        if isinstance(exc, CtxProxyError):
+            report.would_refuse, why = exc.code or "invalid_request", exc.message
+        else:  # a fault of the pipeline's own: enforce would answer 500; observe mode forwards all the same
+            log.exception("observe mode: the pipeline failed on request %s", services.request_id)
+            report.would_refuse, why = "internal_error", "the pipeline failed (logged)"
+        report.tokens_after, report.removed = 0, {}
+        report.warnings.append(f"observe mode: enforce would refuse this request ({report.would_refuse}): {why}")
+    else:
+        report = would.report
+        placeholder = report.summary_detail.get("placeholder_tokens")
+        if isinstance(placeholder, int):  # the summary enforce would make, at its largest
+            report.tokens_after += max(0, services.summary_tokens - placeholder)
+    report.tokens_before = sent
+    return Assembly(forwarded, received, bool(changes), report, received, wire.field, changes, sent_tokens=sent)

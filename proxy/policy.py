@@ -4,6 +4,9 @@ Precedence: the tenant's policy, then the request's override (header
 ``x-ctxproxy-context-manager``), then the org default. With tenants configured
 an override may only tighten (same or smaller limits); a malformed or loosening
 override is ignored and a warning says why.
+
+The mode (``observe`` or ``enforce``, ``mode_for``) is the operator's alone (no request changes it):
+the tenant's own ``mode``, else the model route's (``models[].mode``), else the top level's.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class Policy:
     allowed_models: list[str] | None
     summarizer_model: str | None
     on_summarizer_error: str
+    mode: str = "enforce"  # observe: forward as sent, report what enforce would do (proxy.pipeline.observe)
     budget_cap: int | None = None
     # with an override in effect: the base binding's (summary_threshold, hysteresis_ratio), so the
     # effective summary threshold never rises above the one the policy gives
@@ -76,6 +80,7 @@ class Policy:
         """What GET /v1/ctxproxy/policy shows (never keys)."""
         return {
             "tenant": self.tenant,
+            "mode": self.mode,
             "context_manager": {
                 "type": self.binding.type,
                 "params": self.binding.params.model_dump(mode="json", exclude_none=True, exclude={"summarizer"}),
@@ -141,6 +146,20 @@ class Routes:
         return DEFAULT_WINDOW
 
 
+def mode_for(config: Config, tenant: Tenant | None, model: str | None) -> str:
+    """``observe`` or ``enforce``: the tenant's own mode, else the model route's, else the top level's.
+
+    A tenant's is the most specific: a team put in observe (or switched to enforce) stays so on every
+    model, and a route's mode (say, a new model still observed) applies to the tenants that set none.
+    """
+    if tenant is not None and tenant.settings.mode is not None:
+        return tenant.settings.mode
+    route = config.model(model) if model is not None else None
+    if route is not None and route.mode is not None:
+        return route.mode
+    return config.settings.mode
+
+
 def policy_for(config: Config, tenant: Tenant | None, model: str | None, override: str | None) -> Policy:
     """The effective policy for one request (raises ModelNotFound for a model the tenant may not use)."""
     s = config.settings
@@ -176,6 +195,7 @@ def policy_for(config: Config, tenant: Tenant | None, model: str | None, overrid
         allowed_models=ts.models if ts else None,
         summarizer_model=(ts.summarizer_model if ts and ts.summarizer_model else s.summarizer_model),
         on_summarizer_error=s.on_summarizer_error,
+        mode=mode_for(config, tenant, model),
         budget_cap=budget_cap,
         base_threshold=base_threshold,
         warnings=warnings,

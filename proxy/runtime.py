@@ -17,7 +17,7 @@ from proxy.core.conversation import WireAdapter
 from proxy.core.errors import AuthenticationError, BadRequest, ModelNotFound, SummarizerFailed
 from proxy.core.modelinfo import ModelMap
 from proxy.core.tokens import Tokenizers
-from proxy.pipeline import Assembly, assemble
+from proxy.pipeline import Assembly, assemble, observe
 from proxy.policy import ModelRoute, Policy, Routes, policy_for
 from proxy.settings import Config, Tenant
 
@@ -124,6 +124,7 @@ class Runtime:
             model=route.name,
             summarizer_model=policy.summarizer_model,
             summary_tokens=s.summarizer.max_summary_tokens,
+            values_tokens=s.summarizer.max_values_tokens,
             summarizer_timeout=s.summarizer.timeout_seconds,
             summarizer_window=self.window(route),
             window_of=self.window_of,
@@ -151,19 +152,31 @@ class Runtime:
         request_id: str = "",
         dry_run: bool = False,
         params: Mapping[str, str] | None = None,
+        mode: str | None = None,
     ) -> tuple[Assembly, ModelRoute, Policy]:
         """Policy, route and the whole pipeline for one body of ``wire`` (its synchronous steps in a worker
-        thread with ``offload``: a large body); ``params``: the request path's (a model in the path)."""
+        thread with ``offload``: a large body); ``params``: the request path's (a model in the path).
+
+        In the policy's mode, or in ``mode`` when given (explain's ``?mode=``): in observe mode the
+        assembly forwards the client's body and reports what enforce would have done, never calling the
+        summariser (``proxy.pipeline.observe``)."""
         model = model_of(wire, body, params)
         route = self.route(model)
         policy = self.policy(tenant, model, override)
         counter = self.tokenizers.get(route.encoding)
         calibration = await self.calibration_factor(route, policy.tenant)
+        provider_window = self.calibration.window(route) if self.calibration is not None else None
+        if (mode or policy.mode) == "observe":
+            assembly = await observe(
+                body, wire=wire, route=route, policy=policy, counter=counter,
+                services=self.services(route, policy, request_id=request_id, dry_run=True),
+                offload=offload, calibration=calibration, provider_window=provider_window,
+            )
+            return assembly, route, policy
         assembly = await assemble(
             body, wire=wire, route=route, policy=policy, counter=counter,
             services=self.services(route, policy, request_id=request_id, dry_run=dry_run),
-            offload=offload, calibration=calibration,
-            provider_window=self.calibration.window(route) if self.calibration is not None else None,
+            offload=offload, calibration=calibration, provider_window=provider_window,
         )
         if assembly.report.summary == "failed" and policy.on_summarizer_error == "fail":
             raise SummarizerFailed("the summariser failed and this proxy is configured with on_summarizer_error: fail")

@@ -42,6 +42,11 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+Mode = Literal["observe", "enforce"]
+MODE_DOC = ("observe: forward each request as the client sent it (output caps, the model allow-list and the "
+            "upstream model name still apply) and report what enforce would have done; enforce: manage the context")
+
+
 class ServerSettings(Strict):
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8080, ge=0, le=65535, description="Port to bind.")
@@ -137,6 +142,8 @@ class ModelSettings(Strict):
                                        "narrowed to the provider's real one where it refuses a request for length.")
     max_output_tokens: int | None = Field(None, ge=1, description="Model's max output (default: litellm's map).")
     tokenizer: str | None = Field(None, description="tiktoken encoding name (default by model family).")
+    mode: Mode | None = Field(None, description=f"This route's mode ({MODE_DOC}); a tenant's own mode wins over "
+                              "it; default: the top-level mode.")
     calibration: Literal["auto", "off"] | float = Field(
         "auto", description="Token-count calibration (proxy.store.calibration): auto = learn the provider's count "
         "over ctxproxy's from usage, per tenant (starting from the family default), off = 1.0, a number = pinned factor.")
@@ -283,6 +290,9 @@ def _cut(text: str) -> str:
 class SummarizerSettings(Strict):
     timeout_seconds: float = Field(60, gt=0, description="Deadline for one summariser call.")
     max_summary_tokens: int = Field(1024, ge=64, description="Answer cap of a summariser call.")
+    max_values_tokens: int = Field(
+        1024, ge=0, description="Cap on a summary's values section: the values its turns acted on that the "
+        "summary's text leaves out, appended to it (past the cap the oldest are left out; 0: no section).")
     retry_backoff_seconds: float = Field(10, ge=0, description="First back-off after a failure (doubles).")
     max_backoff_seconds: float = Field(300, ge=0, description="Longest back-off.")
     lock_wait_seconds: float = Field(
@@ -320,6 +330,8 @@ class TenantSettings(Strict):
     models: list[str] | None = Field(None, description="Allowed model names (omit = all).")
     summarizer_model: str | None = None
     pairing: Literal["repair", "strict"] | None = None
+    mode: Mode | None = Field(None, description=f"This tenant's mode ({MODE_DOC}); it wins over a model route's "
+                              "and the top-level mode; default: the route's, else the top-level mode.")
 
     @field_validator("keys")
     @classmethod
@@ -391,6 +403,8 @@ class Settings(Strict):
     default_upstream: str | None = Field(None, description="Name of the default upstream (default: the first).")
     models: list[ModelSettings] = Field(default_factory=list)
     allow_unknown_models: bool = True
+    mode: Mode = Field("enforce", description=f"The default mode ({MODE_DOC}); a model route's or a tenant's own "
+                       "mode wins over it.")
     context_manager: Any = None
     working_memory: WorkingMemorySettings | None = None
     trimmer: TrimmerParams | None = None

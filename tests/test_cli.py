@@ -78,6 +78,20 @@ def test_validate_rejects_bad_bindings_with_exit_2(
     assert any(line.startswith("context_manager") for line in lines)
 
 
+@pytest.mark.parametrize(("extra", "path"), [
+    ({"mode": "shadow"}, "mode"),
+    ({"models": [{"name": "gpt-4o", "mode": "dry-run"}]}, "models[0].mode"),
+    ({"tenants": [{"name": "team", "keys": ["sk-team"], "mode": "watch"}]}, "tenants[0].mode"),
+])
+def test_validate_refuses_a_mode_that_is_not_observe_or_enforce(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: dict[str, Any], path: str) -> None:
+    code, out, err = run(["validate", str(write_config(tmp_path, **extra))], capsys)
+    assert (code, out) == (2, "") and err.startswith(f"{path}:"), err
+    good = {key: ([{**value[0], "mode": "observe"}] if isinstance(value, list) else "observe")
+            for key, value in extra.items()}
+    assert run(["validate", str(write_config(tmp_path, **good))], capsys)[:2] == (0, "ok\n")
+
+
 def test_validate_reports_missing_env_var_with_key_path(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -202,6 +216,29 @@ def test_assemble_prints_messages_and_report(tmp_path: Path, capsys: pytest.Capt
     assert report["turns_dropped"] > 0 and report["turns_summarised"] == 0
     assert result["messages"][0] == msgs[0] and result["messages"][-1] == msgs[-1]
     assert not pairing_problems(result["messages"])
+
+
+def test_assemble_in_observe_mode_shows_the_body_as_sent_and_what_enforce_would_send(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under a policy in observe mode the client's body is what is forwarded: assemble prints it, with a report of
+    what enforce would have done; ``--mode enforce`` prints what enforce would forward, with the same figures."""
+    cfg = write_config(tmp_path, mode="observe", context_manager={"type": "sliding-window", "params": {"keep_turns": 3}})
+    msgs = long_conversation()
+    req = write_json(tmp_path, {"model": "gpt-4o", "messages": msgs})
+    outputs = []
+    for extra in ([], ["--mode", "enforce"], ["--mode", "observe"]):
+        code, out, err = run(["assemble", "--config", str(cfg), *extra, str(req)], capsys)
+        assert code == 0, err
+        outputs.append(json.loads(out))
+    observed, enforced, asked = outputs
+    assert observed == asked
+    assert observed["messages"] == msgs and observed["report"]["mode"] == "observe"
+    assert enforced["report"]["mode"] == "enforce" and len(enforced["messages"]) < len(msgs)
+    assert observed["report"]["tokens_before"] == recount(msgs) > observed["report"]["hard_budget"]
+    assert observed["report"]["tokens_after"] == enforced["report"]["tokens_after"] == recount(enforced["messages"])
+    with pytest.raises(SystemExit) as refused:
+        main(["assemble", "--config", str(cfg), "--mode", "shadow", str(req)])
+    assert refused.value.code == 2 and "--mode: invalid choice: 'shadow'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("wire", ["chat", "responses", "messages"])

@@ -42,18 +42,23 @@ async def traffic(proxy: RunningProxy) -> None:
 
 
 def expected(text: str) -> dict[tuple[str, str], dict[str, float]]:
-    """The report's columns, computed from /metrics."""
+    """The report's columns, computed from /metrics (the enforced requests' and, beside them, the observed ones')."""
     out: dict[tuple[str, str], dict[str, float]] = {}
     keys = {(labels["tenant"], labels["model"]) for labels, _ in metric_samples(text, "ctxproxy_requests_total")}
     for tenant, model in keys:
         t = {"tenant": tenant, "model": model}
+        e, o = {**t, "mode": "enforce"}, {**t, "mode": "observe"}
         out[(tenant, model)] = {
             "requests": metric_total(text, "ctxproxy_requests_total", **t),
-            "tokens_received": metric_total(text, "ctxproxy_tokens_received_total", **t),
-            "tokens_forwarded": metric_total(text, "ctxproxy_tokens_forwarded_total", **t),
-            "tokens_removed": metric_total(text, "ctxproxy_tokens_removed_total", **t),
+            "tokens_received": metric_total(text, "ctxproxy_tokens_received_total", **e),
+            "tokens_forwarded": metric_total(text, "ctxproxy_tokens_forwarded_total", **e),
+            "tokens_removed": metric_total(text, "ctxproxy_tokens_removed_total", **e),
+            "observed_tokens_received": metric_total(text, "ctxproxy_tokens_received_total", **o),
+            "observed_tokens_forwarded": metric_total(text, "ctxproxy_tokens_forwarded_total", **o),
+            "observed_tokens_removed": metric_total(text, "ctxproxy_tokens_removed_total", **o),
+            "observed_gross_usd": metric_total(text, "ctxproxy_estimated_savings_usd_total", **o),
             "summarizer_usd": metric_total(text, "ctxproxy_request_summarizer_cost_usd_total", **t),
-            "gross_usd": metric_total(text, "ctxproxy_estimated_savings_usd_total", **t),
+            "gross_usd": metric_total(text, "ctxproxy_estimated_savings_usd_total", **e),
             "cache_effect_usd": metric_total(text, "ctxproxy_prompt_cache_effect_usd_total", **t),
             "net_usd": metric_total(text, "ctxproxy_net_savings_usd_total", **t)
             - metric_total(text, "ctxproxy_net_loss_usd_total", **t),
@@ -121,6 +126,53 @@ async def test_cli_report_reads_the_ledger_after_the_server_is_gone(
     out = capsys.readouterr().out
     assert code == 0 and "acme" in out and "gross $" in out
     assert await asyncio.to_thread(main, ["report", "--config", str(path), "--since", "40d"]) == 2
+
+
+async def test_the_report_shows_what_observe_mode_would_have_saved_next_to_what_enforce_saved(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """Two tenants send the same conversation, one in observe mode: the report's enforced columns are the other
+    tenant's alone, and the observed columns say what enforce would have removed, saved (priced the same way) and
+    refused; the ledger's figures equal the metrics' in both modes, and the table shows both."""
+    upstream.prompt_scale = 1.0
+    cfg = report_config(upstream.base_url)
+    cfg["tenants"][1]["mode"] = "observe"  # globex
+    proxy = await start_proxy(cfg)
+    big = [{"role": "user", "content": "x " * 9_000}]  # over the window even after management: refused in enforce
+    async with aiohttp.ClientSession() as s:
+        for key in TENANTS.values():
+            for n in (10, 11, 40, 41):
+                async with s.post(proxy.url + "/v1/chat/completions", json={"model": ALIAS, "messages": growing(n)},
+                                  headers={"Authorization": f"Bearer {key}"}) as r:
+                    assert r.status == 200
+            async with s.post(proxy.url + "/v1/chat/completions", json={"model": ALIAS, "messages": big},
+                              headers={"Authorization": f"Bearer {key}"}) as r:
+                assert r.status == (400 if key == "sk-acme" else 200)
+        async with s.get(proxy.url + "/admin/report?since=1h", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            assert r.status == 200
+            report = await r.json()
+    text = await scrape(proxy, ADMIN)
+    want = expected(text)
+    rows = {(row["tenant"], row["model"]): row for row in report["rows"]}
+    for row_key, columns in want.items():
+        for name, value in columns.items():
+            assert rows[row_key][name] == pytest.approx(value, abs=1e-12), (row_key, name)
+    enforced, observed = rows[("acme", ALIAS)], rows[("globex", ALIAS)]
+    assert enforced["requests"] == observed["requests"] == 5
+    assert observed["observed_requests"] == 5 and enforced["observed_requests"] == 0
+    assert observed["observed_refusals"] == 1 == metric_total(text, "ctxproxy_observed_refusals_total",
+                                                               tenant="globex", code="context_length_exceeded")
+    assert observed["tokens_received"] == observed["tokens_removed"] == observed["gross_usd"] == 0
+    assert observed["summaries_created"] == observed["summarizer_usd"] == 0
+    assert enforced["observed_tokens_removed"] == enforced["observed_gross_usd"] == 0
+    assert observed["observed_tokens_received"] == enforced["tokens_received"]
+    # the same conversation: what enforce would have removed, priced, is about what it did remove for acme (its
+    # summaries are counted at their largest in observe mode, so it is no more than that)
+    assert 0 < observed["observed_gross_usd"] <= enforced["gross_usd"]
+    assert observed["observed_tokens_removed"] <= enforced["tokens_removed"]
+    table = render(report)
+    header = table.splitlines()[0]
+    assert "gross $" in header and "would save $" in header and "would refuse" in header
+    assert "observed: requests forwarded as sent" in table.splitlines()[-1]
 
 
 def test_since() -> None:

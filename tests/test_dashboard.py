@@ -28,6 +28,7 @@ GROUPING = re.compile(r"\bby\s*\(([^)]*)\)")
 
 REQUIRED_TITLES = [
     "Summariser cost vs estimated savings per tenant",
+    "Re-fetches per 100 requests by how",
     "Tokens received vs forwarded",
     "Tokens removed by how",
     "Summaries by result",
@@ -46,7 +47,13 @@ REQUIRED_TITLES = [
     "Token count error p10/p50/p90",
     "Calibration samples by result",
     "Overflow refusals: recovered vs failed",
+    "Savings: observed (would-be) vs enforced per tenant",
+    "Observed: tokens received vs what enforce would forward",
+    "Observed: requests enforce would refuse, by code",
 ]
+# the series whose mode=observe samples are what enforce would have done (proxy.serve.metrics)
+MODED = ("ctxproxy_estimated_savings_usd_total", "ctxproxy_tokens_received_total", "ctxproxy_tokens_forwarded_total",
+         "ctxproxy_tokens_removed_total")
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +99,7 @@ def exported() -> dict[str, set[str]]:
                usage={"prompt_tokens_details": {"cached_tokens": 30}})
     m.payload_error("invalid_role")
     m.prefix("acme", "gpt-4o-mini", True)
+    m.refetched("acme", "gpt-4o-mini", {"masked": 1, "summarised": 1, "dropped": 1})
     for net in (0.5, -0.25):
         m.account("acme", "gpt-4o-mini", RequestCost(
             "gpt-4o-mini", 100, 1.0, 0.1, 0.2, 0.3, net, True, CacheEffect(True, True, 10, 2, 5, 1.0)))
@@ -99,6 +107,12 @@ def exported() -> dict[str, set[str]]:
     m.calibration_sample("gpt-4o-mini", Sample("used", 1.2), Usage(1200), 1000, 1.2)
     m.overflow("acme", "gpt-4o-mini", recovered=True)
     m.overflow("acme", "gpt-4o-mini", recovered=False)
+    observed = Report(model="gpt-4o-mini", tenant="acme", context_manager="summarising", tokens_before=100,
+                      tokens_after=40, removed={"summarised": 60}, mode="observe")
+    m.assembled("acme", "gpt-4o-mini", observed)
+    m.account("acme", "gpt-4o-mini", RequestCost("gpt-4o-mini", 60, 0.5), mode="observe")
+    m.assembled("acme", "gpt-4o-mini", Report(model="gpt-4o-mini", tenant="acme", context_manager="summarising",
+                                              mode="observe", would_refuse="context_length_exceeded"))
     body, _ = m.render()
     names: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(body.decode()):
@@ -152,3 +166,18 @@ def test_the_checks_catch_a_bogus_panel(names: dict[str, set[str]]) -> None:
              "templating": {"list": []}}
     referenced = {name for e in expressions(bogus) for name in METRIC.findall(e)}
     assert referenced - names.keys() == {"ctxproxy_no_such_metric_total"}
+
+
+def test_the_rollout_row_compares_observed_and_enforced_savings_per_tenant(dashboard: dict[str, Any]) -> None:
+    """One panel puts what enforce saved next to what observe mode says it would have saved, per tenant; every
+    other panel on those series shows enforced requests only, so would-be figures never inflate actual ones."""
+    panels = {p["title"]: p for p in walk_panels(dashboard["panels"])}
+    (expr,) = [t["expr"] for t in panels["Savings: observed (would-be) vs enforced per tenant"]["targets"]]
+    assert "ctxproxy_estimated_savings_usd_total" in expr and GROUPING.findall(expr) == ["tenant, mode"]
+    rollout = {"Savings: observed (would-be) vs enforced per tenant",
+               "Observed: tokens received vs what enforce would forward"}
+    for panel in walk_panels(dashboard["panels"]):
+        for target in panel.get("targets", []):
+            for metric, matchers in SELECTOR.findall(target["expr"]):
+                if metric in MODED and panel["title"] not in rollout:
+                    assert 'mode!="observe"' in matchers, (panel["title"], target["expr"])

@@ -164,9 +164,9 @@ async def test_metrics_after_a_summarising_run(upstream: FakeUpstream, start_pro
     assert value(m, "ctxproxy_summarizer_tokens_total", **t, kind="prompt") == 1000 * calls
     assert value(m, "ctxproxy_summarizer_tokens_total", **t, kind="completion") == 100 * calls
     removed = total(m, "ctxproxy_tokens_removed_total", **t)
-    summarised = value(m, "ctxproxy_tokens_removed_total", **t, how="summarised")
+    summarised = value(m, "ctxproxy_tokens_removed_total", **t, mode="enforce", how="summarised")
     assert summarised > 0
-    savings = value(m, "ctxproxy_estimated_savings_usd_total", **t)
+    savings = value(m, "ctxproxy_estimated_savings_usd_total", **t, mode="enforce")
     assert savings > 0
     assert savings == pytest.approx(removed * (model_map.input_price(MODEL) or 0))
 
@@ -174,8 +174,8 @@ async def test_metrics_after_a_summarising_run(upstream: FakeUpstream, start_pro
     assert value(m, "ctxproxy_requests_total", **t, wire="chat", status="200") == 4
     assert value(m, "ctxproxy_requests_total", **t, wire="chat", status="400") == 1
     assert value(m, "ctxproxy_requests_total", tenant="other", model="other", wire="chat", status="401") == 1
-    received = value(m, "ctxproxy_tokens_received_total", **t)
-    forwarded = value(m, "ctxproxy_tokens_forwarded_total", **t)
+    received = value(m, "ctxproxy_tokens_received_total", **t, mode="enforce")
+    forwarded = value(m, "ctxproxy_tokens_forwarded_total", **t, mode="enforce")
     assert received > forwarded > 0
     assert received - forwarded == pytest.approx(removed, abs=removed * 0.2)  # the summary message adds a little
     assert value(m, "ctxproxy_summaries_total", tenant="acme", result="created") == 1

@@ -377,6 +377,33 @@ async def test_working_memory_cap_is_applied_in_whole_groups() -> None:
     assert a.report.wm_rows_dropped == 15
 
 
+async def test_working_memory_cap_moves_on_a_grid_so_a_tool_loop_keeps_its_prefix() -> None:
+    """A tool loop under one user message grows two rows a round: a cap that dropped exactly what it had to moved
+    the forwarded prefix every round (the provider's prompt cache missed every time). Rows are dropped in steps
+    of a quarter of the cap, counted from the working memory's start: the cap still holds, and most rounds only
+    append to what the previous request forwarded."""
+    cm = {"type": "summarising", "params": {"summarizer": "drop", "working_memory_messages": 20,
+                                            "summary_threshold": 1}}  # over T from the start: the cap applies
+    h = Harness(window=60_000, context_manager=cm)
+    msgs: list[dict[str, Any]] = [system("s"), user("fix the bug")]
+    previous: list[Any] | None = None
+    kept = moved = 0
+    for r in range(60):
+        msgs = [*msgs, call((f"c{r}", "read")), tool(f"c{r}", words(40, r))]
+        a = await h.run({"model": MODEL, "messages": msgs})
+        wm = a.messages[2:]
+        assert len(wm) <= 20
+        if previous is not None and a.report.wm_rows_dropped:
+            if a.messages[: len(previous)] == previous:
+                kept += 1
+            else:
+                moved += 1
+        previous = list(a.messages)
+    print(f"\nprefix kept on {kept} of {kept + moved} capped requests")
+    assert kept + moved > 40
+    assert moved <= (kept + moved) // 2  # one move in every (20/4)/2 rounds at most: here 1 in 2 or fewer
+
+
 async def test_repair_under_threshold_changes_only_what_it_repairs() -> None:
     msgs = [system("s"), user("q"), call(("c1", "f")), user("displaced"), tool("c1", "r"), tool("zz", "orphan")]
     h = Harness(window=100_000)

@@ -870,3 +870,31 @@ async def test_a_route_names_its_upstream_and_a_pattern_matches_the_model_sent_u
                 assert r.status == 200, await r.text()
     assert [r.body["model"] for r in upstream.chat] == ["acme-pinned", "ACME-x", "exact-model-2", "gpt-4o"]
     assert [r.body["model"] for r in second.chat] == ["acme-fast-2", "acme-x", "exact-model"]
+
+
+@pytest.mark.parametrize("top", ["observe", "enforce", None])
+async def test_the_mode_is_the_tenants_else_the_routes_else_the_top_levels(
+        upstream: FakeUpstream, start_proxy: Any, top: str | None) -> None:
+    """A tenant's own mode wins on every model; a route's applies to the tenants that set none; the top level's
+    to the rest (enforce when it sets none). The policy endpoint and each answer's header say the same."""
+    modes = {"observe": "observe", "enforce": "enforce", "unset": None}
+    cfg: dict[str, Any] = {
+        "upstreams": {"u": {"base_url": upstream.base_url, "api_key": UPSTREAM_KEY}},
+        "cache": {"backend": "memory"},
+        "models": [{"name": f"route-{r}", **({"mode": m} if m else {})} for r, m in modes.items()],
+        "tenants": [{"name": f"team-{t}", "keys": [f"sk-team-{t}"], **({"mode": m} if m else {})}
+                    for t, m in modes.items()],
+    }
+    if top is not None:
+        cfg["mode"] = top
+    proxy = await start_proxy(cfg)
+    async with aiohttp.ClientSession() as s:
+        for tenant, tenant_mode in modes.items():
+            for route, route_mode in modes.items():
+                want = tenant_mode or route_mode or top or "enforce"
+                key = {"Authorization": f"Bearer sk-team-{tenant}"}
+                async with s.get(proxy.url + f"/v1/ctxproxy/policy?model=route-{route}", headers=key) as r:
+                    assert (await r.json())["mode"] == want, (tenant, route)
+                async with s.post(proxy.url + "/v1/chat/completions", headers=key, json={
+                        "model": f"route-{route}", "messages": [{"role": "user", "content": "hi"}]}) as r:
+                    assert r.status == 200 and r.headers["x-ctxproxy-mode"] == want, (tenant, route)

@@ -139,7 +139,7 @@ async def test_prometheus_scrapes_summarizer_cost(
         savings = await wait_for_value(
             s, prom, 'sum(ctxproxy_estimated_savings_usd_total{tenant="acme"})', lambda v: v > 0)
         assert savings == pytest.approx(value(direct, "ctxproxy_estimated_savings_usd_total",
-                                              tenant="acme", model=MODEL))
+                                              tenant="acme", model=MODEL, mode="enforce"))
         created = await query(s, prom, 'ctxproxy_summaries_total{result="created"}')
         assert [(r["metric"]["tenant"], r["value"][1]) for r in created] == [("acme", "1")]
         async with s.get(prom + "/api/v1/label/model/values") as r:

@@ -369,3 +369,26 @@ def test_an_upstream_at_the_proxys_own_address_is_refused(host: str, url: str) -
 ])
 def test_an_upstream_elsewhere_is_accepted(host: str, port: int, url: str) -> None:
     load_config(with_(server={"host": host, "port": port}, upstreams={"u": {"base_url": url}}), env={})
+
+
+MODE_PLACES = [
+    ({"mode": "shadow"}, "mode"),
+    ({"models": [{"name": "m", "mode": "OBSERVE"}]}, "models[0].mode"),
+    ({"tenants": [{"name": "t", "keys": ["k"], "mode": False}]}, "tenants[0].mode"),  # YAML's `off`
+]
+
+
+@pytest.mark.parametrize(("extra", "path"), MODE_PLACES)
+def test_a_mode_other_than_observe_or_enforce_is_refused_with_its_path(extra: dict[str, Any], path: str) -> None:
+    found = problems(with_(**extra))
+    assert len(found) == 1 and found[0].startswith(f"{path}:") and "'observe' or 'enforce'" in found[0], found
+
+
+def test_mode_is_read_at_every_level_and_defaults_to_enforce() -> None:
+    cfg = load_config(with_(mode="observe", models=[{"name": "m", "mode": "enforce"}],
+                            tenants=[{"name": "t", "keys": ["k"], "mode": "observe"}]), env={})
+    assert (cfg.settings.mode, cfg.settings.models[0].mode, cfg.tenants[0].settings.mode) == (
+        "observe", "enforce", "observe")
+    plain = load_config(with_(models=[{"name": "m"}], tenants=[{"name": "t", "keys": ["k"]}]), env={})
+    assert (plain.settings.mode, plain.settings.models[0].mode, plain.tenants[0].settings.mode) == (
+        "enforce", None, None)

@@ -7,8 +7,11 @@ within the hard budget B; past B a new one is made incrementally (previous
 summary + the newly aged turns), cutting so the result leaves one hysteresis
 step of headroom, so summariser calls grow with conversation growth, not with
 request count. Summaries come from the one compaction service (``Services.compaction``:
-``proxy.store.compaction``), which ``/responses/compact`` and the Messages compaction use too.
-With the ``drop`` summariser (or no engine) older turns are dropped instead, on a prefix-stable grid.
+``proxy.store.compaction``), which ``/responses/compact`` and the Messages compaction use too; a
+summary carries the values its turns acted on that its text leaves out (its values section), and
+is planned at its largest: ``max_summary_tokens`` of text plus ``max_values_tokens`` of values.
+With the ``drop`` summariser (or no engine) older turns are dropped instead, on a prefix-stable grid,
+and replaced by their values section alone (no model call): the summary of a policy that makes none.
 
 Masking comes first (``mask_observations``, on by default; ``plugins.masking``): over T the
 outputs of older tool calls are masked on their grid, and only when the masked conversation is
@@ -21,6 +24,7 @@ masked ones.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from pydantic import Field
@@ -34,8 +38,11 @@ from plugins.base import (
     window,
 )
 from plugins.masking import MASK_STEP, Masking, mask_observations
+from proxy.core import values
 from proxy.core.budget import TrimmerParams
 from proxy.core.items import Item
+
+DROPPED = "Values these turns acted on (the turns were dropped to save context)"
 
 
 class SummarisingParams(Params):
@@ -87,7 +94,7 @@ class Summarising(ContextManager):
         services = view.services
         compaction = services.compaction  # the one compaction service (proxy.store.compaction)
         if self.summarizer is None or compaction is None or compaction.unavailable(self.summarizer, services):
-            return self._drop(view)  # drop (or no summariser): older turns go, on a prefix-stable grid
+            return await self._drop(view)  # drop (or no summariser): older turns go, on a prefix-stable grid
         chain = await view.chain_hashes()
         found = await compaction.lookup(self.summarizer, services, chain)
         if found is not None:
@@ -95,18 +102,36 @@ class Summarising(ContextManager):
             if reused.summary is not None and view.payload_tokens(
                     found.covered_turns, reused.summary.tokens) <= budget.hard_budget:
                 return reused
-        cut = self._cut(view, services.summary_tokens)
-        if view.payload_tokens(cut, services.summary_tokens) > budget.hard_budget:
-            return self._drop(view)  # not even a summary would fit: keep the recent turns, trim the rest
+        cut, reserve = await self._plan(view)
+        if view.payload_tokens(cut, reserve) > budget.hard_budget:
+            return await self._drop(view)  # not even a summary would fit: keep the recent turns, trim the rest
         if cut == 0 or (found is not None and cut <= found.covered_turns):
             return self._with(view, found, "reused") if found is not None else HistoryResult.unchanged(view)
         made = await compaction.compact(self.summarizer, services, client.turns, chain, cut=cut, found=found,
                                         looked=True)
         if made.status == "would_create":
-            return self._would_create(view, cut, found, made.text)
+            return self._would_create(view, cut, found, made.text, reserve)
         if made.summary is None:
             return HistoryResult(turns=view.turns, summary_status=made.status, detail={"reason": made.reason})
         return self._with(view, made.summary, made.status)
+
+    async def _plan(self, view: HistoryView) -> tuple[int, int]:
+        """Where to cut, and the most tokens the summary may take there: the summariser's text at its cap plus
+        the values section of the turns it covers (at most its cap). The section grows with the cut and the cut
+        with the section, so the two are planned in turn, a few times (any excess left is the trimmer's)."""
+        services = view.services
+        reserve = services.summary_tokens
+        cut = self._cut(view, reserve)
+        for _ in range(3):
+            if cut == 0 or services.values_tokens <= 0:
+                break
+            section, _ = await self._values(view, cut, values.SUMMARY_LEAD)
+            size = view.counter.text(values.SEPARATOR + section.text) if section.text else 0
+            if services.summary_tokens + size <= reserve:
+                break
+            reserve = services.summary_tokens + size
+            cut = self._cut(view, reserve)
+        return cut, reserve
 
     def _cut(self, view: HistoryView, summary_tokens: int) -> int:
         """Summarise all but the last keep_turns turns, and more if the rest would leave no headroom."""
@@ -138,8 +163,10 @@ class Summarising(ContextManager):
             detail=detail,
         )
 
-    def _would_create(self, view: HistoryView, cut: int, found: CachedSummary | None, text: str) -> HistoryResult:
-        """Explain and ``assemble``: what a summary would replace, with the placeholder ``text``, nobody billed."""
+    def _would_create(self, view: HistoryView, cut: int, found: CachedSummary | None, text: str,
+                      reserve: int) -> HistoryResult:
+        """Explain and ``assemble``: what a summary would replace, with the placeholder ``text``, nobody billed;
+        ``reserve``: the most tokens the summary may take."""
         item: Item = view.summary_item(text, cut)
         replaced = sum(view.turn_tokens[:cut])
         return HistoryResult(
@@ -147,14 +174,39 @@ class Summarising(ContextManager):
             summary=item,
             turns_summarised=cut,
             summary_status="would_create",
-            removed={"summarised": max(0, replaced - view.services.summary_tokens)},
+            removed={"summarised": max(0, replaced - reserve)},
             detail={"turns": cut, "tokens_replaced": replaced, "cached": False,
                     "cached_prefix_turns": found.covered_turns if found is not None else 0,
-                    "summary_tokens_at_most": view.services.summary_tokens},
+                    "summary_tokens_at_most": reserve},
         )
 
-    def _drop(self, view: HistoryView) -> HistoryResult:
+    async def _drop(self, view: HistoryView) -> HistoryResult:
+        """Older turns dropped on the grid, and replaced by the values they acted on (nobody is billed)."""
         params: Any = self.params
-        return window(view, params.keep_turns, params.cut_step)
+        dropped = window(view, params.keep_turns, params.cut_step)
+        cut = dropped.turns_dropped
+        if not cut or view.services.values_tokens <= 0:
+            return dropped
+        kept, _ = await self._values(view, cut, DROPPED)
+        if not kept.text:
+            return dropped
+        item: Item = view.summary_item(summary_text(cut, kept.text), cut)
+        return dataclasses.replace(
+            dropped, summary=item, removed={"windowed": max(0, dropped.removed.get("windowed", 0) - item.tokens)},
+            detail={"turns": cut, "values_only": True, "values": kept.listed, "values_left_out": kept.left_out})
 
-
+    async def _values(self, view: HistoryView, cut: int, lead: str) -> tuple[values.Section, int]:
+        """The values section of ``view.turns[:cut]`` and its tokens: the compaction service's (remembered under
+        the turns' chained hash, so a conversation's next request does not read its older turns again)."""
+        services = view.services
+        compaction = services.compaction
+        if compaction is not None:
+            chain = await view.chain_hashes()
+            return await compaction.values_section(services, view.turns[:cut], chain[cut - 1], lead,
+                                                   offload=view.offload)
+        if view.offload:  # a large conversation: its items are walked in a worker thread
+            made = await asyncio.to_thread(values.section_of, view.turns[:cut], services.values_tokens,
+                                           view.counter.text, lead)
+        else:
+            made = values.section_of(view.turns[:cut], services.values_tokens, view.counter.text, lead)
+        return made, view.counter.text(made.text) if made.text else 0

@@ -2,9 +2,12 @@
 
 Model: ``params.model``, else the summariser slot (``summarizer_model``), else the
 turn's model. ``params.instructions`` replaces the built-in prompt. Turns are
-rendered compactly (long tool results shortened, images as placeholders); an
-aged part larger than the summariser's own window is summarised in chunks,
-each folded into the running summary. With no engine it degrades to ``drop``.
+rendered compactly (long tool results shortened in the middle, keeping the passages
+that hold the values a later call or message of these turns used; images as
+placeholders); an aged part larger than the summariser's own window is summarised
+in chunks, each folded into the running summary. With no engine it degrades to ``drop``.
+Whatever the summary says, the values the turns acted on reach the model: the compaction
+service appends those it leaves out (``proxy.core.values``).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from typing import Any
 from pydantic import Field
 
 from plugins.base import Completion, Params, Services, SummarizeFn, Summarizer, SummaryUnavailable
+from proxy.core import values
 from proxy.core.items import Item
 
-PROMPT_VERSION = "2"
+PROMPT_VERSION = "3"  # 3: long results keep the passages holding the values a later turn used
 LABEL_TOKENS = 12  # "TOOL RESULT <id>: ", "TOOL CALL <id> name(" ... per rendered line
 PROMPT_TOKENS = 300  # the built-in prompt and the call's framing, rounded up
 MIN_CHUNK = 256
@@ -100,7 +104,7 @@ class LLMSummarizer(Summarizer):
 
 
 def _render_chunks(turns: Sequence[Sequence[Item]], room: int, count: Any) -> list[list[str]]:
-    rendered = [render_turn(t) for t in turns]
+    rendered = render_turns(turns)
     # A rendered turn never has more tokens than the turn itself (rendering only shortens) plus its
     # line labels, and the items' counts are known: no second pass of the tokenizer.
     bounds = [sum(item.tokens for item in t) + LABEL_TOKENS * max(1, len(t)) for t in turns]
@@ -138,4 +142,22 @@ def _chunks(rendered: list[str], sizes: list[int], room: int, count: Any) -> lis
 
 def render_turn(turn: Sequence[Item]) -> str:
     """One turn as compact text for the summariser: every item as its wire describes it."""
-    return "\n".join(text for text in (item.describe() for item in turn) if text)
+    return render_turns([turn])[0]
+
+
+def render_turns(turns: Sequence[Sequence[Item]]) -> list[str]:
+    """Each turn as compact text for the summariser; a long tool result keeps the passages that hold the
+    values a later call or message of these turns used (``proxy.core.values.used_later``)."""
+    flat = [item for turn in turns for item in turn]
+    uses = values.last_uses(flat)
+    spaced = values.spaced_values(uses)
+    out: list[str] = []
+    position = 0
+    for turn in turns:
+        lines = []
+        for item in turn:
+            keep = values.used_later(item, position, uses, spaced) if uses else frozenset()
+            lines.append(item.describe(keep))
+            position += 1
+        out.append("\n".join(text for text in lines if text))
+    return out

@@ -14,7 +14,7 @@ encrypted content, cache markers, signatures) are forwarded byte for byte.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any, Protocol
 
 import orjson
@@ -71,8 +71,12 @@ class Item:
     def starts_turn(self) -> bool:
         return self.role == USER
 
-    def describe(self) -> str:
-        """The item as compact text for the summariser (calls, results, refusals, media placeholders)."""
+    def describe(self, keep: Collection[str] = ()) -> str:
+        """The item as compact text for the summariser (calls, results, refusals, media placeholders).
+
+        ``keep``: values a later turn used; a long result shortened for the summariser keeps the passages
+        that hold them (``proxy.core.describe.shorten``).
+        """
         return ""
 
     def atoms(self) -> Iterator[tuple[str, ...]]:

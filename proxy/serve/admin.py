@@ -21,6 +21,7 @@ from proxy.core.errors import (
     ReportUnavailable,
 )
 from proxy.core.offload import run_step
+from proxy.pipeline import MODES
 from proxy.runtime import Runtime
 from proxy.serve.explain import calibration_detail, explain_body
 from proxy.serve.http import (
@@ -44,7 +45,8 @@ async def explain_handler(request: web.Request) -> web.StreamResponse:
     """POST /v1/ctxproxy/explain[/<wire>] (or ``?wire=``): what the pipeline would forward, nobody billed.
 
     With no wire named, the body says (``proxy.wire.registry.Wires.sniff``). ``?summarize=true`` makes a
-    summary that would be created (and bills the summariser). A wire whose model is in its path takes
+    summary that would be created (and bills the summariser); ``?mode=enforce|observe`` explains the body in
+    that mode rather than the policy's. A wire whose model is in its path takes
     it from the query here (``?model=``).
     """
     wires = state(request).wires
@@ -59,10 +61,13 @@ async def explain_handler(request: web.Request) -> web.StreamResponse:
         if wire is None:
             scope.speak(wires.sniff(body))
         summarize = request.query.get("summarize", "").lower() in ("1", "true", "yes")
-        params = {k: v for k, v in request.query.items() if k not in ("wire", "summarize")}
+        mode = request.query.get("mode") or None
+        if mode is not None and mode not in MODES:
+            raise BadRequest(f"mode must be one of {', '.join(MODES)}", param="mode", code="invalid_mode")
+        params = {k: v for k, v in request.query.items() if k not in ("wire", "summarize", "mode")}
         out = await explain_body(scope.runtime, scope.wire, body, scope.tenant, request.headers.get(OVERRIDE_HEADER),
                                  summarize=summarize, request_id=scope.request_id, offload=scope.offload,
-                                 params=params)
+                                 params=params, mode=mode)
         scope.record.model = out["report"].get("model")
         # the answer holds the whole forwarded conversation: written off the loop when it is large
         data = await run_step(scope.offload, orjson.dumps, out)

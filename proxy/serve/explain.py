@@ -14,6 +14,11 @@ request hook (Messages: ``context_management`` emulated for an upstream that lac
 dry-run as well, so an emulated compaction only looks its summary up in the cache; the
 report's ``context_management`` says what the emulation did.
 
+In observe mode (the policy's, or ``mode="observe"``: ``?mode=``, ``--mode``) the conversation shown
+is the client's, which is what would be forwarded, and the report (``mode: observe``) says what
+enforce would have done; ``mode="enforce"`` shows what enforce would forward, whatever the policy's
+mode. Observe mode never makes a summary, ``summarize`` or not.
+
 The report also says which calibration factor the budget used and why
 (``calibration_detail``), and what context management saved and cost on this one
 request (``cost``, ``proxy.serve.costs``): the gross saving and the summariser's cost
@@ -42,6 +47,7 @@ from proxy.wire.protocol import Wire
 async def explain(
     runtime: Runtime, wire: Wire | None, raw: bytes, tenant: Tenant | None, override: str | None,
     *, summarize: bool = False, request_id: str = "", wires: Wires = WIRES, params: dict[str, str] | None = None,
+    mode: str | None = None,
 ) -> dict[str, Any]:
     """What ``wire`` (None: the body's, ``Wires.sniff``) would forward for ``raw``, and the report; nothing is
     sent. ``params``: the request path's (a wire whose model is in its path)."""
@@ -49,14 +55,15 @@ async def explain(
     offload = len(raw) > runtime.config.settings.server.offload_bytes
     body = await run_step(offload, parse_body, raw, wires.interpreted_fields)
     return await explain_body(runtime, wire or wires.sniff(body), body, tenant, override, summarize=summarize,
-                              request_id=request_id, offload=offload, params=params)
+                              request_id=request_id, offload=offload, params=params, mode=mode)
 
 
 async def explain_body(
     runtime: Runtime, wire: Wire, body: dict[str, Any], tenant: Tenant | None, override: str | None,
     *, summarize: bool = False, request_id: str = "", offload: bool = False, params: dict[str, str] | None = None,
+    mode: str | None = None,
 ) -> dict[str, Any]:
-    """``explain`` of a parsed body of ``wire``."""
+    """``explain`` of a parsed body of ``wire`` (in the policy's mode, or ``mode``)."""
     hook = HOOKS.get(wire.name)
     exchange = None
     if hook is not None:  # as the managed handler does, and as cheaply as the pipeline below (dry-run)
@@ -65,7 +72,8 @@ async def explain_body(
     if exchange is not None and exchange.edited:
         body = exchange.body  # what the handler would run the pipeline on (and forward)
     assembly, route, _policy = await runtime.assemble(wire, body, tenant=tenant, override=override, offload=offload,
-                                                      request_id=request_id, dry_run=not summarize, params=params)
+                                                      request_id=request_id, dry_run=not summarize, params=params,
+                                                      mode=mode)
     if exchange is not None:
         assembly.report.warnings.extend(hook_warnings(exchange))
     report = assembly.report.as_dict()

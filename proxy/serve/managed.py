@@ -67,14 +67,20 @@ def forward_bytes(raw: bytes | None, assembly: Assembly) -> bytes:
     return dumps_body(assembly.body)
 
 
-def _outgoing(st: State, raw: bytes | None, assembly: Assembly, tenant: str) -> tuple[bool | None, bytes]:
-    """Whether the forwarded prefix is stable, and the bytes to forward (both linear in the items)."""
-    return st.prefix.observe(assembly.received, assembly.items, tenant), forward_bytes(raw, assembly)
+def _outgoing(st: State, raw: bytes | None, assembly: Assembly,
+              tenant: str) -> tuple[bool | None, dict[str, int], bytes]:
+    """Whether the forwarded prefix is stable, the re-fetches this request shows (``proxy.store.refetch``), and
+    the bytes to forward (all linear in the items)."""
+    stable = st.prefix.observe(assembly.received, assembly.items, tenant)
+    refetched = st.refetch.observe(tenant, assembly.received, assembly.items, assembly.summarised)
+    return stable, refetched, forward_bytes(raw, assembly)
 
 
 def report_headers(assembly: Assembly, overhead: float) -> dict[str, str]:
+    """What the pipeline did (in observe mode: what enforce would have done; the client's body went upstream)."""
     r = assembly.report
     headers = {
+        "x-ctxproxy-mode": r.mode,
         "x-ctxproxy-tokens-in": str(r.tokens_before),
         "x-ctxproxy-tokens-out": str(r.tokens_after),
         "x-ctxproxy-summary": r.summary,
@@ -115,9 +121,13 @@ async def _handle(request: web.Request, wire: Wire, hook: RequestHook | None) ->
         record.model = route.name
         upstream = _Upstream(scope, wire, route, body, exchange, override, assembly)
         try:
-            stable, data = await run_step(scope.offload, _outgoing, st, forwardable, assembly, record.tenant)
+            stable, refetched, data = await run_step(scope.offload, _outgoing, st, forwardable, assembly,
+                                                     record.tenant)
             if stable is not None:
                 st.metrics.prefix(record.tenant, route.name, stable)
+            if refetched:
+                record.refetched = refetched
+                st.metrics.refetched(record.tenant, route.name, refetched)
             upstream.first_bytes = data
             upstream.overhead = record.overhead = time.perf_counter() - record.started
             sent = time.perf_counter()

@@ -5,11 +5,14 @@ context management), because a client that compacts on its own (Claude Code) mus
 size that reaches the model. It runs the hook and the pipeline exactly as ``/v1/messages``
 would, but in dry-run: a summary or an emulated compaction is looked up in the cache, never
 made, so counting bills nobody; a summary that does not exist yet is counted at its largest
-(``summarizer.max_summary_tokens``). Its body usually has no ``max_tokens`` (Claude Code sends
+(``summarizer.max_summary_tokens``, and its values section: the pipeline's estimate for the turns it
+would cover, ``summarizer.max_values_tokens`` for an emulated compaction). Its body usually has no ``max_tokens`` (Claude Code sends
 none): it is then budgeted with a reserve of one token (``COUNT_RESERVE``), the smallest
 ``/v1/messages`` can be sent with, so the answer is the most ``/v1/messages`` would forward
 for this conversation, and exactly that whenever the real request's ``max_tokens`` (or a
 configured ``trimmer.reserve_tokens``, which both use) leaves it under its summary threshold.
+In observe mode ``/v1/messages`` forwards the body as sent, so that is what is counted (the
+headers say what enforce would have forwarded).
 
 An upstream that serves the endpoint (``api: anthropic``) counts the managed body itself;
 otherwise the proxy answers ``{"input_tokens": N}`` with its own count, scaled by the model's
@@ -67,8 +70,9 @@ async def count_tokens_handler(request: web.Request, wire: Wire) -> web.StreamRe
             probe = exchange.body
         counter = runtime.tokenizers.get(route.encoding)
         headers: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
-        max_summary = runtime.config.settings.summarizer.max_summary_tokens
-        unmade = max_summary if exchange is not None and exchange.describe().get("compaction") == "would_create" \
+        summarizer = runtime.config.settings.summarizer
+        max_summary = summarizer.max_summary_tokens
+        unmade = max_summary + summarizer.max_values_tokens if exchange is not None and exchange.describe().get("compaction") == "would_create" \
             else 0
         try:
             assembly, route, _policy = await runtime.assemble(wire, probe, tenant=tenant, override=override,
@@ -78,9 +82,11 @@ async def count_tokens_handler(request: web.Request, wire: Wire) -> web.StreamRe
             # too large to forward: still say how large, so the client can compact it itself
             forwarded, after = probe, await run_step(offload, _count, wire, probe, counter)
         else:
-            forwarded, after = assembly.body, assembly.report.tokens_after
-            if assembly.report.summary == "would_create":  # counted at its largest, not as the placeholder
-                unmade += max_summary
+            # in observe mode the client's body is what /v1/messages forwards: that is what is counted
+            forwarded, after = assembly.body, assembly.forwarded_tokens
+            if assembly.report.summary == "would_create" and assembly.report.mode != "observe":
+                # counted at its largest, not as the placeholder
+                unmade += int(assembly.report.summary_detail.get("summary_tokens_at_most", max_summary))
             headers.update(report_headers(assembly, time.perf_counter() - started))
         request[RESPONSE_HEADERS] = headers
         factor = runtime.calibration.factor(route, scope.tenant_name) if runtime.calibration is not None else 1.0

@@ -3,18 +3,21 @@
 One ``Metrics`` instance owns its own ``CollectorRegistry`` (the global
 ``REGISTRY`` is never touched) and is the ``Observer`` the runtime reports
 summariser calls and cache errors to; the request handler calls ``assembled``,
-``finished``, ``payload_error`` and ``prefix``, and after each answer
+``finished``, ``payload_error``, ``prefix`` and ``refetched``, and after each answer
 ``account`` (the request's cost figures, ``proxy.serve.costs``) and
 ``calibration_sample``; the calibration store reports its factors to
 ``calibration_factor``. What the cost report needs is also added to the cost
 ledger (``ledger``, ``proxy.store.ledger``) at the same places, with the same
-labels, so the report's totals equal the counters'.
+labels, so the report's totals equal the counters'. The token, removal and
+savings series have a ``mode`` label: ``enforce``, or ``observe`` for requests
+forwarded as sent, whose figures are what enforce would have done (the ledger's
+``observed_*`` amounts).
 
 Label values come only from bounded sets, never from a key, a user id or
 prompt text: a tenant is a configured tenant name ("default" when no tenants
 are configured) or "other"; a model is a configured model name, an exact name
 from litellm's model map (a few thousand entries), or "other". Other labels
-are fixed vocabularies, except payload error codes, which must look like
+are fixed vocabularies, except error codes (payload errors, observed refusals), which must look like
 ``^[a-z_]{1,40}$`` and are capped at 50 distinct codes per process.
 
 Multiprocess mode (several worker processes behind one port): the parent sets
@@ -54,8 +57,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from proxy.core.conversation import UNMANAGED_REASONS
 from proxy.core.pairing import REPAIR_KINDS
 from proxy.core.usage import normalise_usage
-from proxy.pipeline import REMOVED_HOW, SUMMARY_STATUSES
+from proxy.pipeline import MODES, REMOVED_HOW, SUMMARY_STATUSES
 from proxy.store.calibration import SAMPLE_RESULTS
+from proxy.store.refetch import HOW as REFETCH_HOW
 from proxy.upstream.engine import FAILURE_REASONS
 from proxy.wire import WIRES, Wires
 
@@ -85,6 +89,7 @@ ERROR_BUCKETS = (-0.5, -0.3, -0.2, -0.15, -0.1, -0.05, -0.02, -0.01, 0.0, 0.01, 
 CACHE_EFFECT_KINDS = ("break", "removed")
 
 TM = ("tenant", "model")
+TMM = (*TM, "mode")  # mode: enforce | observe (proxy.pipeline.MODES)
 
 
 class Metrics:
@@ -121,9 +126,17 @@ class Metrics:
 
         self.requests = counter("ctxproxy_requests", "Managed requests by wire and HTTP status.",
                                 (*TM, "wire", "status"))
-        self.tokens_received = counter("ctxproxy_tokens_received", "Prompt tokens the clients sent.", TM)
-        self.tokens_forwarded = counter("ctxproxy_tokens_forwarded", "Prompt tokens forwarded upstream.", TM)
-        self.tokens_removed = counter("ctxproxy_tokens_removed", "Prompt tokens removed, by how.", (*TM, "how"))
+        # mode="observe": requests forwarded as sent; forwarded and removed are then what enforce would have done
+        self.tokens_received = counter("ctxproxy_tokens_received", "Prompt tokens the clients sent, by mode.", TMM)
+        self.tokens_forwarded = counter(
+            "ctxproxy_tokens_forwarded", "Prompt tokens forwarded upstream (mode=observe: that enforce would have "
+            "forwarded).", TMM)
+        self.tokens_removed = counter(
+            "ctxproxy_tokens_removed", "Prompt tokens removed, by how (mode=observe: that enforce would have "
+            "removed).", (*TMM, "how"))
+        self.observed_refusals = counter(
+            "ctxproxy_observed_refusals", "Requests forwarded in observe mode that enforce would have refused, "
+            "by the refusal's code.", ("tenant", "code"))
         self.summaries = counter("ctxproxy_summaries", "Requests that used a summary, by result.", ("tenant", "result"))
         self.summarizer_failures = counter(
             "ctxproxy_summarizer_failures", "Summariser calls that failed, by reason.", ("tenant", "reason"))
@@ -135,7 +148,8 @@ class Metrics:
         self.summarizer_cost = counter(
             "ctxproxy_summarizer_cost_usd", "Summariser cost in USD (litellm prices).", TM)
         self.savings = counter(
-            "ctxproxy_estimated_savings_usd", "Input price of the request's model times tokens removed.", TM)
+            "ctxproxy_estimated_savings_usd", "Input price of the request's model times tokens removed (mode=observe: "
+            "that enforce would have removed).", TMM)
         self.repairs = counter("ctxproxy_repairs", "Tool-call pairing repairs, by kind.", ("kind",))
         self.unmanaged = counter(
             "ctxproxy_unmanaged_requests", "Requests forwarded without context management because the provider "
@@ -152,6 +166,10 @@ class Metrics:
             "(logging.queue_lines were waiting).", ())
         self.prefix_stable = counter(
             "ctxproxy_prefix_stable", "Whether the forwarded prefix matched the previous request's.", (*TM, "result"))
+        self.refetches = counter(
+            "ctxproxy_refetch", "Calls the model made again (same tool, same arguments) after ctxproxy removed their "
+            "output from a request of the same conversation, by how it was removed: masked, summarised or dropped "
+            "(counted by the replica that served both requests).", (*TM, "how"))
         self.overhead = histogram(
             "ctxproxy_overhead_seconds", "Time the proxy adds before forwarding.", (), OVERHEAD_BUCKETS)
         self.upstream = histogram(
@@ -284,15 +302,32 @@ class Metrics:
         self._child(metric, self.tenant_label(tenant), self.model_label(model)).inc()
 
     def assembled(self, tenant: str, model: str, report: Report, upstream_model: str | None = None) -> None:
-        """What the pipeline did to one request; savings priced on the model the route sends upstream."""
+        """What the pipeline did to one request; savings priced on the model the route sends upstream.
+
+        In observe mode (``report.mode``): what enforce would have done, under ``mode="observe"`` (and the
+        ledger's ``observed_*`` amounts); a request enforce would have refused counts only as such. Nothing
+        was summarised or repaired: those series count enforced requests alone."""
         t, m = self.tenant_label(tenant), self.model_label(model)
-        self._child(self.tokens_received, t, m).inc(max(0, report.tokens_before))
-        self._child(self.tokens_forwarded, t, m).inc(max(0, report.tokens_after))
+        observed = report.mode == "observe"
+        mode = report.mode if report.mode in MODES else OTHER
+        if observed and report.would_refuse is not None:
+            code = self._error_code(report.would_refuse)
+            self._child(self.observed_refusals, t, code).inc()
+            self._ledger(t, m, observed_requests=1, observed_refusals=1)
+            return
+        self._child(self.tokens_received, t, m, mode).inc(max(0, report.tokens_before))
+        self._child(self.tokens_forwarded, t, m, mode).inc(max(0, report.tokens_after))
         removed = 0
         for how, n in report.removed.items():
             if n > 0:
-                self.tokens_removed.labels(t, m, how if how in REMOVED_HOW else OTHER).inc(n)
+                self._child(self.tokens_removed, t, m, mode, how if how in REMOVED_HOW else OTHER).inc(n)
                 removed += n
+        if removed and self.model_map.input_price(upstream_model or model) is None:
+            self._unpriced(upstream_model or model)
+        if observed:
+            self._ledger(t, m, observed_requests=1, observed_tokens_received=max(0, report.tokens_before),
+                         observed_tokens_forwarded=max(0, report.tokens_after), observed_tokens_removed=removed)
+            return
         if report.summary != "none":
             self.summaries.labels(t, report.summary if report.summary in SUMMARY_RESULTS else OTHER).inc()
         for kind, n in report.repairs.items():
@@ -301,21 +336,26 @@ class Metrics:
         if report.unmanaged:
             reason = report.unmanaged if report.unmanaged in UNMANAGED_REASONS else OTHER
             self.unmanaged.labels(report.wire if report.wire in self.wires.names else OTHER, reason).inc()
-        if removed and self.model_map.input_price(upstream_model or model) is None:
-            self._unpriced(upstream_model or model)
         self._ledger(t, m, tokens_received=max(0, report.tokens_before), tokens_forwarded=max(0, report.tokens_after),
                      tokens_removed=removed,
                      summaries_created=int(report.summary == "created"), summaries_reused=int(report.summary == "reused"))
 
-    def account(self, tenant: str, model: str, cost: RequestCost) -> None:
+    def account(self, tenant: str, model: str, cost: RequestCost, mode: str = "enforce") -> None:
         """One answered request's figures: gross savings, the prompt-cache effect, and their net.
 
         The summariser's cost is counted where it is paid (``summary_call``); here it is only attributed.
-        A request that got no answer saved nothing (the provider bills no failed request).
+        A request that got no answer saved nothing (the provider bills no failed request). In observe mode
+        only the gross saving enforce would have made is known (``mode="observe"``, the ledger's
+        ``observed_gross_usd``): no summary was made, and the provider's cache saw the client's payload.
         """
         t, m = self.tenant_label(tenant), self.model_label(model)
+        if mode == "observe":
+            if cost.gross_usd:
+                self._child(self.savings, t, m, mode).inc(max(0.0, cost.gross_usd))
+            self._ledger(t, m, observed_gross_usd=max(0.0, cost.gross_usd or 0.0), unpriced=int(cost.gross_usd is None))
+            return
         if cost.gross_usd:
-            self.savings.labels(t, m).inc(max(0.0, cost.gross_usd))
+            self._child(self.savings, t, m, "enforce").inc(max(0.0, cost.gross_usd))
         if cost.summarizer_usd:
             self._child(self.request_summarizer_cost, t, m).inc(max(0.0, cost.summarizer_usd))
         effects = {"break": (cost.cache_break_usd, cost.cache.lost_reads + cost.cache.extra_writes),
@@ -381,16 +421,33 @@ class Metrics:
 
     def payload_error(self, code: str) -> None:
         """One request refused as invalid; ``code`` is the error's machine-readable code."""
+        self.payload_errors.labels(self._error_code(code)).inc()
+
+    def _error_code(self, code: str) -> str:
+        """An error code as a label: a known shape, and at most ``MAX_ERROR_CODES`` of them (else ``other``)."""
         if ERROR_CODE.fullmatch(code) and (code in self._error_codes or len(self._error_codes) < MAX_ERROR_CODES):
             self._error_codes.add(code)
-        else:
-            code = OTHER
-        self.payload_errors.labels(code).inc()
+            return code
+        return OTHER
 
     def prefix(self, tenant: str, model: str, stable: bool) -> None:
         """Whether the forwarded prefix was unchanged since this conversation's previous request."""
         self.prefix_stable.labels(
             self.tenant_label(tenant), self.model_label(model), "stable" if stable else "shifted").inc()
+
+    def refetched(self, tenant: str, model: str, counts: dict[str, int]) -> None:
+        """Calls of one request that repeat a call whose output an earlier request removed, by how
+        (``proxy.store.refetch``); the cost ledger counts them too, so the report equals the counter."""
+        t, m = self.tenant_label(tenant), self.model_label(model)
+        amounts: dict[str, float] = {}
+        for how, n in counts.items():
+            if n > 0:
+                label = how if how in REFETCH_HOW else OTHER
+                self._child(self.refetches, t, m, label).inc(n)
+                if label != OTHER:
+                    amounts[f"refetched_{label}"] = n
+        if amounts:
+            self._ledger(t, m, **amounts)
 
     def _cached_tokens(self, usage: dict[str, Any] | None, wire: str) -> int:
         """The provider's cached input tokens, read in the wire's own form (a usage of no known wire: guessed)."""

@@ -19,7 +19,8 @@ nothing yet and the proxy still has everything it needs:
 2. ``recover``: the request is assembled again (the whole pipeline: a summary, if the tightened budget
    needs one, follows the normal path) and sent once more, never more than once per request. A retry that
    would send no fewer tokens (a request whose history the provider holds: ``previous_response_id``) is not
-   made. The client then gets the answer with a warning in ``x-ctxproxy-warning`` and the retry's figures in
+   made, nor one in observe mode (the client's payload is forwarded as sent: the refusal is learned from,
+   so enforce's budget would fit, and relayed). The client then gets the answer with a warning in ``x-ctxproxy-warning`` and the retry's figures in
    the other ``x-ctxproxy-*`` headers; or, when the retry is refused again or fails, its error.
 
 Every refusal is counted (``ctxproxy_overflow_recovered_total`` / ``ctxproxy_overflow_failed_total``,
@@ -71,12 +72,12 @@ def learn(scope: Scope, route: ModelRoute, assembly: Assembly, refusal: Refusal)
     st, report = scope.state, assembly.report
     hidden = hidden_input(assembly.body)
     window_in_effect = report.window or route.window
+    sent = assembly.forwarded_tokens  # the refused payload as the proxy counts it (observe: the client's)
     sample = st.shared.calibration.refused(scope.tenant_name, route.upstream, route.upstream_model,
-                                           refusal.input_tokens, refusal.limit or window_in_effect,
-                                           report.tokens_after, hidden)
-    st.metrics.calibration_sample(route.upstream_model, sample, None, report.tokens_after, report.calibration)
+                                           refusal.input_tokens, refusal.limit or window_in_effect, sent, hidden)
+    st.metrics.calibration_sample(route.upstream_model, sample, None, sent, report.calibration)
     scope.record.refusal = refusal
-    limit, source = _window(refusal, report.tokens_after, report.calibration, report.reserve, window_in_effect)
+    limit, source = _window(refusal, sent, report.calibration, report.reserve, window_in_effect)
     if limit < MIN_WINDOW or (source != "stated" and (hidden is not None or report.unmanaged is not None)):
         # not believed; or the proxy's count of a payload whose history the provider holds, which says nothing
         # about the provider's window
@@ -119,7 +120,8 @@ async def recover(scope: Scope, exc: UpstreamStatus, route: ModelRoute, refused:
     tenant = scope.tenant_name
     retry = await _reassembled(scope, route, refused, reassemble, lesson)
     if retry is None:
-        _failed(scope, route, lesson, "nothing smaller to send")
+        _failed(scope, route, lesson, "observe mode forwards the client's payload as sent"
+                if refused.report.mode == "observe" else "nothing smaller to send")
         raise exc
     retry.report.warnings.append(
         f"the provider refused the request for its length ({lesson.detail}); it was assembled again within "
@@ -148,14 +150,14 @@ async def recover(scope: Scope, exc: UpstreamStatus, route: ModelRoute, refused:
 async def _reassembled(scope: Scope, route: ModelRoute, refused: Assembly, reassemble: Reassemble,
                        lesson: Lesson) -> Assembly | None:
     """The request assembled again, or None when that would not send fewer tokens."""
-    if refused.report.unmanaged is not None:
-        return None  # forwarded as sent: the proxy cannot make it smaller
+    if refused.report.unmanaged is not None or refused.report.mode == "observe":
+        return None  # forwarded as sent (observe mode never changes the client's payload): nothing smaller to send
     try:
         retry = await reassemble()
     except Exception:
         _failed(scope, route, lesson, "it does not fit the provider's window")
         raise
-    return retry if retry.report.tokens_after < refused.report.tokens_after else None
+    return retry if retry.forwarded_tokens < refused.forwarded_tokens else None
 
 
 def _failed(scope: Scope, route: ModelRoute, lesson: Lesson, why: str) -> None:

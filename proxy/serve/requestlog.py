@@ -1,9 +1,12 @@
 """One structured JSON line per request (logger ``ctxproxy.requests``).
 
-Fields: request id, wire, tenant, model, status, tokens in/out, what was removed and
-how, how many tool outputs were masked, summary status, repairs, overhead and upstream latency, and
-what became of a refusal for length (``overflow``: recovered or failed). Keys and prompt
-text are never part of a record.
+Fields: request id, wire, tenant, model, status, mode, tokens in/out, what was removed and
+how, how many tool outputs were masked, the re-fetches the request showed (by how: masked, summarised,
+dropped; ``proxy.store.refetch``), summary status, repairs, overhead and upstream latency, and what
+became of a refusal for length (``overflow``: recovered or failed). In observe
+mode (``mode: "observe"``) the client's payload was forwarded, and tokens out, removed, the summary and the
+cost's gross are what enforce would have done (``would_refuse``: the code enforce would have refused it
+with). Keys and prompt text are never part of a record.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class RequestRecord:
     usage: dict[str, Any] | None = None
     refusal: Refusal | None = None  # the provider refused the payload for length (learned from; not logged)
     overflow: str | None = None  # recovered | failed: what became of a refusal for length (proxy.serve.overflow)
+    refetched: dict[str, int] | None = None  # calls repeating one whose output was removed, by how
     cost: RequestCost | None = None
 
     def fields(self) -> dict[str, Any]:
@@ -59,6 +63,7 @@ class RequestRecord:
         r = self.report
         if r is not None:
             out.update(
+                mode=r.mode,
                 tokens_in=r.tokens_before,
                 tokens_out=r.tokens_after,
                 hard_budget=r.hard_budget,
@@ -71,8 +76,12 @@ class RequestRecord:
             )
             if r.masked:
                 out["outputs_masked"] = len(r.masked)  # tool outputs masked (which ones: explain, assemble)
+            if self.refetched:
+                out["refetched"] = self.refetched
             if r.warnings:
                 out["warnings"] = len(r.warnings)
+            if r.would_refuse:
+                out["would_refuse"] = r.would_refuse
             if r.unmanaged:
                 out["unmanaged"] = r.unmanaged  # the provider holds part of the history (a bounded reason)
         if self.overhead is not None:

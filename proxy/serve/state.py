@@ -32,6 +32,7 @@ from proxy.store.compaction import Compaction
 from proxy.store.ledger import Ledger
 from proxy.store.prefix import PrefixTracker
 from proxy.store.promptcache import PromptCacheTracker
+from proxy.store.refetch import RefetchTracker
 from proxy.store.summaries import LOCK_TTL, SummaryService
 from proxy.upstream.engine import UpstreamEngine
 from proxy.upstream.http import UpstreamPool
@@ -175,6 +176,7 @@ class State:
     metrics: Metrics
     config_path: str | None
     prefix: PrefixTracker = field(default_factory=PrefixTracker)
+    refetch: RefetchTracker = field(default_factory=RefetchTracker)  # re-fetches of removed outputs, per conversation
     draining: bool = False
     supervised: Supervised | None = None  # a worker of ``serve --workers N``
     wires: Wires = field(default_factory=lambda: WIRES)  # the wires this app speaks (``create_app(wires=...)``)

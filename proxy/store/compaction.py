@@ -11,11 +11,19 @@ Anthropic's ``compact_20260112`` edit when ctxproxy emulates ``context_managemen
   be made is forwarded as one placeholder, ``WOULD_CREATE`` (status ``would_create``);
 - one rule for a policy whose summariser is ``drop``: it never calls a model to summarise, so a
   compaction under it is ``unavailable`` (``DROPS_OLDER_TURNS``): the context manager drops older
-  turns instead, ``/responses/compact`` answers 400 ``compaction_unavailable``, and a Messages
+  turns instead (and puts their values section in their place), ``/responses/compact`` answers 400 ``compaction_unavailable``, and a Messages
   compaction is not applied (a warning says why). Nobody is billed for it in one place and
   refused in another;
 - one cost path: every summariser call is priced and counted where it is made, in the summary
-  store's ``on_call`` (``proxy.serve.metrics.Metrics.summary_call``), whoever asked for it.
+  store's ``on_call`` (``proxy.serve.metrics.Metrics.summary_call``), whoever asked for it;
+- one values section: whatever the summariser writes, the values the summarised turns acted on that
+  its text leaves out are appended to it (``proxy.core.values``, at most ``values_tokens``), before it
+  is cached, so the cached record holds them, a reused summary carries them, and an incremental
+  summary checks the values of every turn it covers (the previous summary's included). The section
+  depends on its cap, so the cap is part of the summary's scope. The sections a ``drop`` policy puts
+  in place of dropped turns, and those the summarising manager plans a cut with, are made here too
+  (``values_section``), kept in a small LRU of this process under the chained hash of the turns they
+  cover: a conversation's next request finds them, however long its older turns are.
 
 A policy without a summariser of its own (``sliding-window``) compacts with the default ``llm``
 one (``summarizer_for``).
@@ -23,25 +31,33 @@ one (``summarizer_for``).
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from plugins.base import (
     CachedSummary,
     Compacted,
+    Completion,
     Services,
+    SummarizeFn,
     Summarizer,
     SummaryScope,
     SummaryStore,
     SummaryUnavailable,
 )
 from plugins.summarizers.llm import PROMPT, LLMParams, LLMSummarizer
+from proxy.core import values
 from proxy.core.items import Item
 
 # what a dry run forwards in place of a summary it would make (explain, count_tokens, ``ctxproxy assemble``)
 WOULD_CREATE = "[ctxproxy explain: a summary of these turns would be created here]"
 DROPS_OLDER_TURNS = "compaction unavailable: this policy drops older turns (summarizer: drop)"
 NO_SUMMARISER = "compaction unavailable: no summariser is available"
+VALUES_VERSION = "1"  # of the values section's rules: a change makes summaries anew
+SECTIONS = 4096  # values sections remembered by this process (tenant + the turns' chained hash + cap + lead)
 
 
 def summarizer_for(own: Summarizer | None, instructions: Any = None) -> Summarizer:
@@ -60,8 +76,33 @@ def summarizer_for(own: Summarizer | None, instructions: Any = None) -> Summariz
 class Compaction:
     """``plugins.base.Compactor`` over a summary store."""
 
-    def __init__(self, store: SummaryStore) -> None:
+    def __init__(self, store: SummaryStore, sections: int = SECTIONS) -> None:
         self.store = store
+        self._sections: OrderedDict[tuple[str, str, str, int, str], tuple[values.Section, int]] = OrderedDict()
+        self._size = sections
+
+    async def values_section(self, services: Services, turns: Sequence[Sequence[Item]], link: str, lead: str,
+                             *, offload: bool = False) -> tuple[values.Section, int]:
+        """The values section of ``turns`` (all their values, at most ``values_tokens``) and its tokens;
+        ``link``: the chained hash of ``turns``, under which it is remembered. With ``offload`` (a large
+        conversation) it is made in a worker thread."""
+        counter = services.counter
+        encoding = counter.encoding_name if counter is not None else ""
+        key = (services.tenant, encoding, link, services.values_tokens, lead)
+        found = self._sections.get(key)
+        if found is not None:
+            self._sections.move_to_end(key)
+            return found
+        count = _counting(services)
+        if offload:
+            made = await asyncio.to_thread(values.section_of, turns, services.values_tokens, count, lead)
+        else:
+            made = values.section_of(turns, services.values_tokens, count, lead)
+        out = (made, count(made.text) if made.text else 0)
+        self._sections[key] = out
+        while len(self._sections) > self._size:
+            self._sections.popitem(last=False)
+        return out
 
     def unavailable(self, summarizer: Summarizer | None, services: Services) -> str | None:
         if summarizer is not None and summarizer.name == "drop":
@@ -91,7 +132,8 @@ class Compaction:
         if services.dry_run:
             return Compacted("would_create", WOULD_CREATE)
         try:
-            made, fresh = await self.store.obtain(scope, chain, cut, turns, found, summarize,
+            made, fresh = await self.store.obtain(scope, chain, cut, turns, found,
+                                                  keeping_values(summarize, turns[:cut], services),
                                                   request_id=services.request_id, model=services.model)
         except SummaryUnavailable as exc:
             status = "pending" if exc.reason == "pending" else "failed"
@@ -99,5 +141,32 @@ class Compaction:
         return Compacted("created" if fresh else "reused", made.text, made)
 
 
+def keeping_values(summarize: SummarizeFn, covered: Sequence[Sequence[Item]], services: Services) -> SummarizeFn:
+    """``summarize``, whose answer then carries the values of ``covered`` (every turn the summary covers) that its
+    text leaves out; an empty answer is left empty (a failure)."""
+    count = _counting(services)
+
+    async def summarize_keeping_values(previous: str | None, turns: Sequence[Sequence[Item]]) -> Completion:
+        made = await summarize(previous, turns)
+        text = made.text.strip()
+        if not text:
+            return made
+        # extraction walks every covered turn: off the event loop
+        text = await asyncio.to_thread(values.keep_values, text, covered, services.values_tokens, count)
+        return dataclasses.replace(made, text=text)
+
+    return summarize_keeping_values
+
+
+def _counting(services: Services) -> Any:
+    """The request's token count of a text (an estimate without a counter)."""
+    counter = services.counter
+    if counter is not None:
+        return counter.text
+    return lambda text: len(text) // 4 + 1
+
+
 def _scope(summarizer: Summarizer, services: Services) -> SummaryScope:
-    return SummaryScope(services.tenant, summarizer.settings_id(services))
+    """Who may share a summary: the tenant, and what its text depends on besides the turns (the values cap too)."""
+    return SummaryScope(services.tenant,
+                        f"{summarizer.settings_id(services)}/values{VALUES_VERSION}:{services.values_tokens}")

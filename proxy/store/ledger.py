@@ -39,6 +39,11 @@ log = logging.getLogger("ctxproxy.ledger")
 FIELDS = (
     "requests", "tokens_received", "tokens_forwarded", "tokens_removed", "summaries_created", "summaries_reused",
     "summarizer_usd", "gross_usd", "cache_effect_usd", "net_usd", "unpriced",
+    "refetched_masked", "refetched_summarised", "refetched_dropped",  # ``proxy.store.refetch``
+    # observe mode: requests forwarded as sent, and what enforce would have done with them (a bucket written
+    # before these existed reads them as 0)
+    "observed_requests", "observed_tokens_received", "observed_tokens_forwarded", "observed_tokens_removed",
+    "observed_gross_usd", "observed_refusals",
 )
 FLUSH_SECONDS = 10.0
 CLOSE_SECONDS = 5.0  # how long shutdown waits for the last flush

@@ -69,3 +69,37 @@ def test_result_shortens_long_outputs() -> None:
 def test_lines_drops_empty_parts() -> None:
     assert describe.lines("USER: a", "", "REFUSAL: no", "") == "USER: a\nREFUSAL: no"
     assert describe.lines() == ""
+
+
+def test_a_long_result_keeps_the_passages_that_hold_the_values_a_later_turn_used() -> None:
+    """The middle of a long tool output is cut for the summariser, but not the lines a later turn used:
+    the summariser (and so the summary) can only keep what it is shown."""
+    lines = [f"{i:04d} flight HAT{i:03d} JFK-SEA seats {i % 9}" for i in range(400)]
+    text = "\n".join(lines)
+    out = describe.shorten(text, 1500, keep=["HAT123", "HAT250", "HAT001", "HAT999"])
+    assert out.startswith(text[:750]) and out.endswith(text[-750:])
+    assert "\n0123 flight HAT123 JFK-SEA seats 6\n" not in out  # the line is kept alone, between gap marks
+    assert "] 0123 flight HAT123 JFK-SEA seats 6 [" in out and "] 0250 flight HAT250 JFK-SEA seats 7 [" in out
+    assert out.count("chars…]") == 3  # head … HAT123 … HAT250 … tail (HAT001 is in the head; HAT999 nowhere)
+    assert len(out) < 1500 + 2 * 200 + 3 * 20
+    # without values to keep: both ends, as before
+    assert describe.shorten(text, 1500) == f"{text[:750]} […{len(text) - 1500} chars…] {text[-750:]}"
+
+
+def test_a_passage_in_a_long_line_is_the_text_around_the_value() -> None:
+    """A one-line JSON output has no short line to keep: the text around the value is kept instead."""
+    text = '{"flights": [' + ", ".join(f'{{"n": "HAT{i:03d}", "price": {100 + i}}}' for i in range(300)) + "]}"
+    out = describe.shorten(text, 1000, keep=["HAT150"])
+    assert "HAT150" in out and len(out) < 1000 + describe.PASSAGE_CHARS + 60
+    assert "HAT149" in out and "HAT140" not in out
+
+
+@given(st.text(alphabet="abc XY12\n", max_size=3000), st.lists(st.sampled_from(["XY12", "a1", "bXY", "12"]),
+                                                             max_size=4))
+def test_shorten_never_cuts_a_kept_value_away(text: str, keep: list[str]) -> None:
+    import re
+
+    out = describe.shorten(text, 200, keep)
+    for value in keep:
+        if re.search(r"(?<![A-Za-z0-9_])" + value + r"(?![A-Za-z0-9_])", text):
+            assert re.search(r"(?<![A-Za-z0-9_])" + value + r"(?![A-Za-z0-9_])", out), value

@@ -239,14 +239,23 @@ async def test_summarising_under_threshold_is_unchanged() -> None:
 
 @pytest.mark.parametrize("summarizer", ["drop", "llm"])
 async def test_summarising_over_threshold_without_engine_drops_older_turns(summarizer: str) -> None:
+    """Without a summariser older turns are dropped, and their values section alone takes their place: no model
+    is called, yet every call argument of the dropped turns still reaches the model."""
     msgs = agent_history(10)
     total = view(msgs).payload_tokens()
     v = view(msgs, hard=total + 50, threshold=total - 200)
     binding = {"type": "summarising", "params": {"summarizer": summarizer, "keep_turns": 4, "cut_step": 1}}
     result = await manager(binding).manage_history(v)
     assert result.turns == v.turns[-4:]
-    assert result.turns_dropped == 6 and result.turns_summarised == 0
-    assert result.summary is None
+    assert result.turns_dropped == 6 and result.turns_summarised == 0 and result.summary_status == "none"
+    assert result.summary is not None and result.summary.role == "system"
+    text = result.summary.raw["content"]
+    assert text.startswith("[Conversation summary — 6 earlier turns]\nValues these turns acted on (the turns were "
+                           "dropped to save context): q=c0_0_a, c0_0_b, c0_1, c1_0_a")
+    assert all(f"c{t}_1" in text for t in range(6)) and "c6_" not in text
+    assert result.detail == {"turns": 6, "values_only": True, "values": 18, "values_left_out": 0}
+    dropped = sum(v.turn_tokens[:6])
+    assert result.removed == {"windowed": dropped - result.summary.tokens}
 
 
 def _summary_history(turns: int) -> list[dict[str, Any]]:
@@ -277,7 +286,11 @@ async def test_summarising_with_engine_places_one_summary_after_the_system_band(
     summary = out[2]
     assert summary["role"] == "system"
     assert summary["content"].startswith(f"[Conversation summary — {n} earlier turns]\n")
-    assert summary["content"].endswith(f"(call {len(engine.calls)})")
+    # the summariser's text, then the values of the summarised turns it leaves out (its ZFA04Y is not ZFA04)
+    _text, values = summary["content"].split(f"(call {len(engine.calls)})\n\n")
+    listed = ", ".join(f"ZFA0{t}" for t in range(n))
+    assert values == (f"Values these turns acted on (ctxproxy lists those the summary leaves out): user={listed}; "
+                      f"q={', '.join(f'c{t}' for t in range(n))}")
     assert sum(1 for m in out if m["role"] == "system") == 2
     kept_users = [m for m in out if m["role"] == "user"]
     assert kept_users[-1] is msgs[-1]
@@ -341,8 +354,12 @@ async def test_summarising_with_a_fake_summary_store() -> None:
     assert result.summary_status == "created" and store.lookups == 1 and len(engine.calls) == 1
     n = result.turns_summarised
     assert result.turns == v.turns[n:] and n >= 8
-    assert result.summary is not None and result.summary.raw == {"role": "system",
-                              "content": f"[Conversation summary — {n} earlier turns]\nshort summary (call 1)"}
+    assert result.summary is not None and result.summary.raw["role"] == "system"
+    # the summariser's text, with the values section the compaction service appended (cached with it)
+    assert result.summary.raw["content"].startswith(
+        f"[Conversation summary — {n} earlier turns]\nshort summary (call 1)\n\nValues these turns acted on "
+        "(ctxproxy lists those the summary leaves out): user=ZFA00, ")
+    assert result.summary.raw["content"].endswith(f"; q={', '.join(f'c{t}' for t in range(n))}")
     again = await manager({"type": "summarising", "params": {"keep_turns": 2}}).manage_history(v)
     assert again.summary_status == "reused" and len(engine.calls) == 1
 

@@ -54,7 +54,7 @@ def summarizer(**params: Any) -> LLMSummarizer:
 ])
 def test_settings_id_names_the_model_and_the_prompt(params: dict[str, Any], extra: dict[str, Any], model: str) -> None:
     sid = summarizer(**params).settings_id(services(**extra))
-    assert sid.startswith(f"llm/v2/{model}/")
+    assert sid.startswith(f"llm/v3/{model}/")
     assert summarizer(**params, instructions="Be terse.").settings_id(services(**extra)) != sid
 
 
@@ -148,3 +148,21 @@ def test_chunks_group_turns_by_size_and_cut_an_enormous_one() -> None:
 def test_render_turn_skips_items_without_text() -> None:
     items = items_of([user("hello"), assistant(None), assistant("hi")])
     assert render_turn(items) == "USER: hello\nASSISTANT: hi"
+
+
+async def test_a_long_output_keeps_for_the_summariser_the_values_later_turns_used() -> None:
+    """A search returns 300 flights; the assistant later books the 140th. The summariser is shown both ends of
+    the output and the line with the booked flight, which a plain middle cut would have removed."""
+    flights = "\n".join(f"flight HAT{i:03d} JFK-SEA {8 + i % 12:02d}:00 ${100 + i}" for i in range(300))
+    conversation = [items_of([user("find me a flight to SEA"), call(("s1", "search", '{"to": "SEA"}')),
+                              tool("s1", flights), assistant("Several flights are available.")], COUNTER),
+                    items_of([user("book the one at 4pm for $240"),
+                              call(("b1", "book", '{"flight": "HAT140"}')), tool("b1", "booked")], COUNTER)]
+    engine = Engine()
+    fn = summarizer().bind(services(engine))
+    assert fn is not None
+    await fn(None, conversation)
+    body = engine.calls[0]["messages"][1]["content"]
+    assert "] flight HAT140 JFK-SEA 16:00 $240 [" in body  # the line, between two gap marks
+    assert "flight HAT000" in body and "flight HAT299" in body  # both ends, as before
+    assert "HAT150" not in body  # the rest of the middle is still cut

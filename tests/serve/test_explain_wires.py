@@ -217,3 +217,28 @@ def test_explain_runs_the_hooks_the_managed_handler_runs() -> None:
     explained = importlib.import_module("proxy.serve.explain").HOOKS
     handled = importlib.import_module("proxy.serve.routes").HOOKS
     assert explained is HOOKS and handled is HOOKS
+
+
+async def test_explain_in_observe_mode_and_with_a_mode_asked_for(upstream: FakeUpstream,
+                                                                 start_proxy: StartProxy) -> None:
+    """Under a policy in observe mode explain shows the body as sent (what would be forwarded) and a report of what
+    enforce would do; ``?mode=enforce`` shows what enforce would forward, with the same figures; another mode is a
+    400 that names the parameter; nothing is forwarded."""
+    proxy = await start_proxy(base_config(
+        upstream.base_url, mode="observe", context_manager={"type": "sliding-window", "params": {"keep_turns": 2}},
+        models=[{"name": MODEL, "context_window": 2_000, "max_output_tokens": 500}]))
+    detail = " and its parcel" * 20
+    messages = [m for t in range(40) for m in ({"role": "user", "content": f"question {t} about the order{detail}"},
+                                               {"role": "assistant", "content": f"answer {t}: it shipped{detail}"})]
+    body = {"model": MODEL, "messages": [*messages, {"role": "user", "content": "and now?"}]}
+    status, _, observed = await post(proxy, body, path=EXPLAIN)
+    assert status == 200, observed
+    assert observed["messages"] == body["messages"] and observed["report"]["mode"] == "observe"
+    status, _, enforced = await post(proxy, body, path=EXPLAIN + "?mode=enforce")
+    assert status == 200, enforced
+    assert enforced["report"]["mode"] == "enforce" and len(enforced["messages"]) < len(body["messages"])
+    for key in ("tokens_before", "tokens_after", "removed", "turns_dropped"):
+        assert observed["report"][key] == enforced["report"][key], key
+    status, _, refused = await post(proxy, body, path=EXPLAIN + "?mode=shadow")
+    assert status == 400 and refused["error"]["param"] == "mode"
+    assert upstream.chat == []

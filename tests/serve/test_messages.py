@@ -95,8 +95,30 @@ async def test_count_tokens_looks_a_summary_up_and_never_makes_one(
         assert recounted["input_tokens"] == int(sent["x-ctxproxy-tokens-out"]) <= counted["input_tokens"]
     else:  # the upstream counts what would be forwarded: the body with the cached summary
         assert upstream.counts[-1].body["messages"] == upstream.messages[-1].body["messages"]
-        assert counted["input_tokens"] == upstream.count_tokens_answer + 1024  # the placeholder, plus at most this
+        # the placeholder, plus at most this: the summary's text at its cap and the section of the values of the
+        # turns it would cover (here a few ids of the words' vocabulary)
+        assert 1024 <= counted["input_tokens"] - upstream.count_tokens_answer <= 1024 + 100
         assert recounted["input_tokens"] == upstream.count_tokens_answer
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+async def test_count_tokens_in_observe_mode_counts_the_body_as_sent(
+        upstream: FakeUpstream, start_proxy: StartProxy, api: str) -> None:
+    """In observe mode /v1/messages forwards a conversation too large for the window as sent: count_tokens counts
+    that body (not what enforce would forward, nor a summary it would make), and makes no summary either."""
+    proxy = await start_proxy(config(upstream, api=api, mode="observe"))
+    body = {"model": CLAUDE, "max_tokens": 1024, "messages": conversation(90)}
+    status, counted_headers, counted = await post(proxy, "/v1/messages/count_tokens", body)
+    assert status == 200, counted
+    status, sent, _ = await post(proxy, "/v1/messages", body)
+    assert status == 200 and upstream.messages[-1].body == body and upstream.summaries == []
+    assert counted_headers["x-ctxproxy-mode"] == sent["x-ctxproxy-mode"] == "observe"
+    assert counted_headers["x-ctxproxy-tokens-out"] == sent["x-ctxproxy-tokens-out"]  # what enforce would send
+    if api == "openai":  # counted here: the body as sent
+        assert counted["input_tokens"] == int(sent["x-ctxproxy-tokens-in"]) > WINDOW
+    else:  # the upstream counts the body as sent
+        assert upstream.counts[-1].body["messages"] == body["messages"]
+        assert counted["input_tokens"] == upstream.count_tokens_answer
 
 
 def tool_conversation(result_words: int = 400) -> list[dict[str, Any]]:

@@ -95,7 +95,8 @@ def test_key_like_strings_never_reach_the_output(metrics: Metrics) -> None:
     metrics.finished("acme", MODEL, 10_000, overhead=None, upstream=None, ttft=None, usage=None)
     body = metrics.render()[0].decode()
     assert KEY not in body and "sk-" not in body
-    assert value(metrics, "ctxproxy_tokens_removed_total", tenant="other", model="other", how="other") == 5
+    assert value(metrics, "ctxproxy_tokens_removed_total", tenant="other", model="other", mode="enforce",
+                 how="other") == 5
     assert value(metrics, "ctxproxy_repairs_total", kind="other") == 1
     assert value(metrics, "ctxproxy_summaries_total", tenant="other", result="other") == 1
     assert value(metrics, "ctxproxy_cache_errors_total", operation="other") == 1
@@ -108,7 +109,7 @@ def test_assembled_counts_tokens_removals_repairs_and_savings(metrics: Metrics, 
         removed={"summarised": 6_000, "wm_capped": 500, "trimmed": 500, "windowed": 0},
         repairs={"orphan_result": 2, "missing_result": 1},
     ))
-    t = {"tenant": "acme", "model": MODEL}
+    t = {"tenant": "acme", "model": MODEL, "mode": "enforce"}
     assert value(metrics, "ctxproxy_tokens_received_total", **t) == 10_000
     assert value(metrics, "ctxproxy_tokens_forwarded_total", **t) == 3_000
     assert value(metrics, "ctxproxy_tokens_removed_total", **t, how="summarised") == 6_000
@@ -123,6 +124,31 @@ def test_assembled_counts_tokens_removals_repairs_and_savings(metrics: Metrics, 
     savings = value(metrics, "ctxproxy_estimated_savings_usd_total", **t)
     assert savings > 0
     assert savings == pytest.approx(7_000 * (model_map.input_price(MODEL) or 0))
+
+
+def test_an_observed_request_counts_under_mode_observe_and_nothing_it_did_not_do(
+        metrics: Metrics, model_map: ModelMap) -> None:
+    """Observe mode's figures are what enforce would have done: they go to ``mode="observe"``; no summary was used
+    and nothing was repaired, so those series stay empty; a would-be refusal counts only as one, its code a
+    bounded label."""
+    r = report(tokens_before=10_000, tokens_after=3_000, summary="would_create", removed={"summarised": 7_000},
+               repairs={"orphan_result": 1}, mode="observe")
+    metrics.assembled("acme", MODEL, r)
+    metrics.account("acme", MODEL, request_cost(r, MODEL, model_map), mode="observe")
+    seen = {"tenant": "acme", "model": MODEL, "mode": "observe"}
+    assert value(metrics, "ctxproxy_tokens_received_total", **seen) == 10_000
+    assert value(metrics, "ctxproxy_tokens_forwarded_total", **seen) == 3_000
+    assert value(metrics, "ctxproxy_tokens_removed_total", **seen, how="summarised") == 7_000
+    assert value(metrics, "ctxproxy_estimated_savings_usd_total", **seen) == pytest.approx(
+        7_000 * (model_map.input_price(MODEL) or 0))
+    assert value(metrics, "ctxproxy_tokens_received_total", tenant="acme", model=MODEL, mode="enforce") == 0
+    assert not any(name in ("ctxproxy_summaries_total", "ctxproxy_repairs_total", "ctxproxy_net_savings_usd_total")
+                   for name, _ in samples(metrics))
+    for code in ("context_length_exceeded", KEY):
+        metrics.assembled("acme", MODEL, report(tokens_before=9_000, mode="observe", would_refuse=code))
+    assert value(metrics, "ctxproxy_observed_refusals_total", tenant="acme", code="context_length_exceeded") == 1
+    assert value(metrics, "ctxproxy_observed_refusals_total", tenant="acme", code="other") == 1
+    assert value(metrics, "ctxproxy_tokens_received_total", **seen) == 10_000  # the refusals counted no tokens
 
 
 def test_summaries_by_result(metrics: Metrics) -> None:
@@ -270,9 +296,10 @@ def test_multiprocess_render_sums_all_workers(tmp_path: Path, model_map: ModelMa
         return got.get((name, frozenset(labels.items())), 0.0)
 
     assert v("ctxproxy_requests_total", **t, wire="chat", status="200") == 7
-    assert v("ctxproxy_tokens_received_total", **t) == 700
-    assert v("ctxproxy_tokens_removed_total", **t, how="windowed") == 70
-    assert v("ctxproxy_estimated_savings_usd_total", **t) == pytest.approx(70 * (model_map.input_price(MODEL) or 0))
+    assert v("ctxproxy_tokens_received_total", **t, mode="enforce") == 700
+    assert v("ctxproxy_tokens_removed_total", **t, mode="enforce", how="windowed") == 70
+    assert v("ctxproxy_estimated_savings_usd_total", **t, mode="enforce") == pytest.approx(
+        70 * (model_map.input_price(MODEL) or 0))
     assert v("ctxproxy_summarizer_cost_usd_total", **t) == pytest.approx(2 * (model_map.cost(MODEL, 1000, 100) or 0))
     assert v("ctxproxy_payload_errors_total", code="invalid_role") == 2
     assert v("ctxproxy_overhead_seconds_count") == 7

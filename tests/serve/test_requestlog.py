@@ -23,7 +23,8 @@ def test_fields_of_a_full_record() -> None:
                       usage={"prompt_tokens": 4001, "completion_tokens": 12, "prompt_tokens_details": {"cached": 1}})
     assert r.fields() == {
         "event": "request", "request_id": "rid-1", "wire": "chat", "tenant": "acme", "model": "gpt-4o-mini",
-        "status": 200, "tokens_in": 9000, "tokens_out": 4000, "hard_budget": 6000, "removed": {"summarised": 5000},
+        "status": 200, "mode": "enforce", "tokens_in": 9000, "tokens_out": 4000, "hard_budget": 6000,
+        "removed": {"summarised": 5000},
         "summary": "created", "turns_summarised": 7, "turns_dropped": 0, "repairs": {"orphan_result": 1},
         "context_manager": "summarising", "warnings": 1, "overhead_ms": 1.234, "upstream_ms": 1500.0,
         "ttft_ms": 250.0, "usage": {"prompt_tokens": 4001, "completion_tokens": 12},
@@ -41,6 +42,19 @@ def test_masked_outputs_are_counted_never_named() -> None:
     assert fields["outputs_masked"] == 2 and fields["removed"] == {"masked": 3000}
     assert "call_secret" not in json.dumps(fields) and "outputs_masked" not in RequestRecord(
         request_id="r", started=0.0, status=200, report=report()).fields()
+
+
+def test_an_observed_request_says_so_and_what_enforce_would_have_refused() -> None:
+    """In observe mode the line carries the mode; its tokens out are what enforce would have forwarded, and a
+    request enforce would have refused names the refusal's code."""
+    observed = report()
+    observed.mode = "observe"
+    fields = RequestRecord(request_id="r", started=0.0, status=200, report=observed).fields()
+    assert fields["mode"] == "observe" and (fields["tokens_in"], fields["tokens_out"]) == (9000, 4000)
+    assert "would_refuse" not in fields
+    observed.would_refuse, observed.tokens_after, observed.removed = "context_length_exceeded", 0, {}
+    fields = RequestRecord(request_id="r", started=0.0, status=200, report=observed).fields()
+    assert fields["would_refuse"] == "context_length_exceeded" and fields["tokens_out"] == 0
 
 
 def test_a_refused_request_has_its_error_and_no_report() -> None:

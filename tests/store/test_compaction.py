@@ -8,11 +8,14 @@ placeholder texts depending on who asked.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import aiohttp
 import pytest
 
+from bench.retention_data import call_values, contains
+from bench.retention_metrics import strings
 from plugins.base import Services
 from plugins.summarizers.drop import DropParams, DropSummarizer
 from plugins.summarizers.llm import LLMParams, LLMSummarizer
@@ -22,8 +25,12 @@ from proxy.store.memory import MemoryCache
 from proxy.store.summaries import SummaryService
 from tests.conftest import base_config
 from tests.fake_upstream import FakeUpstream
-from tests.helpers import FakeEngine
+from tests.helpers import FakeEngine, tau_trajectories
+from tests.helpers import recount as chat_recount
+from tests.wire import responses_helpers as rh
 from tests.wire.chat_helpers import items_of
+from tests.wire.test_masking_http import WIRES, budget, padded, send
+from tests.wire.test_masking_http import config as masking_config
 
 COUNTER = TokenCounter("o200k_base")
 
@@ -125,3 +132,146 @@ async def test_a_dry_run_forwards_one_placeholder_whoever_compacts(
         assert r.status == 200
         out = await r.json()
     assert WOULD_CREATE in str(out["messages"]) and upstream.summaries == []
+
+
+# --------------------------------------------------------------------------- the values section, over HTTP
+
+
+GENERIC = ("- The user asked the assistant for help with their request.\n"
+           "- The assistant looked up the relevant records with its tools and went through the options.")
+SUMMARISED = 0  # a tau-bench conversation that is summarised on an 8k route once padded
+SUMMARY_HEAD = re.compile(r"\[Conversation summary — (\d+) earlier turns\]")
+
+
+def covered(messages: list[dict[str, Any]], turns: int) -> list[dict[str, Any]]:
+    """The messages of the first ``turns`` user turns (a turn: a user message up to the next one)."""
+    out: list[dict[str, Any]] = []
+    seen = 0
+    for m in messages:
+        if m["role"] == "user":
+            seen += 1
+        if 0 < seen <= turns:
+            out.append(m)
+    return out
+
+
+def argument_values_kept(sent: list[dict[str, Any]], forwarded: dict[str, Any]) -> tuple[int, int, int, str]:
+    """(argument values of the summarised turns, those the forwarded body holds, turns summarised, summary text),
+    the values as the retention benchmark defines them (``bench.retention_data.call_values``)."""
+    text = "\n".join(strings(forwarded))
+    head = SUMMARY_HEAD.search(text)
+    if head is None:
+        return 0, 0, 0, ""
+    turns = int(head.group(1))
+    wanted = {v for m in covered(sent, turns) if m["role"] == "assistant" for v in call_values(m)}
+    kept = {v for v in wanted if contains(text, v)}
+    return len(wanted), len(kept), turns, text[head.start():]
+
+
+def summarising(summarizer: str = "llm") -> dict[str, Any]:
+    # masking off: the summaries themselves are under test, over conversations masking alone would not fit
+    return {"type": "summarising", "params": {"mask_observations": False, "keep_turns": 2,
+                                              "summarizer": summarizer}}
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+async def test_a_generic_summary_still_carries_the_values_its_turns_acted_on(
+        upstream: FakeUpstream, start_proxy: Any, wire: str) -> None:
+    """A summariser that writes the same generic text whatever it is shown keeps no value of its own; the values
+    section the compaction service appends must still bring at least 99 % of the summarised turns' tool-call
+    argument values (reservation ids, flights, dates, amounts, as the retention benchmark counts them) to the
+    model, on every wire, within the budget. Before it, fewer than half did (290 of 602: those the kept turns
+    happened to repeat)."""
+    upstream.summary_text = GENERIC
+    proxy = await start_proxy(masking_config(upstream, summarising()))
+    w = WIRES[wire]
+    hard, threshold = budget(8_000)
+    wanted = kept = conversations = sections = 0
+    for k, item in enumerate(tau_trajectories()):
+        messages = padded(item["traj"][: max(i for i, m in enumerate(item["traj"]) if m["role"] == "user") + 1], 3)
+        if chat_recount(messages) <= threshold * 1.2:
+            continue
+        body = w.body(messages, w.model(8_000), k % 2 == 1)
+        headers = await send(proxy, w, body)
+        if headers["x-ctxproxy-summary"] not in ("created", "reused"):
+            continue
+        forwarded = w.forwarded(upstream)
+        assert w.recount(forwarded) == int(headers["x-ctxproxy-tokens-out"]) <= hard  # the section is counted
+        n, found, turns, summary = argument_values_kept(messages, forwarded)
+        assert turns >= 1
+        wanted, kept, conversations = wanted + n, kept + found, conversations + 1
+        sections += summary.count("Values these turns acted on") == 1
+    print(f"{wire}: {kept} of {wanted} argument values of the summarised turns reached the model "
+          f"({conversations} conversations summarised on an 8k route)")
+    assert conversations >= 20 and wanted >= 300
+    assert kept >= 0.99 * wanted
+    assert sections == conversations  # one values section in each summary
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+async def test_the_values_section_is_cached_with_its_summary(
+        upstream: FakeUpstream, start_proxy: Any, wire: str) -> None:
+    """The section is part of the cached summary: the next request of the conversation reuses it whole, with no
+    second summariser call and the same forwarded prefix; the section is the same bytes every time."""
+    upstream.summary_text = GENERIC
+    proxy = await start_proxy(masking_config(upstream, summarising()))
+    w = WIRES[wire]
+    traj = tau_trajectories()[SUMMARISED]["traj"]
+    messages = padded(traj[: max(i for i, m in enumerate(traj) if m["role"] == "user") + 1], 3)
+    first = await send(proxy, w, w.body(messages, w.model(8_000), False))
+    assert first["x-ctxproxy-summary"] == "created" and len(upstream.summaries) >= 1
+    calls = len(upstream.summaries)
+    before = w.forwarded(upstream)
+    grown = [*messages, {"role": "assistant", "content": "Anything else I can do?"},
+             {"role": "user", "content": "No, thanks."}]
+    second = await send(proxy, w, w.body(grown, w.model(8_000), True))
+    assert second["x-ctxproxy-summary"] == "reused" and len(upstream.summaries) == calls
+    after = w.forwarded(upstream)
+    _, _, _, summary = argument_values_kept(messages, before)
+    assert "Values these turns acted on (ctxproxy lists those the summary leaves out): " in summary
+    assert w.units(after)[: len(w.units(before))] == w.units(before)
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+async def test_with_drop_the_values_section_replaces_the_dropped_turns(
+        upstream: FakeUpstream, start_proxy: Any, wire: str) -> None:
+    """A policy whose summariser is ``drop`` calls no model: the older turns are replaced by the values they acted
+    on, and every tool-call argument value of the dropped turns still reaches the model."""
+    proxy = await start_proxy(masking_config(upstream, summarising("drop")))
+    w = WIRES[wire]
+    hard, threshold = budget(8_000)
+    wanted = kept = conversations = 0
+    for k, item in enumerate(tau_trajectories()[:120]):
+        messages = padded(item["traj"][: max(i for i, m in enumerate(item["traj"]) if m["role"] == "user") + 1], 3)
+        if chat_recount(messages) <= threshold * 1.2:
+            continue
+        body = w.body(messages, w.model(8_000), k % 2 == 0)
+        headers = await send(proxy, w, body)
+        forwarded = w.forwarded(upstream)
+        n, found, turns, summary = argument_values_kept(messages, forwarded)
+        if not turns:
+            continue
+        assert headers["x-ctxproxy-summary"] == "none" and w.recount(forwarded) <= hard
+        assert summary.startswith(f"[Conversation summary — {turns} earlier turns]\nValues these turns acted on "
+                                  "(the turns were dropped to save context): ")
+        wanted, kept, conversations = wanted + n, kept + found, conversations + 1
+    print(f"{wire}, drop: {kept} of {wanted} argument values of the dropped turns reached the model "
+          f"({conversations} conversations)")
+    assert conversations >= 10 and kept >= 0.99 * wanted and upstream.summaries == []
+
+
+async def test_an_emulated_responses_compaction_carries_the_values(
+        upstream: FakeUpstream, start_proxy: Any) -> None:
+    """``/responses/compact`` gets its summary from the same service: with it, the values section."""
+    upstream.summary_text = GENERIC
+    proxy = await start_proxy(base_config(upstream.base_url, upstreams={"fake": {
+        "base_url": upstream.base_url, "api_key": "sk-upstream-secret", "responses_compact": "emulate"}}))
+    traj = tau_trajectories()[0]["traj"]
+    body = {"model": "gpt-4o-mini", "input": rh.chat_to_responses(traj)}
+    async with aiohttp.ClientSession() as s, s.post(proxy.base_url + "/responses/compact", json=body) as r:
+        assert r.status == 200, await r.text()
+        out = await r.json()
+    summary = out["output"][-1]["content"][0]["text"]
+    wanted = {v for m in traj if m["role"] == "assistant" for v in call_values(m)}
+    assert wanted and all(contains(summary, v) for v in wanted)
+    assert "Values these turns acted on (ctxproxy lists those the summary leaves out): " in summary

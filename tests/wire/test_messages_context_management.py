@@ -116,6 +116,21 @@ async def test_clear_tool_uses_clears_the_oldest_results_and_reports_it(
     assert messages == tool_conversation()  # the client's own objects were not touched
 
 
+async def test_in_observe_mode_the_clients_own_edits_are_still_applied(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """Observe mode forwards what the client asked for, and a request's own ``context_management`` is part of
+    that: for an upstream without it the proxy still applies the edits (and strips the field it would refuse),
+    while its own context manager only reports."""
+    proxy = await start_proxy(config(upstream, mode="observe"))
+    edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 1_000},
+            "keep": {"type": "tool_uses", "value": 2}}
+    reply = await create(proxy, tool_conversation(), [edit])
+    sent = upstream.messages[-1].body
+    assert "context_management" not in sent
+    assert [results(sent)[f"toolu_{i}"] == CLEARED for i in range(6)] == [True] * 4 + [False] * 2
+    assert reply.context_management.applied_edits[0].cleared_tool_uses == 4
+
+
 async def test_below_the_trigger_nothing_is_cleared_and_the_report_is_empty(
         upstream: FakeUpstream, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(config(upstream))
@@ -227,10 +242,13 @@ async def test_compaction_answers_with_a_compaction_block_and_a_later_request_re
     reply = await create(proxy, messages, [COMPACT], stream=stream)
     assert [b.type for b in reply.content] == ["compaction", "text"]
     block = reply.content[0]
-    assert block.content == upstream.summary_text and block.encrypted_content == f"{MARKER}{len(messages) - 1}"
+    # the summary, and the values of the compacted turns it leaves out (the compaction service's values section)
+    assert block.content == (f"{upstream.summary_text}\n\nValues these turns acted on (ctxproxy lists those the "
+                             "summary leaves out): user=ZFA04Y")
+    assert block.encrypted_content == f"{MARKER}{len(messages) - 1}"
     assert len(upstream.summaries) == 1
     first = upstream.messages[-1].body
-    assert first["messages"] == [{"role": "user", "content": [{"type": "text", "text": upstream.summary_text}]},
+    assert first["messages"] == [{"role": "user", "content": [{"type": "text", "text": block.content}]},
                                  {"role": "user", "content": "And finally?"}]
     # the client appends the answer (compaction block included) and asks again
     messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})

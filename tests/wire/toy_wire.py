@@ -10,7 +10,7 @@ its usage is ``{"in", "cached", "out"}``. A server speaks it once it is register
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -32,7 +32,7 @@ PER_TURN = 3
 class ToyItem(Item):
     __slots__ = ()
 
-    def describe(self) -> str:
+    def describe(self, keep: Collection[str] = ()) -> str:
         return describe.said(str(self.raw.get("who")), str(self.raw.get("text")))
 
     def atoms(self) -> Iterator[tuple[str, ...]]:

@@ -8,7 +8,7 @@ tool-call type: ``function``, ``custom`` …); legacy ``function_call`` pairs wi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from proxy.core import describe, media
@@ -155,14 +155,14 @@ def _call_parts(call: dict[str, Any]) -> tuple[str, Any, Any]:
 class ChatItem(Item):
     __slots__ = ()
 
-    def describe(self) -> str:
+    def describe(self, keep: Collection[str] = ()) -> str:
         m: Message = self.raw
         role = m.get("role") if isinstance(m.get("role"), str) else ""
         text, media_parts = _text_of(m.get("content"))
         if self.role == TOOL:
             ident = self.result_id or ""
             ident = ident[len(LEGACY):] if ident.startswith(LEGACY) else ident
-            return describe.result(ident, " ".join([text, *media_parts]).strip())
+            return describe.result(ident, " ".join([text, *media_parts]).strip(), keep)
         audio = m.get("audio")
         transcript = audio.get("transcript") if isinstance(audio, dict) else None
         lines = [describe.said(str(role), " ".join([text, *media_parts]).strip())]

@@ -19,7 +19,7 @@ The per-item formula, documented so that tests can recount it independently:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from proxy.core import describe, media
@@ -172,11 +172,11 @@ class AnthropicItem(Item):
             return self.blocks
         return self.raw.get("content") if isinstance(self.raw, dict) else None
 
-    def describe(self) -> str:
+    def describe(self, keep: Collection[str] = ()) -> str:
         if self.role == TOOL:
             text, placeholders = text_of(self.raw.get("content"))
             error = " (error)" if self.raw.get("is_error") is True else ""
-            return describe.result(self.result_id or "", " ".join([text, *placeholders]).strip() + error)
+            return describe.result(self.result_id or "", " ".join([text, *placeholders]).strip() + error, keep)
         content = self.content()
         text, placeholders = text_of(content)
         role = {ASSISTANT: "assistant", SYSTEM: "system"}.get(self.role, "user")

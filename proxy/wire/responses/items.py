@@ -29,7 +29,7 @@ Token formula (documented estimate; exact for text with the model's tiktoken enc
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from proxy.core import describe, media
@@ -305,7 +305,7 @@ class ResponsesItem(Item):
             return {"type": "message", "role": "user", "content": raw}
         return raw if isinstance(raw, dict) else {}
 
-    def describe(self) -> str:
+    def describe(self, keep: Collection[str] = ()) -> str:
         item = self.main
         kind = kind_of(item)
         if kind == "message":
@@ -316,7 +316,7 @@ class ResponsesItem(Item):
             return describe.lines(*lines)
         if self.result_id is not None:
             _, ident = unkey(self.result_id)
-            return describe.result(ident, _result_text(item))
+            return describe.result(ident, _result_text(item), keep)
         if self.call_ids:
             _, ident = unkey(self.call_ids[0])
             name, arguments = _call_parts(item, kind)
@@ -325,7 +325,7 @@ class ResponsesItem(Item):
             return ""
         if kind == "mcp_call":
             return describe.lines(describe.call(str(item.get("id", "")), item.get("name"), item.get("arguments")),
-                                  describe.result(str(item.get("id", "")), describe.as_text(item.get("output"))))
+                                  describe.result(str(item.get("id", "")), describe.as_text(item.get("output")), keep))
         return f"[{kind or 'item'}: {describe.shorten(describe.as_text(item), describe.ARGUMENT_CHARS)}]"
 
     def atoms(self) -> Iterator[tuple[str, ...]]:

@@ -1,0 +1,166 @@
+"""Re-fetches: the model repeating a call whose output ctxproxy masked, summarised or dropped.
+
+The online measure of what compaction forgot (docs/quality.md#re-fetches-the-online-signal): when a
+later request of a conversation holds a new call with the same tool name and the same arguments
+(canonical JSON, as ``Item.atoms`` gives them) as a call whose output an earlier request did not
+forward verbatim, the model most likely needed that output again. Each such call is counted once, by
+how its output was removed on the conversation's previous request: ``masked`` (a placeholder took
+its place), ``summarised`` (its turn went into a summary) or ``dropped`` (the window, the trimmer or
+the working-memory cap removed it). A re-fetched output is not counted again; the new call's own
+output, if it is removed in turn, may be.
+
+What is remembered per conversation, in a bounded LRU of this process (never shared across tenants,
+nor across replicas: each replica counts the re-fetches of the requests it serves after one it
+served): the length and hash of the last request's received items (a later request whose items
+extend them holds the model's new calls after them; one that does not, an edited history or another
+run with the same start, counts nothing and starts again), and the signatures of the calls whose
+outputs that request removed (the newest ``per_conversation``). A conversation is recognised by
+tenant, system band and first item, as ``proxy.store.prefix.PrefixTracker`` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+
+from proxy.core.items import SYSTEM, TOOL, Item
+
+HOW = ("masked", "summarised", "dropped")
+CONVERSATIONS = 4096
+PER_CONVERSATION = 256
+
+
+def signature(name: str, arguments: str) -> int:
+    """A call's identity for a re-fetch: its tool name and canonical arguments, hashed (8 bytes)."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(name.encode("utf-8", "surrogatepass"))
+    digest.update(b"\x1f")
+    digest.update(arguments.encode("utf-8", "surrogatepass"))
+    return int.from_bytes(digest.digest(), "big")
+
+
+def calls_of(item: Item) -> Iterator[tuple[str, int]]:
+    """(call id, signature) of every call ``item`` makes, from its wire-neutral atoms."""
+    for atom in item.atoms():
+        if atom[0] == "call" and len(atom) > 3:
+            yield atom[1], signature(atom[2], atom[3])
+
+
+def removed_outputs(received: list[Item], forwarded: list[Item],
+                    summarised: Collection[Item]) -> list[tuple[Item, str]]:
+    """The tool results of ``received`` not forwarded verbatim, each with how it was removed.
+
+    A result whose id a new item of ``forwarded`` answers was masked; one in ``summarised`` (the turns a
+    summary covers) was summarised; any other was dropped. One that a received result with the same id
+    still answers (a duplicate the pairing repair dropped) was not removed.
+    """
+    if forwarded is received:
+        return []
+    sent = {id(item) for item in forwarded}
+    if all(id(item) in sent for item in received):
+        return []
+    mine = {id(item) for item in received}
+    copies: set[str] = set()
+    answered: set[str] = set()
+    for item in forwarded:
+        if item.role == TOOL and item.result_id is not None:
+            (answered if id(item) in mine else copies).add(item.result_id)
+    inside = {id(item) for item in summarised}
+    out: list[tuple[Item, str]] = []
+    for item in received:
+        if item.role != TOOL or item.result_id is None or id(item) in sent or item.result_id in answered:
+            continue
+        how = "masked" if item.result_id in copies else "summarised" if id(item) in inside else "dropped"
+        out.append((item, how))
+    return out
+
+
+@dataclass
+class _Conversation:
+    """What one conversation's last request removed; result ids are kept as their hashes (a client's id may be
+    long: what is kept per conversation is bounded in bytes, not only in entries)."""
+
+    length: int  # received items of the last request
+    digest: int  # the hash of their content keys
+    removed: dict[int, tuple[int, str]] = field(default_factory=dict)  # result id's hash -> (signature, how)
+    refetched: OrderedDict[int, None] = field(default_factory=OrderedDict)  # result ids already counted
+
+
+class RefetchTracker:
+    """``observe`` every forwarded request; it returns the re-fetches the request shows, by how."""
+
+    def __init__(self, conversations: int = CONVERSATIONS, per_conversation: int = PER_CONVERSATION) -> None:
+        self._conversations: OrderedDict[tuple[str, int], _Conversation] = OrderedDict()
+        self._size = conversations
+        self._per = per_conversation
+        self._lock = threading.Lock()  # a large request is observed from a worker thread
+
+    def observe(self, tenant: str, received: list[Item], forwarded: list[Item],
+                summarised: Collection[Item] = ()) -> dict[str, int]:
+        """Count the new calls of this request that repeat a call whose output the previous request removed,
+        then remember what this request removed. Linear in the items; the lock is held only for the bookkeeping."""
+        if not received:
+            return {}
+        head: list[int] = []
+        for item in received:
+            head.append(item.key)
+            if item.role != SYSTEM:
+                break
+        conversation = (tenant, hash(tuple(head)))
+        keys = tuple(item.key for item in received)
+        with self._lock:
+            previous = self._conversations.get(conversation)
+        new: list[tuple[str, int]] = []
+        if previous is not None and previous.removed and len(keys) >= previous.length \
+                and hash(keys[: previous.length]) == previous.digest:
+            new = [call for item in received[previous.length:] if item.call_ids for call in calls_of(item)]
+        removed = removed_outputs(received, forwarded, summarised)
+        calls: dict[str, Item] = {}
+        if removed:
+            for item in received:
+                for call_id in item.call_ids:
+                    calls[call_id] = item
+        known = previous.removed if previous is not None else {}
+        remembered: dict[int, tuple[int, str]] = {}
+        for result, how in removed[-self._per:]:
+            ident = hash(result.result_id)
+            sig = known[ident][0] if ident in known else _answered(result, calls.get(result.result_id or ""))
+            if sig is not None:
+                remembered[ident] = (sig, how)
+        by_signature: dict[int, list[int]] = {}
+        for ident, (sig, _) in known.items():
+            by_signature.setdefault(sig, []).append(ident)
+        counts: dict[str, int] = {}
+        with self._lock:
+            refetched = previous.refetched if previous is not None else OrderedDict()
+            for _, sig in new:
+                hits = [ident for ident in by_signature.get(sig, ()) if ident not in refetched]
+                if not hits:
+                    continue
+                how = known[hits[-1]][1]
+                counts[how] = counts.get(how, 0) + 1
+                for ident in hits:
+                    refetched[ident] = None
+            while len(refetched) > self._per:
+                refetched.popitem(last=False)
+            for ident in refetched:
+                remembered.pop(ident, None)
+            self._conversations[conversation] = _Conversation(len(keys), hash(keys), remembered, refetched)
+            self._conversations.move_to_end(conversation)
+            while len(self._conversations) > self._size:
+                self._conversations.popitem(last=False)
+        return counts
+
+
+def _answered(result: Item, call: Item | None) -> int | None:
+    """The signature of the call ``result`` answers (None: no call of the request makes it)."""
+    if call is None:
+        return None
+    made = list(calls_of(call))
+    for ident, sig in made:
+        if ident == result.result_id:
+            return sig
+    return made[0][1] if len(made) == 1 else None
