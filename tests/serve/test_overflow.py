@@ -305,3 +305,28 @@ async def test_a_litellm_route_recovers_from_context_window_exceeded(
         status, _, raw = await send(proxy, "chat", body_of("chat", turns, stream=stream))
         assert status == 200 and answered("chat", raw, stream), raw
     assert len(upstream.window_refused) == 1 and len(upstream.window_counts) == 3
+
+
+@pytest.mark.parametrize("wire", ["chat", "responses", "messages"])
+async def test_observe_mode_relays_the_refusal_and_learns_the_window(
+        upstream: FakeUpstream, start_proxy: StartProxy, wire: str) -> None:
+    """Observe mode forwards the client's payload as sent: a refusal for length is relayed, never retried with
+    a managed payload, but the provider's window is learned, so what enforce would forward next fits it."""
+    upstream.window = ProviderWindow(REAL, dialect=DIALECT[wire])
+    proxy = await start_proxy(config(upstream, mode="observe"))
+    body = body_of(wire, 40)
+    status, headers, raw = await send(proxy, wire, body)
+    assert status == 400 and headers["x-ctxproxy-mode"] == "observe"
+    assert len(upstream.window_refused) == 1 == len(upstream.window_counts)  # sent once, as the client sent it
+    forwarded = (upstream.messages if wire == "messages" else upstream.responses if wire == "responses"
+                 else upstream.chat)[-1].body
+    assert forwarded[{"messages": "messages", "responses": "input", "chat": "messages"}[wire]] == \
+        body["input" if wire == "responses" else "messages"]
+    report = await explain(proxy, wire)
+    assert report["window"] == REAL
+    status, headers, _ = await send(proxy, wire, body_of(wire, 41))
+    assert status == 400 and int(headers["x-ctxproxy-tokens-out"]) + OUT <= REAL  # what enforce would send fits
+    text = await scrape(proxy, ADMIN)
+    model = CLAUDE if wire == "messages" else GPT
+    assert metric_total(text, "ctxproxy_overflow_failed_total", tenant="acme", model=model) == 2
+    assert metric_total(text, "ctxproxy_overflow_recovered_total") == 0
