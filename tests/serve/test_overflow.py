@@ -316,7 +316,7 @@ async def test_observe_mode_relays_the_refusal_and_learns_the_window(
     proxy = await start_proxy(config(upstream, mode="observe"))
     body = body_of(wire, 40)
     status, headers, raw = await send(proxy, wire, body)
-    assert status == 400 and headers["x-ctxproxy-mode"] == "observe"
+    assert status == 400 and headers["x-ctxproxy-mode"] == "observe" and str(REAL).encode() in raw  # its words
     assert len(upstream.window_refused) == 1 == len(upstream.window_counts)  # sent once, as the client sent it
     forwarded = (upstream.messages if wire == "messages" else upstream.responses if wire == "responses"
                  else upstream.chat)[-1].body
