@@ -1,6 +1,6 @@
 """Re-fetches: the model repeating a call whose output ctxproxy masked, summarised or dropped.
 
-The online measure of what compaction forgot (docs/quality.md#re-fetches-the-online-signal): when a
+The online measure of what compaction forgot (docs/design.md#12-around-the-pipeline): when a
 later request of a conversation holds a new call with the same tool name and the same arguments
 (canonical JSON, as ``Item.atoms`` gives them) as a call whose output an earlier request did not
 forward verbatim, the model most likely needed that output again. Each such call is counted once, by
