@@ -50,7 +50,8 @@ class SummarisingParams(Params):
     hysteresis_ratio: float = Field(0.1, ge=0.0, le=1.0, description="T = B/(1+ratio); reuse until B.")
     summary_threshold: int = Field(0, ge=0, description="Explicit T in tokens; 0 derives it from B.")
     summarizer: Any = Field("llm", description="Summariser binding: llm (default) or drop.")
-    working_memory_messages: int | None = Field(20, ge=1, description="Cap on in-turn working-memory rows.")
+    working_memory_messages: int | None = Field(None, ge=1, description="Cap on in-turn working-memory rows "
+                                                 "(none by default: docs/quality.md).")
     cut_step: int | None = Field(None, ge=1, description="Turns dropped at once on the drop path "
                                  "(default ceil(keep_turns/2); see sliding-window).")
     mask_observations: bool = Field(True, description="Mask older tool outputs first and summarise only when "
