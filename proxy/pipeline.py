@@ -67,6 +67,7 @@ class Report:
     hard_budget: int = 0
     threshold: int = 0
     calibration: float = 1.0
+    provider_window: int | None = None  # the provider's real window, where it narrowed the route's
     turns_total: int = 0
     turns_kept: int = 0
     turns_summarised: int = 0
@@ -243,6 +244,7 @@ async def assemble(
     services: Services,
     offload: bool = False,
     calibration: float = 1.0,
+    provider_window: int | None = None,
     report: Report | None = None,
     prepared: Prepared | None = None,
 ) -> Assembly:
@@ -252,11 +254,12 @@ async def assemble(
     summariser) is synchronous and linear in the number of items. With ``offload`` (a large body) the
     synchronous steps run in a worker thread, before and after that await, so the event loop keeps
     serving other requests while a long conversation is parsed, counted, trimmed and rendered.
+    ``calibration`` and ``provider_window``: what the provider's counts and refusals taught (``compute_budget``).
     ``report`` (filled in as the steps go, so a caller still has it when a step refuses) and ``prepared``
     (the body already parsed): given by ``observe``.
     """
     if report is None:
-        report = new_report(wire, route, policy, calibration)
+        report = new_report(wire, route, policy, calibration, provider_window)
     planned = await run_step(offload, _plan, body, wire, route, policy, counter, services, calibration, offload,
                              report, prepared)
     if isinstance(planned, Assembly):
@@ -297,9 +300,10 @@ def _tokens(items: list[Item]) -> int:
     return sum(item.tokens for item in items)
 
 
-def new_report(wire: WireAdapter, route: ModelRoute, policy: Policy, calibration: float) -> Report:
+def new_report(wire: WireAdapter, route: ModelRoute, policy: Policy, calibration: float,
+               provider_window: int | None = None) -> Report:
     return Report(model=route.name, tenant=policy.tenant, context_manager=policy.binding.type, wire=wire.name,
-                  warnings=list(policy.warnings), calibration=calibration)
+                  warnings=list(policy.warnings), calibration=calibration, provider_window=provider_window)
 
 
 def _plan(
@@ -307,6 +311,7 @@ def _plan(
     services: Services, calibration: float, offload: bool, report: Report, prepared: Prepared | None,
 ) -> Assembly | _Ahead | _Plan:
     """Parse, repair, budget and bands; the finished Assembly when nothing needs managing."""
+    provider_window = report.provider_window
     if prepared is None:
         prepared = prepare(body, wire, counter)
     received, repaired, repairs, fixed = prepared.received, prepared.repaired, prepared.repairs, prepared.fixed
@@ -315,7 +320,8 @@ def _plan(
     max_tokens, changes = limit_output(body, wire, route, policy, report)
     changes.update(wire.model_changes(body, route.upstream_model))
     if prepared.unmanaged is not None:
-        return _unmanaged(body, prepared, wire, route, policy, report, max_tokens, changes, calibration)
+        return _unmanaged(body, prepared, wire, route, policy, report, max_tokens, changes, calibration,
+                          provider_window)
 
     report.repairs = dict(repairs)
     if repairs and policy.pairing == "strict":
@@ -326,7 +332,7 @@ def _plan(
     total = fixed + _tokens(repaired)
     report.tokens_before = total
 
-    budget = _budget(route, policy, max_tokens, calibration)
+    budget = _budget(route, policy, max_tokens, calibration, provider_window)
     report.window, report.reserve, report.margin = budget.window, budget.reserve, budget.margin
     report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
 
@@ -472,7 +478,7 @@ def whole_turns(history: list[Item], kept: list[Item]) -> tuple[list[Item], list
 
 def _unmanaged(
     body: dict[str, Any], prepared: Prepared, wire: WireAdapter, route: ModelRoute, policy: Policy, report: Report,
-    max_tokens: int | None, changes: dict[str, Any], calibration: float,
+    max_tokens: int | None, changes: dict[str, Any], calibration: float, provider_window: int | None = None,
 ) -> Assembly:
     """The provider holds part of this history: forward the conversation as sent; only the body's rules apply.
 
@@ -483,7 +489,7 @@ def _unmanaged(
     report.unmanaged = prepared.unmanaged
     visible = prepared.fixed + _tokens(prepared.received)
     report.tokens_before = report.tokens_after = visible
-    budget = _budget(route, policy, max_tokens, calibration)
+    budget = _budget(route, policy, max_tokens, calibration, provider_window)
     report.window, report.reserve, report.margin = budget.window, budget.reserve, budget.margin
     report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
     check_visible(visible, policy, calibration, wire.field, prepared.unmanaged)
@@ -513,7 +519,8 @@ def check_visible(visible: int, policy: Policy, calibration: float, param: str, 
     )
 
 
-def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibration: float) -> Budget:
+def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibration: float,
+            provider_window: int | None = None) -> Budget:
     manager = policy.manager
     cap = policy.max_context_tokens
     if policy.budget_cap is not None:
@@ -527,6 +534,7 @@ def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibrati
         hysteresis_ratio=manager.hysteresis_ratio,
         summary_threshold=manager.summary_threshold,
         calibration=calibration,
+        provider_window=provider_window,
     )
     if policy.base_threshold is not None:
         # an override may lower the summary threshold, never raise it above the policy's own
@@ -655,6 +663,7 @@ async def observe(
     services: Services,
     offload: bool = False,
     calibration: float = 1.0,
+    provider_window: int | None = None,
 ) -> Assembly:
     """Observe mode: forward the client's body, and report what enforce would have done with it.
 
@@ -666,7 +675,7 @@ async def observe(
     payload; ``tokens_after``: what enforce would forward) and, where enforce would refuse the request,
     ``would_refuse`` with the refusal's code (``tokens_after`` 0: nothing would be forwarded).
     """
-    report = new_report(wire, route, policy, calibration)
+    report = new_report(wire, route, policy, calibration, provider_window)
     report.mode = "observe"
     _, changes = limit_output(body, wire, route, policy, report)
     changes.update(wire.model_changes(body, route.upstream_model))

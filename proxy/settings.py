@@ -138,7 +138,8 @@ class ModelSettings(Strict):
     provider: Literal["openai", "litellm"] = Field(
         "openai", description="openai = pass-through to an OpenAI-compatible upstream; litellm = litellm.acompletion."
     )
-    context_window: int | None = Field(None, ge=1, description="Input window (default: litellm's model map).")
+    context_window: int | None = Field(None, ge=1, description="Input window (default: litellm's model map); "
+                                       "narrowed to the provider's real one where it refuses a request for length.")
     max_output_tokens: int | None = Field(None, ge=1, description="Model's max output (default: litellm's map).")
     tokenizer: str | None = Field(None, description="tiktoken encoding name (default by model family).")
     mode: Mode | None = Field(None, description=f"This route's mode ({MODE_DOC}); a tenant's own mode wins over "

@@ -212,6 +212,13 @@ class Metrics:
             ("tenant", "upstream", "model"), registry=self.registry, multiprocess_mode="mostrecent")
         self.calibration_samples = counter(
             "ctxproxy_calibration_samples", "Answers considered for calibration, by result.", ("model", "result"))
+        # the provider's refusals for length (proxy.serve.overflow): re-assembled and answered, or not
+        self.overflow_recovered = counter(
+            "ctxproxy_overflow_recovered", "Requests the provider refused for their length that were re-assembled "
+            "within what the refusal taught and then answered.", TM)
+        self.overflow_failed = counter(
+            "ctxproxy_overflow_failed", "Requests the provider refused for their length that could not be recovered "
+            "(nothing smaller to send, the retry refused or failed, or output already started).", TM)
         self.count_error = histogram(
             "ctxproxy_token_count_error_ratio",
             "Relative error of ctxproxy's input count against the provider's, (ctxproxy - provider) / provider: "
@@ -316,6 +323,11 @@ class Metrics:
     def cache_breaker_opened(self) -> None:
         """The cache backend timed out and is bypassed for a while (``proxy.store.guard``)."""
         self.cache_breaker.inc()
+
+    def overflow(self, tenant: str, model: str, recovered: bool) -> None:
+        """One refusal for length, recovered or not (``proxy.serve.overflow``)."""
+        metric = self.overflow_recovered if recovered else self.overflow_failed
+        self._child(metric, self.tenant_label(tenant), self.model_label(model)).inc()
 
     def assembled(self, tenant: str, model: str, report: Report, upstream_model: str | None = None) -> None:
         """What the pipeline did to one request; savings priced on the model the route sends upstream.

@@ -1,6 +1,6 @@
 """proxy.core.pairing: the neutral repair and check on items, with a fake wire factory.
 
-The chat-specific behaviour (messages, legacy function calls) is in tests/test_pairing.py;
+The chat-specific behaviour (messages, legacy function calls) is in tests/wire/test_chat_pairing.py;
 here only items: calls by id, results by id, merged runs of calls (Responses-style
 wires) and factories that cannot make placeholders or leave nothing after stripping.
 """

@@ -1,7 +1,7 @@
 """proxy.core.tokens: encodings by model name (tiktoken's public API), content keys, the counter's LRUs.
 
 The per-message formulas are the wire's (tests/wire/test_chat.py); counts against tiktoken's
-reference are in tests/test_tokens.py.
+reference are in tests/wire/test_chat_tokens.py.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ REQUIRED_TITLES = [
     "Token calibration factor",
     "Token count error p10/p50/p90",
     "Calibration samples by result",
+    "Overflow refusals: recovered vs failed",
     "Savings: observed (would-be) vs enforced per tenant",
     "Observed: tokens received vs what enforce would forward",
     "Observed: requests enforce would refuse, by code",
@@ -109,6 +110,8 @@ def exported() -> dict[str, set[str]]:
             "gpt-4o-mini", 100, 1.0, 0.1, 0.2, 0.3, net, True, CacheEffect(True, True, 10, 2, 5, 1.0)))
     m.calibration_factor("acme", "openai", "gpt-4o-mini", 1.2)
     m.calibration_sample("gpt-4o-mini", Sample("used", 1.2), Usage(1200), 1000, 1.2)
+    m.overflow("acme", "gpt-4o-mini", recovered=True)
+    m.overflow("acme", "gpt-4o-mini", recovered=False)
     observed = Report(model="gpt-4o-mini", tenant="acme", context_manager="summarising", tokens_before=100,
                       tokens_after=40, removed={"summarised": 60}, mode="observe")
     m.assembled("acme", "gpt-4o-mini", observed)

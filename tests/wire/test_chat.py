@@ -1,7 +1,7 @@
 """proxy.wire.chat: the Chat Completions adapter (parse, render, summary, the two pairing edits, atoms).
 
-Repair/check on chat messages is in tests/test_pairing.py and token counts against
-tiktoken in tests/test_tokens.py; this module covers the adapter's own contract.
+Repair/check on chat messages is in tests/wire/test_chat_pairing.py and token counts against
+tiktoken in tests/wire/test_chat_tokens.py; this module covers the adapter's own contract.
 """
 
 from __future__ import annotations
