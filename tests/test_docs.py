@@ -154,3 +154,36 @@ def test_comments_give_reasons_not_issue_numbers() -> None:
                 for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
                 if _TRACKER.search(line) and path != Path(__file__).resolve()]
     assert not problems, "\n".join(problems)
+
+
+# A test cited in a document: `tests/serve/test_relay.py::test_name`, `serve/test_relay.py::test_name` (docs
+# that cite from tests/), or `::test_name` after such a citation on the same line.
+_TEST_REF = re.compile(r"^((?:tests/)?(?:\w+/)*test_\w+\.py)?::(test_\w+)")
+
+
+def defined_tests(path: Path) -> set[str]:
+    return set(re.findall(r"^(?:async )?(?:def|class) (test_\w+|Test\w+)", path.read_text(encoding="utf-8"), re.M))
+
+
+@pytest.mark.parametrize("doc", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_cited_tests_exist(doc: Path) -> None:
+    """A test a document cites as its evidence exists in the file it names: moving or renaming a test must
+    not leave the docs pointing at nothing."""
+    problems = []
+    for number, line in enumerate(prose_lines(doc), 1):
+        last: str | None = None
+        for code in re.findall(r"`([^`]*)`", line):
+            ref = _TEST_REF.match(code)
+            if not ref:
+                continue
+            name = ref.group(2)
+            cited = ref.group(1) or last
+            if cited is None:
+                continue
+            last = cited
+            path = ROOT / (cited if cited.startswith("tests/") else "tests/" + cited)
+            if not path.is_file():
+                problems.append(f"{number}: {cited}: no such file")
+            elif name not in defined_tests(path):
+                problems.append(f"{number}: {cited} has no {name}")
+    assert not problems, f"{doc.relative_to(ROOT)}:\n" + "\n".join(problems)
