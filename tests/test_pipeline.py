@@ -311,6 +311,7 @@ def test_tau_bench_matrix(tau_matrix: dict[str, Any], manager: str, window: int)
         assert stats["refused"] == 0  # a 1.3k-token system prompt + a turn always fit 4k
 
 
+@pytest.mark.slow
 def test_tau_bench_matrix_runtime(tau_matrix: dict[str, Any]) -> None:
     print(f"tau-bench matrix: {tau_matrix['elapsed']:.1f}s")
     assert tau_matrix["elapsed"] < 60

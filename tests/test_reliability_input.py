@@ -411,7 +411,7 @@ async def test_200k_messages_bounded_time_and_memory(upstream: FakeUpstream, sta
     assert status == 200, out[:300]
     assert headers["x-ctxproxy-summary"] == "waited"
     assert int(headers["x-ctxproxy-tokens-out"]) <= 128000 - 16384 - 12800
-    assert elapsed < 20
+    assert elapsed < 65  # 5-6.5 s measured: ten times that
     assert mem.peak_growth < 500 * MB
     assert_forwarded_valid(upstream)
 
@@ -430,7 +430,7 @@ async def test_30mb_single_message_refused_in_bounded_time(upstream: FakeUpstrea
     print(f"\n30 MB one message: {status} in {elapsed:.1f}s, peak RSS +{mem.peak_growth / MB:.0f} MB")
     assert status == 400
     assert assert_openai_error(out)["code"] == "context_length_exceeded"
-    assert elapsed < 15
+    assert elapsed < 48  # 1.5-4.8 s measured: ten times that
     assert mem.peak_growth < 600 * MB
     assert not upstream.chat and not upstream.summaries
 

@@ -127,6 +127,7 @@ def check_big_answer(out: dict[str, Any], upstream: FakeUpstream) -> None:
     assert mine <= HARD_BUDGET * 1.02
 
 
+@pytest.mark.slow
 async def test_small_request_not_stalled_by_huge_one(upstream: FakeUpstream, start_proxy: Any) -> None:
     """The default policy (summarising, llm summariser, masking first): gpt-4o-mini with a 128k window, memory
     cache. Masking the outputs is enough for this conversation: no summary is made."""
@@ -136,6 +137,7 @@ async def test_small_request_not_stalled_by_huge_one(upstream: FakeUpstream, sta
     assert out["headers"]["x-ctxproxy-summary"] == "none"
 
 
+@pytest.mark.slow
 async def test_no_stall_anywhere_in_huge_request_without_summariser(upstream: FakeUpstream,
                                                                     start_proxy: Any) -> None:
     config = base_config(upstream.base_url, context_manager={"type": "summarising", "params": {"summarizer": "drop"}})
@@ -145,6 +147,7 @@ async def test_no_stall_anywhere_in_huge_request_without_summariser(upstream: Fa
     check_big_answer(out, upstream)
 
 
+@pytest.mark.slow
 async def test_no_stall_anywhere_in_huge_request_with_llm_summariser(upstream: FakeUpstream,
                                                                      start_proxy: Any) -> None:
     # the summariser's path is the subject: no masking first (it is enough here, and no summary would be made)

@@ -59,6 +59,7 @@ async def loop_lag_until(done: asyncio.Future[Any], tick: float = 0.005) -> floa
     return worst
 
 
+@pytest.mark.slow
 async def test_a_large_explain_call_does_not_stall_the_event_loop(upstream: FakeUpstream, start_proxy: StartProxy
                                                                    ) -> None:
     """A huge body on ``/v1/ctxproxy/explain`` is assembled off the event loop, as on the chat path: other

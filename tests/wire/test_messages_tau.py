@@ -107,6 +107,7 @@ def test_tau_bench_as_messages_over_an_8k_model(matrix: dict[str, Any], manager:
     assert stats["refused"] == 0  # a 1.3k-token system prompt and one turn always fit 8k
 
 
+@pytest.mark.slow
 def test_tau_bench_as_messages_runtime(matrix: dict[str, Any]) -> None:
     print(f"tau-bench as Messages: {matrix['requests']} requests x {len(MANAGERS)} managers, "
           f"{matrix['elapsed']:.1f}s")

@@ -586,6 +586,7 @@ def test_tau_bench_as_responses_items(tau_matrix: dict[str, Any], manager: str, 
     assert stats["changed"] > 200  # the 8k window really compacts (and every damaged variant is repaired)
 
 
+@pytest.mark.slow
 def test_tau_bench_matrix_runtime(tau_matrix: dict[str, Any]) -> None:
     print(f"tau-bench Responses matrix: {tau_matrix['elapsed']:.1f}s")
     assert tau_matrix["elapsed"] < 90
