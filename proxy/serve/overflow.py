@@ -10,12 +10,15 @@ nothing yet and the proxy still has everything it needs:
    bound its window gives: ``proxy.store.calibration``), and it teaches the provider's real window, kept
    for the model route (``proxy.store.windows``: shared by replicas, kept over restarts) so later requests
    fit the first time. The window is the one the provider states; where it states only its count and the
-   excess (Ollama), its count less the excess; where it states only the excess, the proxy's calibrated count
-   of the refused payload less the excess (``estimated``); where it states no number (the Responses API's
-   "Your input exceeds the context window of this model", Ollama's older wording), a documented step
-   (``stepped``): ``STEP`` (3/4) of the smaller of the window in effect and what the refused request asked
-   for (its input as the proxy counts it, calibrated, plus its completion reserve): the retry's payload is
-   then at least a quarter smaller.
+   excess (Ollama), its count less the excess; where it states only the excess, what the refused request
+   asked for (the proxy's calibrated count of its input plus its completion reserve) less the excess
+   (``estimated``: right whether the provider counts the completion in its excess or not); where it states no
+   number (the Responses API's "Your input exceeds the context window of this model", Ollama's older
+   wording), a documented step (``stepped``): ``STEP`` (3/4) of what the refused request asked for, and only
+   when that was within the window in effect (a payload the proxy already knew to be too large, in observe
+   mode, teaches nothing): the retry's payload is then at least a quarter smaller. A window that could not
+   hold the request's own completion reserve is not believed (a provider's absurd numbers would otherwise
+   refuse every later request before it is sent); neither is one below ``MIN_WINDOW``.
 2. ``recover``: the request is assembled again (the whole pipeline: a summary, if the tightened budget
    needs one, follows the normal path) and sent once more, never more than once per request. A retry that
    would send no fewer tokens (a request whose history the provider holds: ``previous_response_id``) is not
@@ -79,7 +82,8 @@ def learn(scope: Scope, route: ModelRoute, assembly: Assembly, refusal: Refusal)
     st.metrics.calibration_sample(route.upstream_model, sample, None, sent, report.calibration)
     scope.record.refusal = refusal
     limit, source = _window(refusal, sent, report.calibration, report.reserve, window_in_effect)
-    if limit < MIN_WINDOW or (source != "stated" and (hidden is not None or report.unmanaged is not None)):
+    if limit < MIN_WINDOW + report.reserve or limit >= window_in_effect \
+            or (source != "stated" and (hidden is not None or report.unmanaged is not None)):
         # not believed; or the proxy's count of a payload whose history the provider holds, which says nothing
         # about the provider's window
         return Lesson(window_in_effect, None, _detail(refusal))
@@ -95,8 +99,10 @@ def _window(refusal: Refusal, tokens: int, factor: float, reserve: int, in_effec
         return refusal.input_tokens - refusal.excess, "stated"
     asked = math.ceil(tokens * max(factor, 0.0)) + reserve
     if refusal.excess is not None:
-        return asked - reserve - refusal.excess, "estimated"
-    return int(STEP * min(in_effect, asked)), "stepped"
+        return asked - refusal.excess, "estimated"
+    if asked > in_effect:  # the proxy knew it was too large (observe mode forwards as sent): nothing new
+        return in_effect, "stepped"
+    return int(STEP * asked), "stepped"
 
 
 def _detail(refusal: Refusal) -> str:

@@ -15,6 +15,16 @@ from collections import OrderedDict
 from proxy.core.items import SYSTEM, Item
 
 
+def conversation_head(received: list[Item]) -> list[object]:
+    """The content keys that recognise a conversation across its requests: its system band and first item."""
+    head: list[object] = []
+    for item in received:
+        head.append(item.key)
+        if item.role != SYSTEM:
+            break
+    return head
+
+
 class PrefixTracker:
     def __init__(self, size: int = 10_000) -> None:
         self._last: OrderedDict[int, tuple[int, int]] = OrderedDict()
@@ -30,12 +40,7 @@ class PrefixTracker:
         """
         if not received or not forwarded:
             return None
-        head: list[object] = [tenant]
-        for item in received:
-            head.append(item.key)
-            if item.role != SYSTEM:
-                break
-        conversation = hash(tuple(head))
+        conversation = hash((tenant, *conversation_head(received)))
         sent = tuple(item.key for item in forwarded)
         digest = hash(sent)
         with self._lock:

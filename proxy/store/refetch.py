@@ -30,7 +30,8 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
-from proxy.core.items import SYSTEM, TOOL, Item
+from proxy.core.items import TOOL, Item
+from proxy.store.prefix import conversation_head
 
 HOW = ("masked", "summarised", "dropped")
 CONVERSATIONS = 4096  # per tenant
@@ -112,12 +113,7 @@ class RefetchTracker:
         then remember what this request removed. Linear in the items; the lock is held only for the bookkeeping."""
         if not received:
             return {}
-        head: list[int] = []
-        for item in received:
-            head.append(item.key)
-            if item.role != SYSTEM:
-                break
-        conversation = hash(tuple(head))
+        conversation = hash(tuple(conversation_head(received)))
         keys = tuple(item.key for item in received)
         with self._lock:
             mine = self._tenants.get(tenant)

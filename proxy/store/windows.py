@@ -6,10 +6,12 @@ self-hosted server started with a smaller context, a provider that changed a lim
 it is remembered per (upstream, upstream model), beside the pooled calibration record of that model
 (``proxy.store.calibration``), so it is shared by replicas and survives a restart.
 
-A learned window only ever narrows the configured one. It is kept with the configured window it was
-learned against: when the configuration changes that window, the learned one is dropped (the operator
-has spoken), and it is trusted for ``TRUST_SECONDS``: after that the configured window is tried again, and
-a refusal, recovered like the first, teaches it again (a provider may have raised its limit).
+A learned window only ever narrows the configured one, of every route of that upstream model (two aliases of
+one model share what its provider taught, whatever their configured windows). It is trusted for a while:
+``TRUST_SECONDS`` (a day) when the provider stated it, ``GUESS_SECONDS`` (an hour) when the proxy estimated
+it or stepped down blindly (an upstream that refused everything for a while, or said something absurd, then
+costs an hour of narrow budgets, not a week). After that the configured window is tried again, and a
+refusal, recovered like the first, teaches it again (a provider may have raised its limit).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-TRUST_SECONDS = 7 * 24 * 3600.0
+TRUST_SECONDS = 24 * 3600.0  # a window the provider stated
+GUESS_SECONDS = 3600.0  # one the proxy estimated from the provider's excess, or stepped down to
 MIN_WINDOW = 256  # no chat model's window is smaller: a refusal that says so is not believed
 SOURCES = frozenset({"stated", "estimated", "stepped"})  # the provider said it; from its count; a blind step
 MAX_WINDOW = 10**9
@@ -39,17 +42,16 @@ class LearnedWindow:
 
     def serves(self, configured: int, now: float) -> bool:
         """Whether it narrows a route whose configured window is ``configured``, at ``now``."""
-        return self.configured == configured and self.limit < configured and now - self.at < TRUST_SECONDS
+        trust = TRUST_SECONDS if self.source == "stated" else GUESS_SECONDS
+        return self.limit < configured and now - self.at < trust
 
 
 def merged(ours: LearnedWindow | None, theirs: LearnedWindow | None) -> LearnedWindow | None:
-    """Two replicas' learned windows as one: against the same configured window the narrower (the provider
-    refused above it); against different ones the later (it was learned under the configuration in force)."""
+    """Two replicas' (or two refusals') learned windows as one: the narrower (the provider refused above it), the
+    later of two equal ones."""
     if ours is None or theirs is None:
         return ours or theirs
-    if ours.configured == theirs.configured:
-        return ours if (ours.limit, -ours.at) <= (theirs.limit, -theirs.at) else theirs
-    return ours if ours.at >= theirs.at else theirs
+    return ours if (ours.limit, -ours.at) <= (theirs.limit, -theirs.at) else theirs
 
 
 def from_record(raw: Any) -> LearnedWindow | None:

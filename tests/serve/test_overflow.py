@@ -331,3 +331,64 @@ async def test_observe_mode_relays_the_refusal_and_learns_the_window(
     model = CLAUDE if wire == "messages" else GPT
     assert metric_total(text, "ctxproxy_overflow_failed_total", tenant="acme", model=model) == 2
     assert metric_total(text, "ctxproxy_overflow_recovered_total") == 0
+
+
+# --------------------------------------------------------------------------- the learned window is shared: hostile input
+
+
+async def test_a_payload_already_over_the_window_teaches_nothing(upstream: FakeUpstream,
+                                                                 start_proxy: StartProxy) -> None:
+    """An observe-mode tenant forwards its payload as sent: refused without numbers when it is larger than the
+    window the route already has, it says nothing new about that window, which every tenant of the route
+    shares. Six such refusals used to step the shared window from 120,000 down to 21,357."""
+    upstream.window = ProviderWindow(CONFIGURED, dialect="responses-plain")  # the configured window is right
+    proxy = await start_proxy(config(upstream, tenants=[{"name": "acme", "keys": ["sk-acme"], "mode": "observe"}]))
+    body = body_of("responses", 220)  # ~132k tokens: over the window the proxy knows
+    for _ in range(3):
+        status, _, _ = await send(proxy, "responses", body)
+        assert status == 400  # the provider's refusal, relayed
+    assert (await explain(proxy, "responses"))["window"] == CONFIGURED
+
+
+async def test_a_large_completion_reserve_teaches_the_window_with_it(upstream: FakeUpstream,
+                                                                     start_proxy: StartProxy) -> None:
+    """Ollama states only the excess of input plus output over its window. One request asking for an 11,000-token
+    completion on a short input used to teach a window of about 1,000 (its input less the excess), refusing every
+    later request of every tenant before it was sent; the window it teaches counts the completion too."""
+    upstream.window = ProviderWindow(REAL, dialect="ollama")
+    proxy = await start_proxy(config(upstream))
+    body = body_of("chat", 2)
+    body["max_tokens"] = 11_000
+    status, _, _ = await send(proxy, "chat", body)
+    assert status in (200, 400)
+    assert (await explain(proxy, "chat"))["window"] >= 11_000
+    status, _, _ = await send(proxy, "chat", body_of("chat", 10))  # an ordinary request fits
+    assert status == 200
+
+
+async def test_a_stated_window_that_cannot_hold_the_completion_is_not_believed(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A provider (or a gateway) stating an absurd window: learning 300 would refuse every later request with a
+    1,000-token completion before it is sent, for a day."""
+    upstream.mode, upstream.status = "status", 400
+    upstream.status_body = {"type": "error", "error": {"type": "invalid_request_error",
+                                                       "message": "prompt is too long: 9000 tokens > 300 maximum"}}
+    proxy = await start_proxy(config(upstream))
+    status, _, _ = await send(proxy, "messages", body_of("messages", 10))
+    assert status == 400
+    assert (await explain(proxy, "messages"))["window"] == CONFIGURED
+
+
+async def test_two_aliases_of_one_model_share_what_its_provider_taught(upstream: FakeUpstream,
+                                                                        start_proxy: StartProxy) -> None:
+    """Two routes of one upstream model, configured with different windows, used to replace each other's learned
+    window, so every request paid a refused attempt; the provider's window is a fact about its model."""
+    upstream.window = ProviderWindow(REAL, dialect="openai")
+    proxy = await start_proxy(config(upstream, models=[
+        {"name": "small", "model": GPT, "upstream": "openai", "context_window": 100_000, "max_output_tokens": 16384},
+        {"name": "big", "model": GPT, "upstream": "openai", "context_window": CONFIGURED, "max_output_tokens": 16384},
+    ]))
+    for model in ("small", "big", "small", "big", "small", "big"):
+        status, _, _ = await send(proxy, "chat", body_of("chat", 40, model=model))
+        assert status == 200
+    assert len(upstream.window_refused) == 1

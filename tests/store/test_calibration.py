@@ -375,21 +375,25 @@ async def test_a_refusal_lifts_the_factor_at_once() -> None:
     await s.flush()
 
 
-async def test_a_learned_window_narrows_the_route_is_shared_and_kept_with_its_configured_window() -> None:
+async def test_a_learned_window_narrows_every_route_of_the_model_and_is_shared() -> None:
     cache, clock = MemoryCache(), Clock()
     a = store(cache, clock=clock)
     assert a.window(UP, MODEL, 120_000) is None
     assert a.learn_window(UP, MODEL, 12_000, 120_000, "stated") == 12_000
     assert a.learn_window(UP, MODEL, 15_000, 120_000, "stated") == 12_000  # a wider one does not widen it
     assert a.window(UP, MODEL, 120_000) == 12_000
-    assert a.window(UP, MODEL, 8_000) is None  # the operator configured another window: theirs holds
+    assert a.window(UP, MODEL, 60_000) == 12_000  # another alias of the model: what its provider taught holds
+    assert a.window(UP, MODEL, 8_000) is None  # a route configured narrower: its own window holds
     await a.flush()
     b = store(cache, clock=clock)  # another replica, or a restart
     await b.load("other-tenant", UP, MODEL)
     assert b.window(UP, MODEL, 120_000) == 12_000
     record = await cache.get(cache_key(POOLED, UP, MODEL))
     assert record is not None and record["window"]["limit"] == 12_000 and record["window"]["source"] == "stated"
-    clock.now += 8 * 24 * 3600  # trusted for a week: then the configured window is tried again
+    clock.now += 25 * 3600  # a stated window is trusted for a day: then the configured window is tried again
+    assert b.window(UP, MODEL, 120_000) is None
+    assert b.learn_window(UP, MODEL, 20_000, 120_000, "stepped") == 20_000
+    clock.now += 3601  # one the proxy stepped down to (or estimated), for an hour
     assert b.window(UP, MODEL, 120_000) is None
 
 
