@@ -333,7 +333,7 @@ async def test_observe_mode_relays_the_refusal_and_learns_the_window(
     assert metric_total(text, "ctxproxy_overflow_recovered_total") == 0
 
 
-# --------------------------------------------------------------------------- the learned window is shared: hostile input
+# ------------------------------------------------------------------------ the learned window is shared: hostile input
 
 
 async def test_a_payload_already_over_the_window_teaches_nothing(upstream: FakeUpstream,
