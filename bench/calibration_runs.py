@@ -43,7 +43,7 @@ from proxy.core.modelinfo import offline_environment
 from proxy.store.calibration import MAX_FACTOR, MIN_FACTOR, envelope, family_default, publish
 from tests.fake_upstream import FakeUpstream, ProviderWindow, o200k_tokens
 from tests.outside import text_of
-from tests.test_calibration_server import (
+from tests.store.test_calibration_server import (
     CLAUDE,
     RUN_OUTPUT,
     RUN_WINDOW,

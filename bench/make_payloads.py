@@ -211,7 +211,8 @@ def agent(rng, enc, target, turns):
 
 def small():
     return {"model": "gpt-4o-mini", "messages": [
-        {"role": "system", "content": "You are a concise assistant for a software team. Answer in at most three sentences."},
+        {"role": "system",
+         "content": "You are a concise assistant for a software team. Answer in at most three sentences."},
         {"role": "user", "content": "What does HTTP status 429 mean, and what should a client do when it gets one?"},
         {"role": "assistant", "content": "429 means Too Many Requests: the server is rate limiting you. Back off and "
                                          "retry later, honouring the Retry-After header if present."},

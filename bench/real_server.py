@@ -660,9 +660,11 @@ def _notes(f: dict[str, Any]) -> list[str]:
                      f"{ratio['mean']:.2f}x) ctxproxy's count of the same forwarded messages: SmolLM2's tokenizer "
                      f"and chat template against o200k, more than the 10 % margin alone covers{held}")
     fr = f["framing"]
-    notes.append(f"streams: usage chunk {'sent' if fr['usage_chunk'] else 'never sent, stream_options.include_usage ignored'}; "
-                 f"finish reasons {fr['finish_reasons']}; framing through ctxproxy the same as direct: "
-                 f"{fr['same_framing']}; same text: {fr['identical_events']}")
+    notes.append(
+        f"streams: usage chunk {'sent' if fr['usage_chunk'] else 'never sent, stream_options.include_usage ignored'}; "
+        f"finish reasons {fr['finish_reasons']}; framing through ctxproxy the same as direct: "
+        f"{fr['same_framing']}; same text: {fr['identical_events']}"
+    )
     same = sum(1 for c in f["compared"] if c["same_text"])
     notes.append(f"re-sent directly with the messages ctxproxy forwarded, {same} of {len(f['compared'])} answers had "
                  "the same text (greedy decoding is not bit-identical between a fresh and a cached prompt evaluation)")

@@ -188,7 +188,8 @@ class Run:
                         meter.refused(n)
                         continue
                     except CtxProxyError as exc:  # a pipeline that refuses valid input: a finding, not a figure
-                        raise Failure(f"{where(strategy, budget, subject, form, n)}: {exc.code}: {exc.message}") from None
+                        at = where(strategy, budget, subject, form, n)
+                        raise Failure(f"{at}: {exc.code}: {exc.message}") from None
                     except Exception as exc:  # a third-party plugin's bug: name the request it broke on
                         raise Failure(f"{where(strategy, budget, subject, form, n)}: {type(exc).__name__}: {exc}") \
                             from exc
@@ -225,7 +226,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--limit", type=positive, default=None, help="at most this many conversations per data set")
     p.add_argument("--session-tokens", type=positive, default=40_000,
                    help="tau-sessions: chain trajectories until a session holds this many tokens (default 40000)")
-    p.add_argument("--coding-count", type=positive, default=10, help="coding, coding-loop: conversations to generate (default 10 each)")
+    p.add_argument("--coding-count", type=positive, default=10,
+                   help="coding, coding-loop: conversations to generate (default 10 each)")
     p.add_argument("--coding-turns", type=positive, default=16, help="coding: user turns per conversation (default 16)")
     p.add_argument("--loop-rounds", type=positive, default=45,
                    help="coding-loop: tool rounds after the one user message (default 45)")

@@ -107,7 +107,8 @@ def main():
         lc_trim = BaseMessage = None
         print("# langchain-core not installed: skipped", file=sys.stderr)
 
-    def lc_counter(msg: BaseMessage):  # exact per-message count (annotation tells LangChain it is per message), same rule as count_tokens() + 4 per message
+    # exact per-message count (the annotation tells LangChain so), same rule as count_tokens() + 4 per message
+    def lc_counter(msg: BaseMessage):
         text = msg.content if isinstance(msg.content, str) else json.dumps(msg.content)
         n = 4 + len(enc.encode(text, disallowed_special=()))
         for tc in getattr(msg, "tool_calls", None) or []:

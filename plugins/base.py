@@ -86,7 +86,8 @@ class CachedSummary:
     covered_turns: int
     chain: str
     text: str
-    made_with: Completion | None = field(default=None, compare=False)  # the summariser call(s) that made it, on the request that made it
+    # the summariser call(s) that made it, on the request that made it
+    made_with: Completion | None = field(default=None, compare=False)
 
 
 class SummaryStore(Protocol):

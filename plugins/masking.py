@@ -1,4 +1,4 @@
-"""Observation masking (docs/design.md#observation-masking): the outputs of older tool calls give way to a short placeholder.
+"""Observation masking (docs/design.md#observation-masking): older tool calls' outputs give way to a short placeholder.
 
 Tool outputs are where an agent's tokens go, and the cheapest thing to forget: the model
 still sees every call it made (name, id, arguments), its reasoning and every message, and a

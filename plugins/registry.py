@@ -99,7 +99,8 @@ class Registry:
         canonical = self.canonical(kind, name)
         if canonical is None:
             raise BindingError(
-                [(f"{path}.type" if path else "type", f"unknown {kind} {name!r} (known: {', '.join(self.names(kind))})")]
+                [(f"{path}.type" if path else "type",
+                  f"unknown {kind} {name!r} (known: {', '.join(self.names(kind))})")]
             )
         return self._plugins[kind][canonical]
 

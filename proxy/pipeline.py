@@ -320,7 +320,8 @@ def _plan(
     max_tokens, changes = limit_output(body, wire, route, policy, report)
     changes.update(wire.model_changes(body, route.upstream_model))
     if prepared.unmanaged is not None:
-        return _unmanaged(body, prepared, wire, route, policy, report, max_tokens, changes, calibration, provider_window)
+        return _unmanaged(body, prepared, wire, route, policy, report, max_tokens, changes, calibration,
+                          provider_window)
 
     report.repairs = dict(repairs)
     if repairs and policy.pairing == "strict":

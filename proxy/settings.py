@@ -146,9 +146,11 @@ class ModelSettings(Strict):
                               "it; default: the top-level mode.")
     calibration: Literal["auto", "off"] | float = Field(
         "auto", description="Token-count calibration (proxy.store.calibration): auto = learn the provider's count "
-        "over ctxproxy's from usage, per tenant (starting from the family default), off = 1.0, a number = pinned factor.")
+        "over ctxproxy's from usage, per tenant (starting from the family default), off = 1.0, a number = "
+        "pinned factor.")
     input_cost_per_token: float | None = Field(None, ge=0, description="USD per input token (default: litellm's map).")
-    output_cost_per_token: float | None = Field(None, ge=0, description="USD per output token (default: litellm's map).")
+    output_cost_per_token: float | None = Field(None, ge=0,
+                                                description="USD per output token (default: litellm's map).")
     cache_read_input_token_cost: float | None = Field(
         None, ge=0, description="USD per input token read from the provider's prompt cache (default: litellm's map).")
     cache_creation_input_token_cost: float | None = Field(
@@ -491,7 +493,8 @@ class Config:
         return self.settings.default_upstream or next(iter(self.settings.upstreams))
 
     def upstream_for(self, upstream_model: str) -> str:
-        """The upstream of a model no route names one for: the first whose ``models`` patterns match, else the default."""
+        """The upstream of a model no route names one for: the first whose ``models`` patterns match, else the
+        default."""
         for name, upstream in self.settings.upstreams.items():
             if any(fnmatchcase(upstream_model, pattern) for pattern in upstream.models):
                 return name

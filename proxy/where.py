@@ -28,7 +28,9 @@ def where(config: Config) -> list[str]:
     host = f"[{host}]" if ":" in host else host
     port = str(s.server.port) if s.server.port else "<a free port, chosen at start>"
     root = f"http://{host}:{port}"
-    elsewhere = "" if bound == host else f" (bound to {bound or 'all interfaces'}: from elsewhere, use this host's address)"
+    elsewhere = (
+        "" if bound == host else f" (bound to {bound or 'all interfaces'}: from elsewhere, use this host's address)"
+    )
     lines = [f"ctxproxy: point a client at {root}{elsewhere}"]
     width = max(len(variable) for variable, _, _ in FAMILIES) + len(root) + 4
     for variable, path, readers in FAMILIES:

@@ -36,6 +36,49 @@ class RunningProxy:
 
 
 @pytest.fixture
+def shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    """litellm's model map read once per session instead of once per app (speed only; tests.outside)."""
+    from tests.outside import share_model_map  # tests.outside imports this module
+
+    share_model_map(monkeypatch)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@pytest.fixture
+async def serve_routes() -> AsyncIterator[Callable[[dict[str, Handler]], Awaitable[str]]]:
+    """A purpose-built upstream: ``{"/v1/path": handler}`` on 127.0.0.1, its base URL returned."""
+    runners: list[web.AppRunner] = []
+
+    async def start(routes: dict[str, Handler]) -> str:
+        app = web.Application()
+        for path, handler in routes.items():
+            app.router.add_route("*", path, handler)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return f"http://127.0.0.1:{port}/v1"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def slow_upstream() -> AsyncIterator[Any]:
+    """A raw streaming upstream: 10 chunks, 0.1 s apart (tests.faults.SlowStreamUpstream)."""
+    from tests.faults import SlowStreamUpstream  # tests.faults imports this module
+
+    slow = await SlowStreamUpstream(chunks=10, interval=0.1).start()
+    yield slow
+    await slow.stop()
+
+
+@pytest.fixture
 async def upstream() -> AsyncIterator[FakeUpstream]:
     fake = await FakeUpstream().start()
     yield fake

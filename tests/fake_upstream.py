@@ -11,7 +11,7 @@ providers end them, for requests with ``"stream": true``:
 and ``POST /v1/messages`` (Anthropic events ending with ``message_stop``), plus
 ``/v1/sse-clean-close`` (an unknown SSE path that simply ends); ``sent`` holds
 the exact bytes written and ``wire_mode = "break"`` cuts those streams mid-way.
-Every ``/v1/responses`` request (managed since issue 13, streaming or not) is recorded in
+Every ``/v1/responses`` request (managed, streaming or not) is recorded in
 ``responses`` and in ``other`` (as every relayed request always was) and, in modes ``hang`` and
 ``slow_first_byte``, answered after ``delay`` as chat requests are; a non-streaming one
 is answered with a Response object as OpenAI sends it, its ``output`` taken from
@@ -19,7 +19,7 @@ is answered with a Response object as OpenAI sends it, its ``output`` taken from
 fixed reply. ``POST /v1/responses/compact`` answers a ``response.compaction`` object as
 OpenAI does (the input's user messages and one opaque ``compaction`` item), or 404 with
 ``compact_mode = "404"``; compact requests are recorded in ``compactions``.
-``/v1/messages`` speaks Anthropic's API whole (issue 14): every request is recorded in
+``/v1/messages`` speaks Anthropic's API whole, for Claude Code and the SDK: every request is recorded in
 ``messages`` (and ``other``); a non-streaming one gets a message; ``anthropic_script``
 gives canned content blocks (e.g. ``tool_use``) one request at a time; ``mode = "status"``
 answers ``status`` with ``status_body`` (Anthropic's error shape by default); summariser
@@ -32,7 +32,8 @@ answered with the usual echo. ``require_uuid_request_id`` makes it refuse (400, 
 request whose ``X-Request-ID`` is not a UUID, as several ASGI request-id
 middlewares do; ``request_ids`` records every id received.
 
-Usage that tells the truth (issue 15), off by default (``fixed_usage``, the fixed ``USAGE`` unless a test
+Usage that tells the truth, as a provider whose tokenizer is not o200k does,
+off by default (``fixed_usage``, the fixed ``USAGE`` unless a test
 sets another, odd one): ``prompt_scale`` reports
 ``prompt_tokens`` = scale × the request's true o200k count (OpenAI's per-message formula, counted here
 with tiktoken, not with the proxy's code), as a provider with another tokenizer would;
@@ -207,11 +208,11 @@ class FakeUpstream:
     # rewrite every stream (chat, responses, messages) before it is written: e.g. other line ends, or cut short
     stream_edit: Callable[[bytes], bytes] | None = None
     stream_close: str = "eof"  # eof (a clean end) | drop (the connection is cut after the last byte written)
-    # X-Request-ID enforcement (issue 17)
+    # X-Request-ID enforcement, as some ASGI request-id middlewares do: a non-UUID id is refused
     require_uuid_request_id: bool = False
     request_ids: list[tuple[str, str | None]] = field(default_factory=list)  # (purpose or path, X-Request-ID)
     rejected: list[Received] = field(default_factory=list)
-    # usage (issue 15): ``fixed_usage`` is reported as is unless the truthful switches below are on
+    # usage: ``fixed_usage`` is reported as is unless the truthful switches below are on
     fixed_usage: Any = field(default_factory=lambda: USAGE)
     prompt_scale: float | None = None
     report_cached: bool = False

@@ -151,7 +151,8 @@ def assistant(text: str | None, **extra: Any) -> Message:
     return {"role": "assistant", "content": text, **extra}
 
 
-def call(*calls: tuple[str, str] | tuple[str, str, str], content: str | list[Any] | None = None, **extra: Any) -> Message:
+def call(*calls: tuple[str, str] | tuple[str, str, str], content: str | list[Any] | None = None,
+         **extra: Any) -> Message:
     """An assistant tool-call message; each call is (id, function name[, arguments JSON])."""
     tool_calls = []
     for c in calls:
@@ -180,7 +181,9 @@ def image_user(text: str, detail: str | None = None) -> Message:
     return {"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": image}]}
 
 
-LOREM = ["the", "passenger", "asked", "to", "move", "the", "flight", "from", "Boston", "to", "Denver", "and", "keep", "the", "same", "cabin", "class", "while", "the", "reservation", "ZFA04Y", "holds", "two", "checked", "bags", "and", "travel", "insurance", "purchased", "with", "a", "gift", "card"]
+LOREM = ["the", "passenger", "asked", "to", "move", "the", "flight", "from", "Boston", "to", "Denver", "and", "keep",
+         "the", "same", "cabin", "class", "while", "the", "reservation", "ZFA04Y", "holds", "two", "checked", "bags",
+         "and", "travel", "insurance", "purchased", "with", "a", "gift", "card"]
 
 
 def words(n: int, seed: int = 0) -> str:
@@ -440,7 +443,8 @@ def _user(draw: Any) -> Message:
 def _tool_group(draw: Any, *, valid: bool) -> list[Message]:
     """An assistant tool-call message and its results; when not ``valid``, with defects."""
     n = draw(st.integers(1, 3))
-    pool = st.one_of(st.sampled_from(SHARED_IDS), st.text("abcdef0123456789", min_size=6, max_size=6).map("call_".__add__))
+    fresh = st.text("abcdef0123456789", min_size=6, max_size=6).map("call_".__add__)
+    pool = st.one_of(st.sampled_from(SHARED_IDS), fresh)
     ids = draw(st.lists(pool, min_size=n, max_size=n, unique=True))
     names = [draw(st.sampled_from(FN_NAMES)) for _ in ids]
     content = draw(st.one_of(st.none(), text(1, 20)))

@@ -1,7 +1,7 @@
 """Helpers for tests that drive the proxy only from the outside: HTTP, /metrics and independent token counts.
 
 Nothing here imports ``proxy.*``: these helpers must keep working whatever the
-proxy's internal layout becomes (the defect tests of issues 11, 17 and 18).
+proxy's internal layout becomes (the defect tests reproduce a bug from the client's side, not the code's).
 """
 
 from __future__ import annotations
@@ -120,3 +120,8 @@ def message_tokens(messages: list[Message]) -> int:
             if isinstance(v, str):
                 total += n_tokens(v) + (1 if k == "name" else 0)
     return total
+
+
+def chat_body(messages: list[Any], model: str = "small-model", **extra: Any) -> dict[str, Any]:
+    """A Chat Completions body (``small-model``: the 8k route of tests.store.test_summaries_http's config)."""
+    return {"model": model, "messages": messages, **extra}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -14,7 +15,12 @@ import pytest
 import yaml
 
 from proxy.cli import main
+from tests.conftest import ROOT
+from tests.fake_upstream import FakeUpstream
 from tests.helpers import REPO, assistant, call, pairing_problems, recount, system, tool, user, words
+from tests.outside import chat_body
+from tests.store.test_summaries_http import config as summarising_config
+from tests.store.test_summaries_http import conversation
 
 CTXPROXY = Path(sys.executable).parent / "ctxproxy"
 REPORT_KEYS = {"tokens_before", "tokens_after", "window", "reserve", "margin", "hard_budget", "threshold",
@@ -222,7 +228,9 @@ def test_assemble_in_observe_mode_shows_the_body_as_sent_and_what_enforce_would_
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Under a policy in observe mode the client's body is what is forwarded: assemble prints it, with a report of
     what enforce would have done; ``--mode enforce`` prints what enforce would forward, with the same figures."""
-    cfg = write_config(tmp_path, mode="observe", context_manager={"type": "sliding-window", "params": {"keep_turns": 3}})
+    cfg = write_config(
+        tmp_path, mode="observe", context_manager={"type": "sliding-window", "params": {"keep_turns": 3}}
+    )
     msgs = long_conversation()
     req = write_json(tmp_path, {"model": "gpt-4o", "messages": msgs})
     outputs = []
@@ -410,7 +418,7 @@ def test_assemble_without_wire_reads_any_other_body_as_chat(tmp_path: Path, caps
     assert code == 1 and json.loads(out)["error"]["param"] == "messages"  # a named wire wins over the body
 
 
-# --------------------------------------------------------------------------- assemble --wire messages: context_management
+# ------------------------------------------------------------------- assemble --wire messages: context_management
 
 
 def test_assemble_messages_applies_the_emulated_context_management(
@@ -437,3 +445,35 @@ def test_assemble_messages_applies_the_emulated_context_management(
     assert results[3] == words(300, 3) and all(r != words(300, i) for i, r in enumerate(results[:3]))
     emulation = result["report"]["context_management"]
     assert emulation["emulated"] is True and emulation["applied_edits"][0]["cleared_tool_uses"] == 3
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_assemble_cli_never_calls_the_summariser(upstream: FakeUpstream, tmp_path: Path) -> None:
+    """`ctxproxy assemble` (no --offline) prints the assembly without calling any provider."""
+    cfg = summarising_config(upstream.base_url)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (tmp_path / "request.json").write_text(json.dumps(chat_body(conversation(40))))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy.cli", "assemble", "--config", str(tmp_path / "config.yaml"),
+        str(tmp_path / "request.json"), cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True"))
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert set(json.loads(out)) >= {"messages", "report"}
+    assert upstream.summaries == [] and upstream.chat == []
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_assemble_cli_summarizes_only_when_asked(upstream: FakeUpstream, tmp_path: Path) -> None:
+    """`ctxproxy assemble --summarize` makes (and bills) the summary, nothing else."""
+    cfg = summarising_config(upstream.base_url)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (tmp_path / "request.json").write_text(json.dumps(chat_body(conversation(40))))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy.cli", "assemble", "--config", str(tmp_path / "config.yaml"), "--summarize",
+        str(tmp_path / "request.json"), cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True"))
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert json.loads(out)["report"]["summary"] == "created"
+    assert len(upstream.summaries) >= 1 and upstream.chat == []  # the summariser called; the request never sent

@@ -127,7 +127,8 @@ def test_design_citations_name_a_heading() -> None:
 
 @pytest.mark.parametrize("doc", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(doc: Path) -> None:
-    """Every relative link of the README and docs/ reaches a file of the repository, and its heading when it names one."""
+    """Every relative link of the README and docs/ reaches a file of the repository, and its heading when it
+    names one."""
     problems = []
     for number, target in relative_links(doc):
         where, _, anchor = target.partition("#")
@@ -141,25 +142,48 @@ def test_relative_links_resolve(doc: Path) -> None:
     assert not problems, f"{doc.relative_to(ROOT)}:\n" + "\n".join(problems)
 
 
-# Where a tracker number must not stand in for a reason. proxy/wire, proxy/serve and tests are excluded for now:
-# they are being moved, and their comments are rewritten when they are.
-REASONED = ("README.md", "docs", "config", "bench", "plugins", "proxy/core", "proxy/store", "proxy/upstream",
-            "proxy/settings.py", "proxy/policy.py", "proxy/pipeline.py", "proxy/runtime.py", "proxy/cli.py",
-            "pyproject.toml", "Makefile", ".ci")
-_TRACKER = re.compile(r"\bissues?\s+#?\d+", re.IGNORECASE)
+# A tracker's number ("issue 17", "Item 9:") where a reason belongs, in any file of the repository that
+# citing_files() reads (sources, tests, config, docs, the build's files; not data or payloads).
+_TRACKER = re.compile(r"\b(?:issues?\s+#?\d+|items?\s+\d+(?:\.\d+)?\s*[:(])", re.IGNORECASE)
 
 
 def test_comments_give_reasons_not_issue_numbers() -> None:
-    """A comment or doc says why in words: 'issue 17' means nothing to a reader without that tracker."""
-    problems = []
-    for name in REASONED:
-        base = ROOT / name
-        paths = [base] if base.is_file() else [p for p in sorted(base.rglob("*")) if p.is_file()]
-        for path in paths:
-            rel = path.relative_to(ROOT).parts
-            if path.suffix not in CITING_SUFFIXES | {""} or SKIPPED_DIRS & set(rel):
-                continue
-            for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-                if _TRACKER.search(line):
-                    problems.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
+    """A comment or doc says why in words: a tracker's number means nothing to a reader without that tracker."""
+    problems = [f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}"
+                for path in citing_files()
+                for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+                if _TRACKER.search(line) and path != Path(__file__).resolve()]
     assert not problems, "\n".join(problems)
+
+
+# A test cited in a document: `tests/serve/test_relay.py::test_name`, `serve/test_relay.py::test_name` (docs
+# that cite from tests/), or `::test_name` after such a citation on the same line.
+_TEST_REF = re.compile(r"^((?:tests/)?(?:\w+/)*test_\w+\.py)?::(test_\w+)")
+
+
+def defined_tests(path: Path) -> set[str]:
+    return set(re.findall(r"^(?:async )?(?:def|class) (test_\w+|Test\w+)", path.read_text(encoding="utf-8"), re.M))
+
+
+@pytest.mark.parametrize("doc", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_cited_tests_exist(doc: Path) -> None:
+    """A test a document cites as its evidence exists in the file it names: moving or renaming a test must
+    not leave the docs pointing at nothing."""
+    problems = []
+    for number, line in enumerate(prose_lines(doc), 1):
+        last: str | None = None
+        for code in re.findall(r"`([^`]*)`", line):
+            ref = _TEST_REF.match(code)
+            if not ref:
+                continue
+            name = ref.group(2)
+            cited = ref.group(1) or last
+            if cited is None:
+                continue
+            last = cited
+            path = ROOT / (cited if cited.startswith("tests/") else "tests/" + cited)
+            if not path.is_file():
+                problems.append(f"{number}: {cited}: no such file")
+            elif name not in defined_tests(path):
+                problems.append(f"{number}: {cited} has no {name}")
+    assert not problems, f"{doc.relative_to(ROOT)}:\n" + "\n".join(problems)

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.core.modelinfo import ModelMap
 from tests.conftest import base_config
 from tests.fake_upstream import FakeUpstream
-from tests.test_summarisation import conversation
+from tests.store.test_summaries_http import conversation
 
 MODEL = "gpt-4o-mini"  # configured with a small window so it summarises, and priced in litellm's map
 WINDOW = 8000

@@ -55,7 +55,15 @@ from tests.helpers import (
     user,
     words,
 )
-from tests.outside import post, text_of
+from tests.outside import (
+    Message,
+    chat_body,
+    message_tokens,
+    n_tokens,
+    post,
+    text_of,
+)
+from tests.store.test_summaries_http import config as summarising_config
 from tests.wire.chat_helpers import repair_messages as repair
 
 WINDOWS = (2_000, 4_000, 8_000)
@@ -74,7 +82,8 @@ class Harness:
         self.services = services(COUNTER)
 
     async def run(self, body: dict[str, Any]) -> Assembly:
-        return await assemble(body, wire=CHAT, route=self.route, policy=self.policy, counter=COUNTER, services=self.services)
+        return await assemble(body, wire=CHAT, route=self.route, policy=self.policy, counter=COUNTER,
+                              services=self.services)
 
 
 async def check_case(h: Harness, messages: list[dict[str, Any]], **body: Any) -> tuple[str, list[str]]:
@@ -161,7 +170,8 @@ def _legacy(turns: int) -> list[dict[str, Any]]:
     for t in range(turns):
         msgs += [user(words(25, t)), legacy_call("get_weather", '{"city": "Paris"}'),
                  legacy_result("get_weather", words(70, t)), assistant(words(30, t))]
-    return [*msgs, user("and tomorrow?"), legacy_call("get_weather", '{"city": "Paris", "day": 2}'), legacy_result("get_weather", "rain")]
+    return [*msgs, user("and tomorrow?"), legacy_call("get_weather", '{"city": "Paris", "day": 2}'),
+            legacy_result("get_weather", "rain")]
 
 
 def _unknown_keys(turns: int) -> list[dict[str, Any]]:
@@ -301,6 +311,7 @@ def test_tau_bench_matrix(tau_matrix: dict[str, Any], manager: str, window: int)
         assert stats["refused"] == 0  # a 1.3k-token system prompt + a turn always fit 4k
 
 
+@pytest.mark.slow
 def test_tau_bench_matrix_runtime(tau_matrix: dict[str, Any]) -> None:
     print(f"tau-bench matrix: {tau_matrix['elapsed']:.1f}s")
     assert tau_matrix["elapsed"] < 60
@@ -595,7 +606,8 @@ def _messages_loop(n: int, displaced: bool = False) -> dict[str, Any]:
     for i in range(n):
         msgs.append({"role": "assistant", "content": [
             {"type": "tool_use", "id": f"t{i}", "name": "read_file", "input": {"path": f"src/m{i}.py"}}]})
-        msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}", "content": f"ok {i}"}]})
+        result = {"type": "tool_result", "tool_use_id": f"t{i}", "content": f"ok {i}"}
+        msgs.append({"role": "user", "content": [result]})
     return {"model": MODEL, "max_tokens": 1000, "messages": msgs}
 
 
@@ -651,3 +663,111 @@ def test_a_long_conversation_is_assembled_in_linear_time(case: str) -> None:
 
     growth = per_item_growth(setup, 500)
     assert growth < LINEAR, f"time per item grew {growth:.1f}x from 500 to 4,000 pairs"
+
+
+def prefill() -> Message:
+    """An assistant prefill of ~260 tokens."""
+    return {"role": "assistant", "content": 'Here is the JSON: {"notes": "' + text_of(250, 9)}
+
+
+def tool_round(call_id: str, result: str) -> list[Message]:
+    return [{"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": "fetch", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": result}]
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_trimmer_never_forwards_without_the_assistant_prefill(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                    ) -> None:
+    """The last WM group (an assistant prefill) is never dropped: kept, or the request is refused."""
+    # B = 4000 - 500 - 400 = 3100; system + question + live round ~2950 fit; + prefill (~250) does not
+    cfg = base_config(upstream.base_url, models=[{"name": "tiny", "context_window": 4000, "max_output_tokens": 500}])
+    proxy = await start_proxy(cfg)
+    system, question = {"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": "Fetch both."}
+    live = tool_round("call_b", text_of(2900, 2))
+    last = prefill()
+    messages = [system, question, *tool_round("call_a", text_of(1000, 1)), *live, last]
+    pinned = message_tokens([system, question, *live]) + 20  # + the call's name, arguments and overhead
+    assert pinned < 3100 < pinned + n_tokens(last["content"])
+    status, _headers, body = await post(proxy, chat_body(messages, "tiny"))
+    if status == 400:  # never dropping the prefill may leave nothing that fits: a refusal is right
+        assert body["error"]["code"] == "context_length_exceeded", body
+        return
+    assert status == 200, body
+    assert upstream.chat[-1].body["messages"][-1] == last
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_working_memory_cap_keeps_the_assistant_prefill(upstream: FakeUpstream, start_proxy: StartProxy
+                                                              ) -> None:
+    """With working_memory_messages 2, the older round goes and the prefill stays last."""
+    cfg = summarising_config(upstream.base_url, context_manager={"type": "summarising", "params": {
+        "keep_turns": 4, "working_memory_messages": 2}})
+    proxy = await start_proxy(cfg)
+    # B = 8000 - 1000 - 800 = 6200, T = 5636: a 5700-token system prompt puts the request over T, under B
+    messages = [{"role": "system", "content": text_of(5700, 3)}, {"role": "user", "content": "Fetch both."},
+                *tool_round("call_a", "a is 1"), *tool_round("call_b", "b is 2"),
+                {"role": "assistant", "content": "Here is the JSON: {"}]
+    status, _headers, body = await post(proxy, chat_body(messages))
+    assert status == 200, body
+    forwarded = upstream.chat[-1].body["messages"]
+    assert forwarded[-1] == messages[-1]
+    assert forwarded[-3:-1] == messages[-3:-1]  # and the live tool round before it
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def tenant(policy: str = "clamp") -> dict[str, Any]:
+    return {"name": "t", "keys": ["sk-t"], "max_output_tokens": 100, "max_output_policy": policy}
+
+
+@pytest.mark.parametrize(("extra", "sent"), [
+    ({"n": 4, "max_tokens": 100}, {"max_tokens": 25}),
+    ({"n": 4}, {"max_tokens": 25}),
+    ({"n": 3, "max_completion_tokens": 90}, {"max_completion_tokens": 33}),
+    ({"n": 4, "max_tokens": 20}, {"max_tokens": 20}),  # within its share: untouched
+    ({"n": 1, "max_tokens": 100}, {"max_tokens": 100}),
+])
+async def test_output_cap_clamped_to_each_choices_share(start_proxy: StartProxy, upstream: FakeUpstream,
+                                                          extra: dict[str, Any], sent: dict[str, int]) -> None:
+    """A tenant's max_output_tokens covers the whole output: with ``n`` choices each gets its share (``n: 128``
+    with ``max_tokens`` at the cap used to buy 128 times the output the key allows)."""
+    proxy = await start_proxy(base_config(upstream.base_url, tenants=[tenant()]))
+    status, _, body = await post(proxy, {"model": "gpt-4o-mini", "messages": HI, **extra}, key="sk-t")
+    assert status == 200, body
+    forwarded = upstream.chat[-1].body
+    for key, value in sent.items():
+        assert forwarded[key] == value
+    assert forwarded.get("n", 1) * max(forwarded.get(k, 0) for k in ("max_tokens", "max_completion_tokens")) <= 100
+
+
+@pytest.mark.parametrize(("policy", "extra"), [
+    ("clamp", {"n": 101}),  # not even one token per choice
+    ("refuse", {"n": 2, "max_tokens": 80}),
+    # pydantic-based upstreams (vLLM, llama-cpp-python, LiteLLM's proxy) read these as 4: never one choice here
+    ("clamp", {"n": 4.0, "max_tokens": 100}),
+    ("clamp", {"n": "4", "max_tokens": 100}),
+    ("clamp", {"n": True, "max_tokens": 100}),
+    ("clamp", {"n": 0}),
+])
+async def test_output_cap_refused_when_a_choices_share_cannot_hold(start_proxy: StartProxy, upstream: FakeUpstream,
+                                                                   policy: str, extra: dict[str, Any]) -> None:
+    """When ``n`` choices cannot each get an output share, the request is refused (or, by policy, ``n`` is), never
+    forwarded over the tenant's cap."""
+    proxy = await start_proxy(base_config(upstream.base_url, tenants=[tenant(policy)]))
+    status, _, body = await post(proxy, {"model": "gpt-4o-mini", "messages": HI, **extra}, key="sk-t")
+    assert status == 400, body
+    assert body["error"]["code"] in ("max_tokens_exceeded", "invalid_n"), body
+    assert upstream.chat == []
+
+
+async def test_a_stray_n_on_another_wire_does_not_shrink_its_cap(
+    start_proxy: StartProxy, upstream: FakeUpstream
+) -> None:
+    """``n`` means choices on Chat Completions only: a stray ``n`` on a Responses body leaves its cap whole."""
+    proxy = await start_proxy(base_config(upstream.base_url, tenants=[tenant()]))
+    status, _, body = await post(proxy, {"model": "gpt-4o-mini", "input": "hi", "n": 4}, key="sk-t",
+                                 path="/v1/responses")
+    assert status == 200, body
+    assert upstream.responses[-1].body["max_output_tokens"] == 100

@@ -75,8 +75,8 @@ class Setup:
                 svc = services(COUNTER, engine=FakeEngine(), summaries=summary_service())
             else:
                 svc = services(COUNTER)
-            return await assemble({"model": MODEL, "messages": messages}, wire=CHAT, route=self.route, policy=self.policy,
-                                  counter=COUNTER, services=svc)
+            return await assemble({"model": MODEL, "messages": messages}, wire=CHAT, route=self.route,
+                                  policy=self.policy, counter=COUNTER, services=svc)
 
         return asyncio.run(go())
 

@@ -25,8 +25,9 @@ import pytest
 import tiktoken
 
 from proxy.settings import load_config
-from tests.conftest import ROOT, RunningProxy
+from tests.conftest import ROOT, RunningProxy, StartProxy, base_config
 from tests.fake_upstream import REPLY, FakeUpstream
+from tests.outside import post, text_of
 
 Message = dict[str, Any]
 
@@ -472,7 +473,9 @@ async def test_override_that_sets_one_param_keeps_the_tenants_others(env: Env) -
     keep_turns to the plugin default (10 > the tenant's 6), nor the drop summariser to llm."""
     messages = conversation(16)
     for tenant, manager in (("support", "sliding-window"), ("platform", "summarising")):
-        raw = await chat(env, tenant, messages, headers=override(type=manager, params={"trimmer": {"max_tokens": 5900}}))
+        raw = await chat(
+            env, tenant, messages, headers=override(type=manager, params={"trimmer": {"max_tokens": 5900}})
+        )
         assert "x-ctxproxy-warning" not in raw.headers
         assert user_turns(env.forwarded) <= most(6) + 1, tenant
     status, _, body = await get_json(env.proxy.base_url + "/ctxproxy/policy", KEYS["platform"],
@@ -766,11 +769,17 @@ async def test_output_cap_applies_to_every_field_and_when_none_is_sent(upstream,
     msgs = [{"role": "user", "content": "hi"}]
     async with aiohttp.ClientSession(headers={"Authorization": "Bearer k-out"}) as s:
         for extra, model, want in (
-            ({"max_tokens": 5000, "max_completion_tokens": 50}, "gpt-4o-mini", {"max_tokens": 100, "max_completion_tokens": 50}),
+            (
+                {"max_tokens": 5000, "max_completion_tokens": 50},
+                "gpt-4o-mini",
+                {"max_tokens": 100, "max_completion_tokens": 50},
+            ),
             ({}, "gpt-4o-mini", {"max_tokens": 100}),
             ({}, "o3-mini", {"max_completion_tokens": 100}),
         ):
-            async with s.post(proxy.url + "/v1/chat/completions", json={"model": model, "messages": msgs, **extra}) as r:
+            async with s.post(
+                proxy.url + "/v1/chat/completions", json={"model": model, "messages": msgs, **extra}
+            ) as r:
                 assert r.status == 200
             sent = upstream.chat[-1].body
             assert {k: sent[k] for k in ("max_tokens", "max_completion_tokens") if k in sent} == want
@@ -845,8 +854,11 @@ async def test_with_both_keys_set_each_provider_gets_its_own_and_never_the_clien
         async with s.post(proxy.base_url + "/chat/completions", json={"model": "o3", "messages": user},
                           headers={"Authorization": "Bearer sk-client"}) as r:
             assert r.status == 200
-        async with s.post(proxy.base_url + "/messages", json={"model": "claude-opus-4-1", "max_tokens": 8,
-                                                              "messages": user}, headers={"x-api-key": "sk-client"}) as r:
+        async with s.post(
+            proxy.base_url + "/messages",
+            json={"model": "claude-opus-4-1", "max_tokens": 8, "messages": user},
+            headers={"x-api-key": "sk-client"},
+        ) as r:
             assert r.status == 200
     assert upstream.chat[-1].headers["Authorization"] == "Bearer sk-op-configured"
     assert second.messages[-1].headers["x-api-key"] == "sk-an-configured"
@@ -898,3 +910,110 @@ async def test_the_mode_is_the_tenants_else_the_routes_else_the_top_levels(
                 async with s.post(proxy.url + "/v1/chat/completions", headers=key, json={
                         "model": f"route-{route}", "messages": [{"role": "user", "content": "hi"}]}) as r:
                     assert r.status == 200 and r.headers["x-ctxproxy-mode"] == want, (tenant, route)
+
+
+MODEL = "gpt-4o-mini"
+
+
+TENANT_KEY = "sk-tenant-acme-7f3a"
+
+
+OVERRIDE = "x-ctxproxy-context-manager"
+
+
+def tenant_config(upstream_url: str, **tenant: Any) -> dict[str, Any]:
+    return base_config(upstream_url, tenants=[{"name": "acme", "keys": [TENANT_KEY], **tenant}],
+                       summarizer={"retry_backoff_seconds": 0, "timeout_seconds": 2, "max_summary_tokens": 300})
+
+
+def twenty_turns() -> list[Message]:
+    """A 20-turn conversation of about 8.3k tokens."""
+    out: list[Message] = [{"role": "system", "content": "You are ACME's support agent."}]
+    for i in range(20):
+        out += [{"role": "user", "content": f"Question {i}: " + text_of(60, i)},
+                {"role": "assistant", "content": f"Answer {i}: " + text_of(340, i + 100)}]
+    out.append({"role": "user", "content": "And the last question?"})
+    return out
+
+
+POLICY = {"type": "summarising", "params": {"keep_turns": 3}}  # derived threshold; the cap makes it summarise
+
+
+async def forwarded(upstream: FakeUpstream, start_proxy: StartProxy, override: str | None
+                    ) -> tuple[int, int, dict[str, str]]:
+    """(tokens out, user messages forwarded, answer headers) for the 20-turn conversation."""
+    proxy = await start_proxy(tenant_config(upstream.base_url, context_manager=POLICY, max_context_tokens=6000))
+    status, headers, body = await post(proxy, {"model": MODEL, "messages": twenty_turns()}, key=TENANT_KEY,
+                                       headers={OVERRIDE: override} if override else {})
+    assert status == 200, body
+    users = sum(1 for m in upstream.chat[-1].body["messages"] if m["role"] == "user")
+    return int(headers["x-ctxproxy-tokens-out"]), users, headers
+
+
+@pytest.mark.usefixtures("shared_model_map")
+@pytest.mark.parametrize("override", [
+    {"type": "sliding-window", "params": {"cut_step": 1000}},
+    {"type": "sliding-window", "params": {"keep_turns": 1, "cut_step": 1000}},
+    {"type": "sliding-window", "params": {"keep_turns": 3, "cut_step": 3}},
+], ids=["cut_step-1000", "keep-1-cut_step-1000", "cut_step-3"])
+async def test_a_switch_to_a_sliding_window_may_not_widen_it_with_cut_step(
+    upstream: FakeUpstream, start_proxy: StartProxy, override: dict[str, Any]
+) -> None:
+    """The policy keeps 3 turns (its own window: at most 3 + 2 - 1); a larger cut_step is ignored with a warning."""
+    baseline, base_users, _ = await forwarded(upstream, start_proxy, None)
+    tokens, users, headers = await forwarded(upstream, start_proxy, json.dumps(override))
+    warning = headers.get("x-ctxproxy-warning", "")
+    assert warning.startswith("x-ctxproxy-context-manager ignored") and "cut_step" in warning, warning
+    assert (tokens, users) == (baseline, base_users)
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_a_switch_to_a_sliding_window_within_the_policys_window_applies(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """Control: sliding-window with the policy's keep_turns (and its default cut_step), or a narrower one, applies."""
+    for override, most in (("sliding-window", 3 + 2 - 1),
+                           (json.dumps({"type": "sliding-window", "params": {"keep_turns": 2, "cut_step": 1}}), 2)):
+        _tokens, users, headers = await forwarded(upstream, start_proxy, override)
+        assert "x-ctxproxy-warning" not in headers, headers
+        assert users - 1 <= most  # history turns kept, plus the current one
+
+
+OVERRIDDEN = {"type": "summarising", "params": {"summary_threshold": 2000, "keep_turns": 3}}
+
+
+async def tokens_out(proxy: RunningProxy, override: str | None) -> tuple[int, dict[str, str]]:
+    headers = {OVERRIDE: override} if override is not None else {}
+    status, got, body = await post(proxy, {"model": MODEL, "messages": twenty_turns()}, key=TENANT_KEY,
+                                   headers=headers)
+    assert status == 200, body
+    return int(got["x-ctxproxy-tokens-out"]), got
+
+
+@pytest.mark.usefixtures("shared_model_map")
+@pytest.mark.parametrize("override", [
+    "sliding-window",
+    json.dumps({"type": "summarising", "params": {"summary_threshold": 0}}),
+], ids=["sliding-window", "summary_threshold-0"])
+async def test_override_cannot_loosen_the_tenants_policy(upstream: FakeUpstream, start_proxy: StartProxy,
+                                                         override: str) -> None:
+    """A loosening override is ignored with a warning; what is forwarded stays what the policy gives."""
+    proxy = await start_proxy(tenant_config(upstream.base_url, context_manager=OVERRIDDEN))
+    first, _ = await tokens_out(proxy, None)  # under B: forwarded whole while its summary is made in the background
+    await proxy.state.shared.background.idle()
+    baseline, _ = await tokens_out(proxy, None)
+    assert baseline < 3000 < first  # the tenant's policy: summary + the last 3 turns
+    loosened, headers = await tokens_out(proxy, override)
+    assert "x-ctxproxy-warning" in headers, headers
+    assert loosened == baseline
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_override_may_tighten_the_tenants_policy(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A tightening override (trimmer.max_tokens 1000) applies without a warning."""
+    proxy = await start_proxy(tenant_config(upstream.base_url, context_manager=OVERRIDDEN))
+    baseline, _ = await tokens_out(proxy, None)
+    tighter, headers = await tokens_out(proxy, json.dumps({"type": "summarising",
+                                                           "params": {"trimmer": {"max_tokens": 1000}}}))
+    assert "x-ctxproxy-warning" not in headers, headers
+    assert tighter <= 1000 < baseline

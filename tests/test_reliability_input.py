@@ -338,7 +338,7 @@ HOSTILE: list[tuple[str, bytes, int, str | None]] = [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "same", "type": "function", "function": {"name": "f", "arguments": "{}"}}] * 3},
         {"role": "tool", "tool_call_id": "same", "content": "r"},
-        # one id three times: no result can say which call it answers (issue 11, item 11)
+        # one id three times: no result can say which call it answers, so it is refused
         {"role": "tool", "tool_call_id": "same", "content": "r"}]}), 400, "duplicate_tool_call_id"),
     ("tools-not-a-list", b'{"model": "gpt-4o-mini", "tools": 5, "messages": [{"role": "user", "content": "hi"}]}',
      200, None),
@@ -357,7 +357,11 @@ async def test_hostile_bodies(upstream: FakeUpstream, start_proxy: Any, raw: byt
             got, out, _ = await post(s, proxy.url + path, raw)
             assert time.perf_counter() - started < 5
             assert_wellformed_answer(got, out)
-            if path.endswith("/explain") and code == "invalid_json" and raw.startswith(b'{"model": "gpt-4o-mini", "tools"'):
+            if (
+                path.endswith("/explain")
+                and code == "invalid_json"
+                and raw.startswith(b'{"model": "gpt-4o-mini", "tools"')
+            ):
                 assert got == 200
                 continue
             assert got == status, out[:300]
@@ -407,7 +411,7 @@ async def test_200k_messages_bounded_time_and_memory(upstream: FakeUpstream, sta
     assert status == 200, out[:300]
     assert headers["x-ctxproxy-summary"] == "waited"
     assert int(headers["x-ctxproxy-tokens-out"]) <= 128000 - 16384 - 12800
-    assert elapsed < 20
+    assert elapsed < 65  # 5-6.5 s measured: ten times that
     assert mem.peak_growth < 500 * MB
     assert_forwarded_valid(upstream)
 
@@ -426,7 +430,7 @@ async def test_30mb_single_message_refused_in_bounded_time(upstream: FakeUpstrea
     print(f"\n30 MB one message: {status} in {elapsed:.1f}s, peak RSS +{mem.peak_growth / MB:.0f} MB")
     assert status == 400
     assert assert_openai_error(out)["code"] == "context_length_exceeded"
-    assert elapsed < 15
+    assert elapsed < 48  # 1.5-4.8 s measured: ten times that
     assert mem.peak_growth < 600 * MB
     assert not upstream.chat and not upstream.summaries
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import yaml
 
 from proxy.core.errors import ConfigError
 from proxy.settings import load_config
+from tests.conftest import ROOT, base_config
 from tests.helpers import REPO
 
 BASE: dict[str, Any] = {"upstreams": {"u": {"base_url": "http://127.0.0.1:9"}}, "cache": {"backend": "memory"}}
@@ -392,3 +395,33 @@ def test_mode_is_read_at_every_level_and_defaults_to_enforce() -> None:
     plain = load_config(with_(models=[{"name": "m"}], tenants=[{"name": "t", "keys": ["k"]}]), env={})
     assert (plain.settings.mode, plain.settings.models[0].mode, plain.tenants[0].settings.mode) == (
         "enforce", None, None)
+
+
+TENANT_KEY = "sk-tenant-acme-7f3a"
+
+
+def validate(tmp_path: Path, cfg: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return subprocess.run([sys.executable, "-m", "proxy.cli", "validate", str(path)], cwd=ROOT, text=True,
+                          capture_output=True, timeout=60)
+
+
+@pytest.mark.usefixtures("shared_model_map")
+def test_validate_rejects_an_admin_key_equal_to_a_tenant_key(tmp_path: Path) -> None:
+    """An admin key that is also a tenant's key is a config error (exit 2, naming the key path)."""
+    cfg = base_config("http://127.0.0.1:9/v1", tenants=[{"name": "acme", "keys": [TENANT_KEY]}],
+                      admin={"keys": [TENANT_KEY]})
+    done = validate(tmp_path, cfg)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "admin.keys" in done.stderr
+    assert TENANT_KEY not in done.stderr + done.stdout  # and the key itself is never printed
+
+
+@pytest.mark.usefixtures("shared_model_map")
+def test_validate_accepts_distinct_admin_and_tenant_keys(tmp_path: Path) -> None:
+    """Distinct admin and tenant keys validate."""
+    cfg = base_config("http://127.0.0.1:9/v1", tenants=[{"name": "acme", "keys": [TENANT_KEY]}],
+                      admin={"keys": ["adm-different-key"]})
+    done = validate(tmp_path, cfg)
+    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr

@@ -19,7 +19,8 @@ before T (none cached yet) or before B (a cached one in use), starts its summary
 (``Compactor.prefetch``), cut so that the payload is one hysteresis step under that point again when
 the summary is used. The request that crosses T then finds it ready and keeps the turns since verbatim
 while they fit under B. A request that masking alone brings under T starts nothing (masking is what
-keeps it there; the request masking no longer fits under T starts the summary). A request whose payload fits under B without a summary never waits for one
+keeps it there; the request masking no longer fits under T starts the summary). A request whose payload fits under B
+without a summary never waits for one
 (status ``pending`` while the background summary is under way); a request waits for the summariser
 only when nothing else fits under B: no cached summary brings it under B and its payload without one
 is over B. It then joins the summary being made when that one fits, else makes its own, and says so

@@ -14,7 +14,8 @@ What providers bill for a PDF is per page (``proxy.core.media``), so two figures
 
 The work is bounded whatever the input: at most ``MAX_STREAMS`` streams and ``MAX_INFLATED`` bytes
 inflated in all (a zip bomb stops there), regular expressions only (no recursion, no per-byte Python
-loop), and at most ``MAX_TEXT`` characters handed on for tokenizing (beyond them only their number). A file that is not a PDF, or whose pages cannot be found, is None: the caller keeps its size-based
+loop), and at most ``MAX_TEXT`` characters handed on for tokenizing (beyond them only their number). A file that is
+not a PDF, or whose pages cannot be found, is None: the caller keeps its size-based
 default.
 """
 
@@ -33,7 +34,9 @@ DICT_WINDOW = 2048  # how far before "stream" its dictionary is looked for
 _STREAM = re.compile(rb"\bstream(?:\r\n|\n|\r)")
 _OBJ = re.compile(rb"\d+\s+\d+\s+obj\b")
 _PAGE = re.compile(rb"/Type\s*/Page(?![A-Za-z0-9_])")
-_PAGES_COUNT = re.compile(rb"/Type\s*/Pages\b[^>]{0,1024}?/Count\s+(\d{1,9})|/Count\s+(\d{1,9})[^>]{0,1024}?/Type\s*/Pages\b")
+_PAGES_COUNT = re.compile(
+    rb"/Type\s*/Pages\b[^>]{0,1024}?/Count\s+(\d{1,9})|/Count\s+(\d{1,9})[^>]{0,1024}?/Type\s*/Pages\b"
+)
 _TEXT_MARK = re.compile(rb"\b[BE]T\b")
 _NEW_LINE = re.compile(rb"T\*|\bT[dDm]\b|['\"]")
 _LIT = rb"\((?:[^()\\]|\\.|\((?:[^()\\]|\\.)*\))*\)"

@@ -1,4 +1,5 @@
-"""What context management saved on one request, net of what it cost (issue 15), and the after-answer step.
+"""What context management saved on one request, net of what it cost (the summariser's
+calls, the prompt cache it broke), and the after-answer step.
 
 Per request, priced on the upstream model its route names (``ModelMap.prices``: the config's prices,
 else litellm's map):

@@ -6,7 +6,8 @@ size that reaches the model. It runs the hook and the pipeline exactly as ``/v1/
 would, but in dry-run: a summary or an emulated compaction is looked up in the cache, never
 made, so counting bills nobody; a summary that does not exist yet is counted at its largest
 (``summarizer.max_summary_tokens``, and its values section: the pipeline's estimate for the turns it
-would cover, ``summarizer.max_values_tokens`` for an emulated compaction). Its body usually has no ``max_tokens`` (Claude Code sends
+would cover, ``summarizer.max_values_tokens`` for an emulated compaction). Its body usually has no ``max_tokens``
+(Claude Code sends
 none): it is then budgeted with a reserve of one token (``COUNT_RESERVE``), the smallest
 ``/v1/messages`` can be sent with, so the answer is the most ``/v1/messages`` would forward
 for this conversation, and exactly that whenever the real request's ``max_tokens`` (or a
@@ -72,8 +73,11 @@ async def count_tokens_handler(request: web.Request, wire: Wire) -> web.StreamRe
         headers: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
         summarizer = runtime.config.settings.summarizer
         max_summary = summarizer.max_summary_tokens
-        unmade = max_summary + summarizer.max_values_tokens if exchange is not None and exchange.describe().get("compaction") == "would_create" \
+        unmade = (
+            max_summary + summarizer.max_values_tokens
+            if exchange is not None and exchange.describe().get("compaction") == "would_create"
             else 0
+        )
         try:
             assembly, route, _policy = await runtime.assemble(wire, probe, tenant=tenant, override=override,
                                                               offload=offload, request_id=rid, dry_run=True,

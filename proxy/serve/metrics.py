@@ -368,7 +368,8 @@ class Metrics:
             self.unmanaged.labels(report.wire if report.wire in self.wires.names else OTHER, reason).inc()
         self._ledger(t, m, tokens_received=max(0, report.tokens_before), tokens_forwarded=max(0, report.tokens_after),
                      tokens_removed=removed,
-                     summaries_created=int(report.summary == "created"), summaries_reused=int(report.summary == "reused"))
+                     summaries_created=int(report.summary == "created"),
+                     summaries_reused=int(report.summary == "reused"))
 
     def account(self, tenant: str, model: str, cost: RequestCost, mode: str = "enforce") -> None:
         """One answered request's figures: gross savings, the prompt-cache effect, and their net.

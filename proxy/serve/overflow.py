@@ -23,7 +23,8 @@ nothing yet and the proxy still has everything it needs:
    needs one, follows the normal path) and sent once more, never more than once per request. A retry that
    would send no fewer tokens (a request whose history the provider holds: ``previous_response_id``) is not
    made, nor one in observe mode (the client's payload is forwarded as sent: the refusal is learned from,
-   so enforce's budget would fit, and relayed). The client then gets the answer with a warning in ``x-ctxproxy-warning`` and the retry's figures in
+   so enforce's budget would fit, and relayed). The client then gets the answer with a warning in
+   ``x-ctxproxy-warning`` and the retry's figures in
    the other ``x-ctxproxy-*`` headers; or, when the retry is refused again or fails, its error.
 
 Every refusal is counted (``ctxproxy_overflow_recovered_total`` / ``ctxproxy_overflow_failed_total``,

@@ -5,7 +5,8 @@
 authentication (with the keys from the headers the wire names), reading the body (decoded,
 within the size and time limits) and parsing it (in a worker thread when it is large), the
 model check (where the wire keeps the model; one refusal for all), the request record, the
-``finished`` metric (and a payload error's; explain is logged, not counted), and the one log line; a request whose pipeline ran
+``finished`` metric (and a payload error's; explain is logged, not counted), and the one log line; a request whose
+pipeline ran
 is settled after its answer (``proxy.serve.feedback``) before its line is written. A handler
 keeps only what differs: what it does with the body, and the answer.
 """

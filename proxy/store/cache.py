@@ -75,7 +75,9 @@ class Cache(Protocol):
         """Store ``value`` (a JSON object) for ``ttl`` seconds (None: the backend's default TTL)."""
         ...
 
-    def lock(self, key: str, ttl: float, wait: float, ready: Ready | None = None) -> AbstractAsyncContextManager[LockHandle]:
+    def lock(
+        self, key: str, ttl: float, wait: float, ready: Ready | None = None
+    ) -> AbstractAsyncContextManager[LockHandle]:
         """Cross-process mutual exclusion on ``key``.
 
         The lock expires after ``ttl`` seconds unless its holder renews it (``LockHandle.renew``),
@@ -228,7 +230,9 @@ class BaseCache:
     async def _release(self, lock_key: str, token: str) -> None:
         raise NotImplementedError
 
-    def lock(self, key: str, ttl: float, wait: float, ready: Ready | None = None) -> AbstractAsyncContextManager[LockHandle]:
+    def lock(
+        self, key: str, ttl: float, wait: float, ready: Ready | None = None
+    ) -> AbstractAsyncContextManager[LockHandle]:
         return self._lock(LOCK_PREFIX + key, ttl, wait, ready)
 
     @asynccontextmanager
@@ -329,7 +333,9 @@ class SafeCache:
             return
         self._ok("set")
 
-    def lock(self, key: str, ttl: float, wait: float, ready: Ready | None = None) -> AbstractAsyncContextManager[LockHandle]:
+    def lock(
+        self, key: str, ttl: float, wait: float, ready: Ready | None = None
+    ) -> AbstractAsyncContextManager[LockHandle]:
         return self._lock(key, ttl, wait, ready)
 
     @asynccontextmanager

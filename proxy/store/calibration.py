@@ -206,7 +206,8 @@ def sample_of(provider_tokens: int | None, proxy_tokens: int, hidden: str | None
 
 
 def refusal_sample(provider_tokens: int | None, limit: int, proxy_tokens: int, hidden: str | None = None) -> Sample:
-    """A refusal for length as a sample: the provider's stated count over ctxproxy's, or the bound limit / ctxproxy's."""
+    """A refusal for length as a sample: the provider's stated count over ctxproxy's, or the bound limit over
+    ctxproxy's."""
     if hidden is not None:
         return Sample("hidden_input")
     if proxy_tokens < MIN_SAMPLE_TOKENS:
@@ -480,8 +481,8 @@ class CalibrationStore:
         self._changed(key[1], key[2], before)
 
     def _merge(self, entry: _Entry, stored: dict[str, Any] | None) -> None:
-        if not isinstance(stored, dict) or stored.get("upstream") != entry.upstream or stored.get("model") != entry.model \
-                or stored.get("tenant", POOLED) != entry.tenant:
+        if not isinstance(stored, dict) or stored.get("upstream") != entry.upstream \
+                or stored.get("model") != entry.model or stored.get("tenant", POOLED) != entry.tenant:
             return  # missing, unreadable, or (a hash collision) another key's record
         theirs = _samples(stored.get("samples"))
         seen = {(origin, t) for _, t, origin in entry.samples}
@@ -512,7 +513,8 @@ class CalibrationStore:
                 entry = self._entries.get(key)
                 if entry is None or not entry.dirty:
                     break
-        except (CacheBackendError, OSError) as exc:  # a bare backend (SafeCache already swallows): the samples stay local
+        except (CacheBackendError, OSError) as exc:
+            # a bare backend (SafeCache already swallows): the samples stay local
             log.debug("calibration write failed: %s", exc)
 
     async def _store(self, key: Key) -> None:

@@ -11,7 +11,8 @@ Anthropic's ``compact_20260112`` edit when ctxproxy emulates ``context_managemen
   be made is forwarded as one placeholder, ``WOULD_CREATE`` (status ``would_create``);
 - one rule for a policy whose summariser is ``drop``: it never calls a model to summarise, so a
   compaction under it is ``unavailable`` (``DROPS_OLDER_TURNS``): the context manager drops older
-  turns instead (and puts their values section in their place), ``/responses/compact`` answers 400 ``compaction_unavailable``, and a Messages
+  turns instead (and puts their values section in their place), ``/responses/compact`` answers 400
+  ``compaction_unavailable``, and a Messages
   compaction is not applied (a warning says why). Nobody is billed for it in one place and
   refused in another;
 - one cost path: every summariser call is priced and counted where it is made, in the summary

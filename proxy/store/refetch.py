@@ -10,7 +10,8 @@ the working-memory cap removed it). A re-fetched output is not counted again; th
 output, if it is removed in turn, may be.
 
 What is remembered per conversation, in a bounded LRU of this process for each tenant (never shared
-across tenants, and one tenant's traffic never evicts another's conversations; nor across replicas: each replica counts the re-fetches of the requests it serves after one it
+across tenants, and one tenant's traffic never evicts another's conversations; nor across replicas: each replica
+counts the re-fetches of the requests it serves after one it
 served): the length and hash of the last request's received items (a later request whose items
 extend them holds the model's new calls after them; one that does not, an edited history or another
 run with the same start, counts nothing and starts again), and the signatures of the calls whose

@@ -41,7 +41,9 @@ class AnthropicProvider:
     def url(self, path: str) -> str:
         return f"{self.upstream.base_url}/v1{path}"
 
-    def headers(self, client_headers: Mapping[str, str], request_id: str, *, wire: str = "messages") -> CIMultiDict[str]:
+    def headers(
+        self, client_headers: Mapping[str, str], request_id: str, *, wire: str = "messages"
+    ) -> CIMultiDict[str]:
         headers = anthropic_headers(client_headers, self.upstream, forward_client_auth=self.forward_client_auth,
                                     request_id=request_id, bearer=wire != "messages")
         headers["Content-Type"] = "application/json"

@@ -56,10 +56,13 @@ class UpstreamEngine:
                                                request_id=call_id),
                 timeout=timeout)
         except (asyncio.TimeoutError, UpstreamTimeout):
-            raise SummaryUnavailable(_where(route, call_id, f"timed out after {timeout:g}s"), reason="timeout") from None
+            raise SummaryUnavailable(
+                _where(route, call_id, f"timed out after {timeout:g}s"), reason="timeout"
+            ) from None
         except UpstreamStatus as exc:
-            raise SummaryUnavailable(_where(route, call_id, f"upstream answered {exc.status}: {_message(exc)}"),
-                                     reason="status") from None
+            raise SummaryUnavailable(
+                _where(route, call_id, f"upstream answered {exc.status}: {_message(exc)}"), reason="status"
+            ) from None
         except UpstreamUnreachable as exc:
             raise SummaryUnavailable(_where(route, call_id, exc.message), reason="unreachable") from None
         except CtxProxyError as exc:

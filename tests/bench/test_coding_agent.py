@@ -63,7 +63,9 @@ def test_a_planted_value_is_held_by_its_source_alone_until_a_later_turn_uses_it(
 
 
 def test_the_tool_outputs_look_like_a_coding_agents(sessions: list[Conversation]) -> None:
-    calls = Counter(call["function"]["name"] for c in sessions for m in c.messages for call in m.get("tool_calls") or [])
+    calls = Counter(
+        call["function"]["name"] for c in sessions for m in c.messages for call in m.get("tool_calls") or []
+    )
     assert set(calls) == {"read_file", "grep", "run_tests", "shell", "http_get", "edit_file"}
     outputs = [m["content"] for c in sessions for m in c.messages if m["role"] == "tool"]
     assert any("=================================== FAILURES" in o for o in outputs)

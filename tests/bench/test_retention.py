@@ -29,8 +29,10 @@ def filler(n: int) -> str:
 
 
 def parcel_conversation() -> Conversation:
-    call1 = {"id": "c1", "type": "function", "function": {"name": "lookup_order", "arguments": '{"order_id": "ORD-5531"}'}}
-    call2 = {"id": "c2", "type": "function", "function": {"name": "track_parcel", "arguments": '{"tracking": "TRK-99812"}'}}
+    call1 = {"id": "c1", "type": "function",
+             "function": {"name": "lookup_order", "arguments": '{"order_id": "ORD-5531"}'}}
+    call2 = {"id": "c2", "type": "function",
+             "function": {"name": "track_parcel", "arguments": '{"tracking": "TRK-99812"}'}}
     output = json.dumps({"order": "ORD-5531", "tracking": "TRK-99812", "history": filler(1200)})
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a support agent."},

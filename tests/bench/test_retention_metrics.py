@@ -32,7 +32,11 @@ def test_strings_read_call_arguments_as_json() -> None:
 
 def test_values_the_system_prompt_holds_do_not_count() -> None:
     """A value the pinned system prompt holds is always forwarded: counting it would credit every strategy."""
-    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"date": "2024-05-15", "id": "ZX81Q"}'}}
+    call = {
+        "id": "c",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"date": "2024-05-15", "id": "ZX81Q"}'},
+    }
     conversation = Conversation("x", [{"role": "system", "content": "Today is 2024-05-15."},
                                       {"role": "user", "content": "Go."},
                                       {"role": "assistant", "content": None, "tool_calls": [call]}],

@@ -1,4 +1,4 @@
-"""The container image, built and run (issue 16.2): podman, read-only root, cache volume, healthcheck,
+"""The container image, built and run as an operator would: podman, read-only root, cache volume, healthcheck,
 non-root, SIGTERM drain. And compose.yaml checked by a compose implementation.
 
 Needs podman + runc (Debian: ``apt-get install podman runc uidmap slirp4netns fuse-overlayfs``) and,
@@ -28,7 +28,7 @@ import yaml
 
 from tests.check._support import ROOT, ctxproxy_command, free_port, record, wait_http
 from tests.fake_upstream import REPLY, FakeUpstream
-from tests.test_summarisation import conversation
+from tests.store.test_summaries_http import conversation
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -1,4 +1,5 @@
-"""ctxproxy in front of a real LLM server (issues 16.3 and 17): llama-cpp-python's OpenAI-compatible server
+"""ctxproxy in front of a real LLM server, whose tokenizer and request-id rules are not ours:
+llama-cpp-python's OpenAI-compatible server
 with SmolLM2-135M-Instruct, a 4,096-token route, a 30-turn conversation through the official openai client.
 
 The run itself is ``bench/real_server.py`` (also a script that writes ``bench/results/real-server.*``); it
@@ -64,7 +65,8 @@ def test_failures_are_only_the_window(run: dict[str, Any]) -> None:
 
 
 def test_the_server_refuses_a_non_uuid_request_id(run: dict[str, Any]) -> None:
-    """What issue 17 found, checked on this server version (if this fails, the server changed)."""
+    """A server that validates X-Request-ID refuses a non-UUID id with an empty 400: why ctxproxy sends UUIDs
+    (if this fails, the server changed)."""
     probe = run["request_id_probe"]
     assert (probe["non_uuid"]["status"], probe["non_uuid"]["body_bytes"]) == (400, 0)
     assert probe["uuid"]["status"] == 200
@@ -89,7 +91,7 @@ def test_budget_kept_by_the_servers_own_count(run: dict[str, Any]) -> None:
     """usage.prompt_tokens (the server's tokenizer and chat template) <= window - max_tokens: on every turn,
     and for a payload at ctxproxy's hard budget B at the worst server/ctxproxy ratio seen in the run. The server
     counts 7-13 % more than ctxproxy's o200k count; the token calibration (a conservative default for small
-    models, then the learned factor) keeps B inside the real window (issues 15 and 17)."""
+    models, then the learned factor) keeps B inside the real window, which the provider counts, not ctxproxy."""
     t = run["tokens"]
     assert run["errors"] == [], run["errors"]
     assert t["max_server_prompt_tokens"] <= t["budget_server_tokens"], t

@@ -1,4 +1,5 @@
-"""Three ctxproxy replicas on one real redis-server behind a real nginx (issue 16.4).
+"""Three ctxproxy replicas on one real redis-server behind a real nginx: the deployment
+the docs recommend for more than one process.
 
 nginx runs the shipped ``deploy/nginx/ctxproxy.conf`` (only the replica addresses and the listen port
 are rewritten to this test's free ports on 127.0.0.1). Six agents hold growing conversations through
@@ -98,8 +99,8 @@ class Provider:
                 call.content = hashlib.sha256(json.dumps(body["messages"], sort_keys=True).encode()).hexdigest()
                 await asyncio.sleep(SUMMARY_DELAY)
                 text = f"Summary {call.content[:12]}: the user (ids, refs and prices kept) asked about bookings."
-                response: web.StreamResponse = web.json_response(_completion(text, {"prompt_tokens": 900, "completion_tokens": 40,
-                                                                "total_tokens": 940}))
+                usage = {"prompt_tokens": 900, "completion_tokens": 40, "total_tokens": 940}
+                response: web.StreamResponse = web.json_response(_completion(text, usage))
             elif body.get("stream"):
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await response.prepare(request)
@@ -299,10 +300,11 @@ async def test_three_replicas_behind_nginx_survive_a_kill_with_one_summary_each(
                     await proc.wait_ready(60)
                 listen = free_port()
                 conf = nginx_config(prefix, listen, ports)
-                check = subprocess.run([nginx, "-t", "-e", "stderr", "-p", str(prefix), "-c", str(conf)], capture_output=True,
-                                       text=True, check=False)
+                check = subprocess.run([nginx, "-t", "-e", "stderr", "-p", str(prefix), "-c", str(conf)],
+                                       capture_output=True, text=True, check=False)
                 assert check.returncode == 0, check.stderr
-                lb = await start_process([nginx, "-e", "stderr", "-p", str(prefix), "-c", str(conf)], "nginx", env=env())
+                lb = await start_process([nginx, "-e", "stderr", "-p", str(prefix), "-c", str(conf)], "nginx",
+                                         env=env())
                 procs.append(lb)
                 url = f"http://127.0.0.1:{listen}"
                 deadline = time.monotonic() + 20

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from hypothesis import given
@@ -17,6 +18,9 @@ from proxy.core.budget import (
     compute_budget,
     why,
 )
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.outside import chat_body, post
 
 
 def budget(window: int = 128_000, *, request: int | None = None, model_out: int | None = None,
@@ -58,7 +62,9 @@ def test_the_providers_window_caps_an_explicit_budget_too() -> None:
     (1_000_000, None, DEFAULT_RESERVE),
     (3, 100, 0),  # int(3 * 0.25) == 0
 ])
-def test_default_reserve_is_bounded_by_a_quarter_of_the_window(window: int, model_out: int | None, reserve: int) -> None:
+def test_default_reserve_is_bounded_by_a_quarter_of_the_window(
+    window: int, model_out: int | None, reserve: int
+) -> None:
     b = budget(window, model_out=model_out)
     assert b.reserve == reserve
     assert b.reserve == min(model_out if model_out is not None else DEFAULT_RESERVE, int(window * RESERVE_WINDOW_SHARE))
@@ -205,3 +211,35 @@ def test_merged_over_takes_only_what_is_set() -> None:
     assert (merged.max_tokens, merged.reserve_tokens, merged.safety_margin_ratio) == (50_000, 500, 0.2)
     assert mine.merged_over(None) is mine
     assert TrimmerParams().merged_over(base) == base
+
+
+@pytest.mark.usefixtures("shared_model_map")
+@pytest.mark.parametrize("model", ["mistral/mistral-large-latest",
+                                   "together_ai/meta-llama/Llama-3.3-70B-Instruct-Turbo"])
+async def test_model_whose_max_output_equals_its_window_is_forwarded(
+    upstream: FakeUpstream, start_proxy: StartProxy, model: str
+) -> None:
+    """A short request to a model whose max output is close to its window is forwarded, not refused."""
+    proxy = await start_proxy(base_config(upstream.base_url))  # the model is known only from litellm's map
+    messages = [{"role": "user", "content": "hi"}]
+    status, headers, body = await post(proxy, chat_body(messages, model))
+    assert status == 200, body
+    assert upstream.chat[-1].body["messages"] == messages
+    # the default reserve is bounded (e.g. min(max output, a fraction of the window)): a real budget is left
+    assert int(headers["x-ctxproxy-tokens-out"]) <= 10
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_refusal_caused_by_the_completion_reserve_names_it(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                 ) -> None:
+    """When the reserve (the request's max_tokens) eats the window, the refusal names it, not a cap."""
+    cfg = base_config(upstream.base_url, models=[{"name": "tiny", "context_window": 1000, "max_output_tokens": 500}])
+    proxy = await start_proxy(cfg)  # no trimmer budget, no tenant cap configured
+    status, _headers, body = await post(proxy, chat_body([{"role": "user", "content": "hi"}], "tiny",
+                                                         max_tokens=2000))
+    if status == 200:  # a fix that bounds even an explicit reserve forwards it: also right
+        return
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    message = body["error"]["message"]
+    assert "configured token budget" not in message and not re.search(r"\bcap\b", message), message
+    assert re.search(r"reserve|max_(completion_)?tokens", message), message

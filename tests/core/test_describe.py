@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.core import describe
+from tests.conftest import StartProxy
+from tests.fake_upstream import FakeUpstream
+from tests.outside import (
+    Message,
+    chat_body,
+    post,
+)
+from tests.store.test_summaries_http import config as summarising_config
+from tests.store.test_summaries_http import conversation
 
 
 @pytest.mark.parametrize(("text", "limit", "expected"), [
@@ -103,3 +115,64 @@ def test_shorten_never_cuts_a_kept_value_away(text: str, keep: list[str]) -> Non
     for value in keep:
         if re.search(r"(?<![A-Za-z0-9_])" + value + r"(?![A-Za-z0-9_])", text):
             assert re.search(r"(?<![A-Za-z0-9_])" + value + r"(?![A-Za-z0-9_])", out), value
+
+
+def summariser_text(upstream: FakeUpstream) -> str:
+    """Everything the summariser was sent, all calls together."""
+    return "\n".join(m["content"] for call in upstream.summaries for m in call.body["messages"]
+                     if isinstance(m.get("content"), str))
+
+
+def conversation_with(special: list[Message]) -> list[Message]:
+    """conversation(40) with ``special`` messages inserted into its second turn (aged out, summarised)."""
+    messages = conversation(40)
+    at = next(i for i, m in enumerate(messages) if m["role"] == "user" and m["content"].startswith("Turn 1:")) + 1
+    return messages[:at] + special + messages[at:]
+
+
+async def summarise(upstream: FakeUpstream, start_proxy: StartProxy, special: list[Message]) -> str:
+    # what the summariser is sent is the subject: no observation masking first (it may make a summary needless)
+    proxy = await start_proxy(summarising_config(upstream.base_url, context_manager={
+        "type": "summarising", "params": {"keep_turns": 4, "mask_observations": False}}))
+    status, headers, body = await post(proxy, chat_body(conversation_with(special)))
+    assert (status, headers.get("x-ctxproxy-summary")) == (200, "waited"), body
+    return summariser_text(upstream)
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_summariser_sees_a_legacy_function_call(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """Book_flight({"flight": "HAT001"}) as a legacy function_call reaches the summariser."""
+    text = await summarise(upstream, start_proxy, [
+        {"role": "assistant", "content": None,
+         "function_call": {"name": "book_flight", "arguments": json.dumps({"flight": "HAT001"})}},
+        {"role": "function", "name": "book_flight", "content": "confirmed, seat 3A"},
+    ])
+    assert "confirmed, seat 3A" in text  # the result is there today; the call's arguments are not
+    assert "HAT001" in text
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_summariser_sees_an_assistant_refusal(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """An assistant message with only a refusal reaches the summariser."""
+    text = await summarise(upstream, start_proxy, [
+        {"role": "assistant", "content": None, "refusal": "I cannot share passport number PX-REFUSED-77."}])
+    assert "PX-REFUSED-77" in text
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_summariser_sees_an_audio_transcript(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """An assistant audio answer with a transcript reaches the summariser as its transcript."""
+    text = await summarise(upstream, start_proxy, [
+        {"role": "assistant", "content": None,
+         "audio": {"id": "audio_1", "transcript": "Your gate is B12, boarding at 09:40 (AUDIO-MARK)."}}])
+    assert "AUDIO-MARK" in text
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_summariser_sees_an_image_placeholder(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """An image part reaches the summariser as a placeholder, next to the text."""
+    text = await summarise(upstream, start_proxy, [
+        {"role": "user", "content": [{"type": "text", "text": "Here is my boarding pass IMG-MARK."},
+                                     {"type": "image_url", "image_url": {"url": "https://example.com/p.png"}}]}])
+    assert "IMG-MARK" in text
+    assert re.search(r"\[[^\]]*image[^\]]*\]", text, re.IGNORECASE)

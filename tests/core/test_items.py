@@ -40,7 +40,8 @@ def test_defaults() -> None:
     raw = {"role": "user", "content": "hi"}
     item = Item(raw, USER)
     assert item.raw is raw
-    assert (item.call_ids, item.result_id, item.source, item.pinned, item.key, item.tokens) == ((), None, -1, False, 0, 0)
+    fields = (item.call_ids, item.result_id, item.source, item.pinned, item.key, item.tokens)
+    assert fields == ((), None, -1, False, 0, 0)
     assert item.group == NO_GROUP
     assert item.describe() == ""
     assert list(item.atoms()) == []

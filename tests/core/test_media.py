@@ -11,6 +11,9 @@ from hypothesis import strategies as st
 from proxy.core import media
 from proxy.core.tokens import TokenCounter
 from tests import media_files as mf
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.outside import chat_body, post
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +143,46 @@ def test_constants_are_the_documented_ones() -> None:
     assert (media.OPENAI_PAGE_TOKENS, media.OPENAI_PAGE_TOKENS_LOW, media.CLAUDE_PAGE_TOKENS) == (765, 85, 1_600)
     assert media.AUDIO_TOKENS_PER_SECOND == 10
     assert media.FILE_UNKNOWN_TOKENS == 4 * media.FILE_PAGE_TOKENS == 6_000
+
+
+def noise_b64(n_bytes: int, seed: int) -> str:
+    """Base64 of ``n_bytes`` that do not compress (the size a client really sends)."""
+    return base64.b64encode(bytes((i * 131 + seed * 7 + (i >> 8) * 17) % 256 for i in range(n_bytes))).decode()
+
+
+AUDIO_MODEL = {"name": "gpt-4o-audio-preview", "context_window": 128000, "max_output_tokens": 16384}
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_audio_part_counted_as_billed_not_as_base64(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A 320 KB input_audio part is forwarded and counted as audio (well below its base64 text)."""
+    proxy = await start_proxy(base_config(upstream.base_url, models=[AUDIO_MODEL]))
+    data = noise_b64(240_000, 7)  # 320 KB of base64: ~5 s of 24 kHz 16-bit mono audio
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "What is said here?"},
+        {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}]}]
+    status, headers, body = await post(proxy, chat_body(messages, "gpt-4o-audio-preview"))
+    assert status == 200, body
+    # providers bill audio by duration (OpenAI: on the order of 10 tokens per second), never by its base64:
+    # whatever documented estimate the fix picks, it is far below the ~290k tokens of the base64 text
+    assert int(headers["x-ctxproxy-tokens-in"]) < 20_000
+    # and it is counted, at the documented estimate (proxy/core/media.py): 240 kB of WAV at 32 kB/s is
+    # 7.5 s, at 10 tokens a second 75 tokens, plus the text
+    assert 75 <= int(headers["x-ctxproxy-tokens-in"]) < 200
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_file_part_counted_as_billed_not_as_base64(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A 300 KB file (PDF) part is forwarded and counted well below its base64 text."""
+    proxy = await start_proxy(base_config(upstream.base_url, models=[AUDIO_MODEL]))
+    data = noise_b64(225_000, 8)  # 300 KB of base64
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Summarise the attached report."},
+        {"type": "file", "file": {"filename": "report.pdf", "file_data": "data:application/pdf;base64," + data}}]}]
+    status, headers, body = await post(proxy, chat_body(messages, "gpt-4o-audio-preview"))
+    assert status == 200, body
+    # a PDF is billed as its extracted text plus an image per page; any documented estimate from its size or
+    # pages stays far below the ~273k tokens its base64 text would count (intent: < a quarter of that)
+    assert int(headers["x-ctxproxy-tokens-in"]) < 60_000
+    # and it is counted, at the documented estimate: 225 kB decoded is 8 pages of 30 kB at 1,500 tokens each
+    assert 12_000 <= int(headers["x-ctxproxy-tokens-in"]) < 12_200

@@ -1,6 +1,6 @@
 """proxy.core.pairing: the neutral repair and check on items, with a fake wire factory.
 
-The chat-specific behaviour (messages, legacy function calls) is in tests/test_pairing.py;
+The chat-specific behaviour (messages, legacy function calls) is in tests/wire/test_chat_pairing.py;
 here only items: calls by id, results by id, merged runs of calls (Responses-style
 wires) and factories that cannot make placeholders or leave nothing after stripping.
 """
@@ -28,6 +28,9 @@ from proxy.core.pairing import (
     is_paired,
     repair,
 )
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.outside import Message, post
 
 
 class Factory:
@@ -321,3 +324,75 @@ def test_errors_name_ids_as_the_client_sent_them(neutral: str, shown: str) -> No
     with pytest.raises(PayloadError) as caught:
         check([Item({}, USER, source=0), Item({}, TOOL, result_id=neutral, source=1)])
     assert shown in caught.value.message and "\x00" not in caught.value.message and "fn:" not in caught.value.message
+
+
+MODEL = "gpt-4o-mini"
+
+
+def chat(messages: list[Any], model: str = MODEL, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": messages, **extra}
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "tool", "tool_call_id": "call_9", "content": "stale result"}],
+    [{"role": "function", "name": "lookup", "content": "ok"},
+     {"role": "tool", "tool_call_id": "call_1", "content": "ok"}],
+    [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+], ids=["stray-tool", "stray-results", "unanswered-call-only"])
+async def test_a_repair_that_leaves_nothing_is_refused_not_forwarded(
+    upstream: FakeUpstream, start_proxy: StartProxy, messages: list[Message]
+) -> None:
+    """When pairing repair removes every message (stray results, an unanswered call alone), the request is refused
+    with 400: an empty conversation is never forwarded."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    status, _, body = await post(proxy, chat(messages))
+    assert status == 400, (status, [r.body["messages"] for r in upstream.chat])
+    assert body["error"]["type"] == "invalid_request_error"
+    assert upstream.chat == []
+
+
+def test_repair_of_a_merged_run_without_placeholders_is_paired() -> None:
+    """Repair over a merged run of calls (Responses items) whose call cannot get a placeholder (a hosted tool's)
+    yields items the check accepts: repair's own output is never refused."""
+    from proxy.core.errors import PayloadError
+    from proxy.core.items import ASSISTANT, TOOL, USER, Item
+    from proxy.core.pairing import check, repair
+
+    class Factory:
+        def without_calls(self, item: Item) -> Item | None:
+            return Item({"reasoning": item.raw["reasoning"]}, ASSISTANT, source=item.source)
+
+        def placeholder(self, call: Item, call_id: str) -> Item | None:
+            return None  # e.g. a hosted tool's call: no result can be made up for it
+
+    items = [Item({}, USER, source=0),
+             Item({"reasoning": "r1"}, ASSISTANT, call_ids=("fc_1",), source=1),
+             Item({"reasoning": "r2"}, ASSISTANT, call_ids=("ws_2",), source=2),
+             Item({}, TOOL, result_id="fc_1", source=3)]
+    repaired, _ = repair(items, Factory(), merge_call_runs=True)
+    try:
+        check(repaired, merge_call_runs=True)
+    except PayloadError as exc:
+        pytest.fail(f"repair's own output is refused: {exc.code}: {exc} -> {repaired}")
+
+
+EMPTIED: list[list[dict[str, Any]]] = [
+    [{"role": "assistant", "function_call": {"name": "lookup"}}],
+    [{"role": "assistant", "content": None,
+      "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+    [{"role": "tool", "tool_call_id": "nowhere", "content": "orphan"}],
+]
+
+
+@pytest.mark.parametrize("messages", EMPTIED)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/ctxproxy/explain"])
+async def test_a_payload_emptied_by_repair_is_refused(upstream: FakeUpstream, start_proxy: StartProxy,
+                                                      messages: list[dict[str, Any]], path: str) -> None:
+    """A payload that pairing repair empties (an unanswered legacy call alone) is refused with
+    ``empty_after_repair``, never forwarded (or explained) as ``"messages": []``; fuzzing found it."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    status, _, body = await post(proxy, {"model": "gpt-4o-mini", "messages": messages}, path=path)
+    assert status == 400
+    assert body["error"]["code"] == "empty_after_repair" and body["error"]["param"] == "messages"
+    assert upstream.chat == []

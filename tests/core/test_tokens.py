@@ -1,7 +1,7 @@
 """proxy.core.tokens: encodings by model name (tiktoken's public API), content keys, the counter's LRUs.
 
 The per-message formulas are the wire's (tests/wire/test_chat.py); counts against tiktoken's
-reference are in tests/test_tokens.py.
+reference are in tests/wire/test_chat_tokens.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import tiktoken
 
 from proxy.core.errors import PayloadError
 from proxy.core.tokens import CL100K, O200K, TokenCounter, Tokenizers, content_key, encoding_for
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.outside import post
 
 
 @pytest.mark.parametrize(("model", "encoding"), [
@@ -278,3 +281,31 @@ def test_counting_a_large_body_lets_go_of_the_lock_between_chunks() -> None:
     lock.taken = 0
     assert counter.many_digests(keys, lambda i: b"") == [r.encode() for r in raws]
     assert lock.taken >= 5, lock.taken
+
+
+MODEL = "gpt-4o-mini"
+
+
+def chat(messages: list[Any], model: str = MODEL, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": messages, **extra}
+
+
+@pytest.mark.parametrize("model", ["davinci", "openai/babbage", "gpt2"])
+async def test_a_client_chosen_model_name_never_makes_the_proxy_fetch_an_encoding(
+    upstream: FakeUpstream, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch, model: str
+) -> None:
+    """A model name the client picks (an old GPT-3 or GPT-2 name) never makes the proxy download a tiktoken encoding:
+    counting stays offline, whatever the body names."""
+    import tiktoken.load
+
+    fetched: list[str] = []
+
+    def no_network(url: str) -> bytes:
+        fetched.append(url)
+        raise OSError(f"network disabled in this test: {url}")
+
+    monkeypatch.setattr(tiktoken.load, "read_file", no_network)
+    proxy = await start_proxy(base_config(upstream.base_url))
+    status, _, body = await post(proxy, chat([{"role": "user", "content": "hi"}], model=model))
+    assert fetched == [], f"the proxy fetched {fetched}"
+    assert status == 200, body

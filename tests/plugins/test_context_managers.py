@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,8 @@ from proxy.core.tokens import TokenCounter
 from proxy.pipeline import Assembly, assemble, chain_hashes
 from proxy.policy import Routes, policy_for
 from proxy.wire.chat import WIRE as CHAT
+from tests.conftest import ROOT, StartProxy
+from tests.fake_upstream import FakeUpstream
 from tests.helpers import (
     LINEAR,
     MODEL,
@@ -41,6 +44,13 @@ from tests.helpers import (
     user,
     words,
 )
+from tests.outside import (
+    Message,
+    chat_body,
+    post,
+    text_of,
+)
+from tests.store.test_summaries_http import config as summarising_config
 from tests.wire.chat_helpers import items_of
 
 COUNTER = TokenCounter("o200k_base")
@@ -277,7 +287,10 @@ async def test_summarising_with_engine_places_one_summary_after_the_system_band(
     # the summariser's own window is the 4k model's: the aged part is summarised in chunks that fit it,
     # each folding the previous chunk's summary in
     assert a.report.summary == "created" and len(engine.calls) >= 2
-    assert "Previous summary:\n- the user booked flight HAT001 (reservation ZFA04Y) (call 1)" in engine.calls[1][1]["content"]
+    assert (
+        "Previous summary:\n- the user booked flight HAT001 (reservation ZFA04Y) (call 1)"
+        in engine.calls[1][1]["content"]
+    )
     assert all(recount(call) + 1024 <= 4_000 for call in engine.calls)  # prompt + answer fit the window
     n = a.report.turns_summarised
     assert n >= 10
@@ -499,3 +512,33 @@ def test_summarising_finds_its_cut_in_linear_time() -> None:
 
     growth = per_item_growth(setup, 2_000)
     assert growth < LINEAR, f"time per turn grew {growth:.1f}x from 2,000 to 16,000 turns"
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_sliding_window_cut_step_default_is_the_documented_one(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                     ) -> None:
+    """The sliding window moves by the cut_step default the README documents (read from the README)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    row = re.search(r"^\s*\|\s*`sliding-window`.*$", readme, re.MULTILINE)
+    assert row, "README has no sliding-window row"
+    match = re.search(r"cut_step`?[^|]*?default ⌈\s*keep_turns\s*/\s*(\d+)\s*⌉", row.group(0))
+    assert match, row.group(0)
+    keep = 8
+    step = math.ceil(keep / int(match.group(1)))
+    # 8000 window, max output 1000: B = 6200, T = 5636. A 5700-token system prompt puts every request over T;
+    # the turns are small, so the window alone decides what is kept (no trimming)
+    cfg = summarising_config(upstream.base_url, context_manager={"type": "sliding-window",
+                                                                "params": {"keep_turns": keep}})
+    proxy = await start_proxy(cfg)
+    system = {"role": "system", "content": text_of(5700, 4)}
+    observed, expected = [], []
+    for n in range(keep + 1, keep + 9):  # n history turns, then the current question
+        messages: list[Message] = [system]
+        for i in range(n):
+            messages += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+        messages.append({"role": "user", "content": "now?"})
+        status, _headers, body = await post(proxy, chat_body(messages))
+        assert status == 200, body
+        observed.append(sum(1 for m in upstream.chat[-1].body["messages"] if m["role"] == "user") - 1)
+        expected.append(n - (n - keep) // step * step)  # kept: keep .. keep + step - 1
+    assert observed == expected, (step, observed, expected)

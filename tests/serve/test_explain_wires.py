@@ -204,7 +204,9 @@ async def test_explain_compaction_looks_the_summary_up_and_never_calls_the_summa
     assert again["report"]["context_management"]["compaction"] == "reused"
     assert again["messages"] == made["messages"] != dry["messages"]
     status, _, _ = await post(proxy, body, path="/v1/messages", headers=HEADERS)
-    assert status == 200 and len(upstream.summaries) == 1 and upstream.messages[-1].body["messages"] == again["messages"]
+    assert (
+        status == 200 and len(upstream.summaries) == 1 and upstream.messages[-1].body["messages"] == again["messages"]
+    )
 
 
 def test_explain_runs_the_hooks_the_managed_handler_runs() -> None:

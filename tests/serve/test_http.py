@@ -8,6 +8,7 @@ import uuid
 import zlib
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
@@ -34,9 +35,10 @@ from proxy.serve.http import (
     request_id,
 )
 from proxy.wire import WIRES
-from tests.conftest import StartProxy, base_config
-from tests.fake_upstream import FakeUpstream
-from tests.outside import request
+from tests.conftest import RunningProxy, StartProxy, base_config
+from tests.fake_upstream import FakeUpstream, is_uuid
+from tests.outside import post, request
+from tests.store.test_summaries_http import config
 
 
 def req(headers: dict[str, str] | list[tuple[str, str]] | None = None, method: str = "POST",
@@ -199,7 +201,8 @@ async def test_middleware_renders_tree_errors_in_the_requests_shape() -> None:
     (web.HTTPRequestEntityTooLarge(max_size=10, actual_size=20), 413, "request_too_large"),
     (web.HTTPConflict(), 409, "http_error"),
 ])
-async def test_middleware_turns_http_exceptions_into_openai_errors(exc: web.HTTPException, status: int, code: str) -> None:
+async def test_middleware_turns_http_exceptions_into_openai_errors(exc: web.HTTPException, status: int,
+                                                                   code: str) -> None:
     async def handler(request: web.Request) -> web.StreamResponse:
         raise exc
 
@@ -241,7 +244,8 @@ ENCODED_ROUTES = [
     ("/v1/responses", "openai", {"model": "gpt-4o-mini", "input": "hi"}),
     ("/v1/messages", "anthropic", {"model": "gpt-4o-mini", "max_tokens": 64,
                                    "messages": [{"role": "user", "content": "hi"}]}),
-    ("/v1/messages/count_tokens", "anthropic", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/messages/count_tokens", "anthropic",
+     {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
     ("/v1/ctxproxy/explain", "openai", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
     ("/v1/embeddings", "openai", {"model": "gpt-4o-mini", "input": "hi"}),  # relayed
 ]
@@ -309,3 +313,65 @@ async def test_an_integer_beyond_64_bits_reaches_the_upstream_exactly(
     assert int(headers["x-ctxproxy-tokens-out"]) < int(headers["x-ctxproxy-tokens-in"])  # managed: re-written
     sent = json.loads(upstream.chat[-1].raw)
     assert sent["seed"] == big and sent["metadata"] == {"n": bigger}
+
+
+MODEL = "gpt-4o-mini"
+
+
+OVERRIDE = "x-ctxproxy-context-manager"
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_escaped_crlf_in_an_override_never_reaches_a_header(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                  ) -> None:
+    """An override whose JSON key holds \\r\\n is ignored with a clean, single-line warning header."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    override = '{"type": "stack", "params": {"bad\\r\\nX-Injected: yes": 1}}'  # JSON escapes, valid header text
+    assert "\r" not in override and "\n" not in override
+    try:
+        status, headers, body = await post(proxy, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                                           headers={OVERRIDE: override})
+    except aiohttp.ClientError as exc:
+        pytest.fail(f"the client got no answer: {exc!r}")
+    assert status == 200, body
+    assert "x-injected" not in headers
+    warning = headers.get("x-ctxproxy-warning", "")
+    assert warning and "\r" not in warning and "\n" not in warning, warning
+
+
+async def chat(proxy: RunningProxy, messages: list[dict[str, Any]], request_id: str | None = None
+               ) -> tuple[int, dict[str, str]]:
+    headers = {"Authorization": "Bearer sk-client"}
+    if request_id is not None:
+        headers["x-request-id"] = request_id
+    async with aiohttp.ClientSession() as s, s.post(proxy.base_url + "/chat/completions", headers=headers,
+                                                    json={"model": "small-model", "messages": messages}) as r:
+        await r.read()
+        return r.status, {k.lower(): v for k, v in r.headers.items()}
+
+
+def ids(upstream: FakeUpstream, purpose: str) -> list[str | None]:
+    """X-Request-ID of every request the upstream received for ``purpose`` (summarize, or a path)."""
+    return [rid for p, rid in upstream.request_ids if p == purpose]
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_chat_request_id_sent_upstream_is_a_uuid(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A chat request without x-request-id is sent upstream with a generated UUID."""
+    proxy = await start_proxy(config(upstream.base_url))
+    status, headers = await chat(proxy, [{"role": "user", "content": "hi"}])
+    assert status == 200
+    sent = ids(upstream, "/v1/chat/completions")
+    assert len(sent) == 1 and is_uuid(sent[0]), sent
+    assert headers["x-request-id"] == sent[0]
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_clients_own_request_id_is_kept_upstream(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """The client's own x-request-id is sent upstream and echoed back unchanged."""
+    proxy = await start_proxy(config(upstream.base_url))
+    mine = str(uuid.uuid4())
+    status, headers = await chat(proxy, [{"role": "user", "content": "hi"}], request_id=mine)
+    assert status == 200
+    assert ids(upstream, "/v1/chat/completions") == [mine]
+    assert headers["x-request-id"] == mine

@@ -17,8 +17,8 @@ import pytest
 from tests.conftest import RunningProxy, StartProxy
 from tests.fake_upstream import FakeUpstream, Received, request_tokens
 from tests.outside import metric_total, scrape
-from tests.test_summarisation import conversation
-from tests.wire.test_masking_http import MAX_TOKENS, WIRES, Wire, budget
+from tests.plugins.test_masking_http import MAX_TOKENS, WIRES, Wire, budget
+from tests.store.test_summaries_http import conversation
 
 WATCHED, ENFORCED, ADMIN = "sk-watched", "sk-enforced", "sk-admin"
 PRICE = 2e-6  # USD per input token, on every route (so savings are priced)

@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import RunningProxy, StartProxy
+from tests.conftest import RunningProxy, StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
 from tests.helpers import words
 from tests.outside import share_model_map
@@ -152,3 +152,17 @@ async def test_emulated_context_management_reports_the_size_before_its_edits(
     else:
         assert counted["input_tokens"] == upstream.count_tokens_answer
         assert "context_management" not in upstream.counts[-1].body
+
+
+async def test_count_tokens_is_not_refused_by_a_tenants_output_cap(upstream: FakeUpstream,
+                                                                   start_proxy: StartProxy) -> None:
+    """count_tokens sets no max_tokens: a refusing output cap has nothing to refuse."""
+    cfg = base_config(upstream.base_url)
+    cfg["models"] = [{"name": "claude-x", "context_window": 200_000, "max_output_tokens": 64_000}]
+    cfg["tenants"] = [{"name": "t", "keys": ["k1"], "max_output_tokens": 1000, "max_output_policy": "refuse"}]
+    proxy = await start_proxy(cfg)
+    body = {"model": "claude-x", "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/messages/count_tokens", json=body,
+                                                    headers={"x-api-key": "k1"}) as r:
+        assert r.status == 200, await r.text()
+        assert (await r.json())["input_tokens"] > 0

@@ -119,7 +119,9 @@ def test_assembled_counts_tokens_removals_repairs_and_savings(metrics: Metrics, 
     assert value(metrics, "ctxproxy_repairs_total", kind="missing_result") == 1
     # savings are counted once the request was answered (a failed request saved nothing)
     assert value(metrics, "ctxproxy_estimated_savings_usd_total", **t) == 0
-    r = report(tokens_before=10_000, tokens_after=3_000, removed={"summarised": 6_000, "wm_capped": 500, "trimmed": 500})
+    r = report(
+        tokens_before=10_000, tokens_after=3_000, removed={"summarised": 6_000, "wm_capped": 500, "trimmed": 500}
+    )
     metrics.account("acme", MODEL, request_cost(r, MODEL, model_map))
     savings = value(metrics, "ctxproxy_estimated_savings_usd_total", **t)
     assert savings > 0

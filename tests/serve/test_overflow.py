@@ -147,7 +147,8 @@ async def test_the_learned_window_survives_a_restart(
 
 
 @pytest.mark.parametrize("dialect", ["vllm", "sglang", "llamacpp", "mistral", "ollama"])
-async def test_every_providers_words_are_recovered(upstream: FakeUpstream, start_proxy: StartProxy, dialect: str) -> None:
+async def test_every_providers_words_are_recovered(upstream: FakeUpstream, start_proxy: StartProxy,
+                                                   dialect: str) -> None:
     """vLLM, SGLang, llama.cpp, Mistral state the window; Ollama only how far over it the request was (the window
     is then the proxy's calibrated count less the excess: an estimate on the safe side)."""
     upstream.window = ProviderWindow(REAL, dialect=dialect)
@@ -332,7 +333,7 @@ async def test_observe_mode_relays_the_refusal_and_learns_the_window(
     assert metric_total(text, "ctxproxy_overflow_recovered_total") == 0
 
 
-# --------------------------------------------------------------------------- the learned window is shared: hostile input
+# ------------------------------------------------------------------------ the learned window is shared: hostile input
 
 
 async def test_a_payload_already_over_the_window_teaches_nothing(upstream: FakeUpstream,

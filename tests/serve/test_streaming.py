@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -18,6 +19,19 @@ from proxy.wire.chat.stream import STREAM as CHAT
 from proxy.wire.messages.stream import STREAM as MESSAGES
 from proxy.wire.responses.stream import STREAM as RESPONSES
 from proxy.wire.sse import SSE, StreamEnd, StreamWatcher
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.faults import (
+    CHAT_MODEL,
+    HELLO,
+    Resources,
+    SlowStreamUpstream,
+    eventually,
+    send_chat,
+    settle,
+    sse_data,
+    warm,
+)
 
 
 class FakeAnswer:
@@ -54,7 +68,8 @@ Run = Callable[[FakeAnswer, StreamEnd], Awaitable[tuple[int, dict[str, str], byt
 async def run() -> AsyncIterator[Run]:
     runners: list[web.AppRunner] = []
 
-    async def go(answer: FakeAnswer, end: StreamEnd) -> tuple[int, dict[str, str], bytes, StreamWatcher, dict[str, Any]]:
+    async def go(answer: FakeAnswer,
+                 end: StreamEnd) -> tuple[int, dict[str, str], bytes, StreamWatcher, dict[str, Any]]:
         watcher = StreamWatcher(0.0, end)
         seen: dict[str, Any] = {}
 
@@ -119,7 +134,8 @@ async def test_an_upstream_content_type_is_kept_for_bodies(run: Run) -> None:
 COMPLETE = {
     "chat": (CHAT, [b"data: {\"choices\": []}\n\n", b"data: [DONE]\n\n"]),
     "responses": (RESPONSES, [b"event: response.created\ndata: {}\n\n",
-                              b"event: response.completed\ndata: {\"response\": {\"usage\": {\"input_tokens\": 3}}}\n\n"]),
+                              b"event: response.completed\n"
+                              b"data: {\"response\": {\"usage\": {\"input_tokens\": 3}}}\n\n"]),
     "messages": (MESSAGES, [b"event: message_start\ndata: {}\n\n", b"event: message_stop\ndata: {}\n\n"]),
     "sse": (SSE, [b"data: 0\n\n", b"data: 1\n\n"]),
 }
@@ -167,3 +183,92 @@ async def test_a_stream_that_breaks_off_ends_with_one_error_event(run: Run, erro
     assert not watcher.done
     assert seen["stream_error"] == code
     assert answer.closed == [False]
+
+
+MODEL = "gpt-4o-mini"
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_chunk_framing_error_mid_stream_ends_the_stream_at_once(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                      ) -> None:
+    """The upstream breaks HTTP chunked framing mid-stream: the client's stream ends with an error at once."""
+    upstream.mode = "bad_chunk"
+    idle = 2.0
+    proxy = await start_proxy(base_config(upstream.base_url, server={"idle_timeout": idle}))
+    async with aiohttp.ClientSession() as s, s.post(proxy.base_url + "/chat/completions", json={
+            "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+        assert r.status == 200
+        raw = await r.content.readany()  # the first chunk; the framing breaks 0.2 s later
+        started = time.monotonic()
+        try:
+            async for chunk in r.content.iter_any():
+                raw += chunk
+        except aiohttp.ClientPayloadError:
+            pass  # the proxy may also cut the connection
+    elapsed = time.monotonic() - started
+    assert b'"error"' in raw and b"[DONE]" not in raw, raw[-300:]
+    assert elapsed < idle / 2, (
+        f"the framing error surfaced {elapsed:.1f} s after the first chunk (idle timeout {idle} s)"
+    )
+
+
+async def test_many_clients_disconnect_mid_stream_nothing_leaks(upstream: FakeUpstream, start_proxy: Any) -> None:
+    """20 streams cut by their clients mid-stream: 20 upstream requests cancelled, no task, connection or fd
+    left behind, and the proxy keeps serving."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    before = await warm(proxy, upstream)
+    upstream.mode = "stall"  # two chunks, then an hour of silence
+    body = {"model": CHAT_MODEL, "messages": HELLO, "stream": True}
+    sessions = [aiohttp.ClientSession() for _ in range(20)]
+    try:
+        responses = await asyncio.gather(*(s.post(proxy.url + "/v1/chat/completions", json=body)
+                                           for s in sessions))
+        firsts = await asyncio.gather(*(asyncio.wait_for(r.content.readuntil(b"\n\n"), 3) for r in responses))
+        assert all(f.startswith(b"data: ") for f in firsts)
+        assert upstream.active == 20
+        during = Resources.take(proxy, upstream)
+        assert during.acquired == 20
+        for r in responses:
+            r.close()  # drop the connection mid-stream
+    finally:
+        for s in sessions:
+            await s.close()
+    assert await eventually(lambda: upstream.cancelled == 20, 3.0), upstream.cancelled
+    after = await settle(proxy, upstream, before)
+    print(f"\nbefore {before}\nduring {during}\nafter  {after}")
+    upstream.mode = "ok"
+    async with aiohttp.ClientSession() as s:
+        status, _, raw = await send_chat(s, proxy.url, body)
+    assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+
+
+async def test_client_gone_while_waiting_for_headers_nothing_leaks(upstream: FakeUpstream,
+                                                                   start_proxy: Any) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url))
+    before = await warm(proxy, upstream)
+    upstream.mode = "hang"
+    async with aiohttp.ClientSession() as s:
+        pending = [asyncio.ensure_future(send_chat(s, proxy.url)) for _ in range(10)]
+        assert await eventually(lambda: upstream.active == 10)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    assert await eventually(lambda: upstream.cancelled == 10)
+    await settle(proxy, upstream, before)
+
+
+async def test_slow_streams_relayed_chunk_by_chunk(slow_upstream: SlowStreamUpstream, start_proxy: Any) -> None:
+    """A stream that takes 1 s arrives piece by piece (first chunk long before the end), complete."""
+    proxy = await start_proxy(base_config(slow_upstream.base_url))
+    body = {"model": CHAT_MODEL, "messages": HELLO, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        started = time.monotonic()
+        async with s.post(proxy.url + "/v1/chat/completions", json=body) as r:
+            first = await r.content.readuntil(b"\n\n")
+            first_at = time.monotonic() - started
+            rest = await r.read()
+        total = time.monotonic() - started
+    assert first.startswith(b"data: ")
+    assert total >= 0.9 and first_at < total - 0.6  # (the first request also loads the tokenizer)
+    events = sse_data(first + rest)
+    assert events[-1] == b"[DONE]" and len(events) == 11

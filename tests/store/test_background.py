@@ -24,8 +24,8 @@ from proxy.store.summaries import SummaryService
 from tests.fake_upstream import FakeUpstream
 from tests.helpers import assistant, system, user, words
 from tests.outside import metric_total, scrape
-from tests.wire.test_masking_http import WIRES, Wire, budget, send
-from tests.wire.test_masking_http import config as wires_config
+from tests.plugins.test_masking_http import WIRES, Wire, budget, send
+from tests.plugins.test_masking_http import config as wires_config
 
 WINDOW = 8_000
 HARD, THRESHOLD = budget(WINDOW)

@@ -27,10 +27,10 @@ from tests.conftest import base_config
 from tests.fake_upstream import FakeUpstream
 from tests.helpers import FakeEngine, tau_trajectories
 from tests.helpers import recount as chat_recount
+from tests.plugins.test_masking_http import WIRES, budget, padded, send
+from tests.plugins.test_masking_http import config as masking_config
 from tests.wire import responses_helpers as rh
 from tests.wire.chat_helpers import items_of
-from tests.wire.test_masking_http import WIRES, budget, padded, send
-from tests.wire.test_masking_http import config as masking_config
 
 COUNTER = TokenCounter("o200k_base")
 

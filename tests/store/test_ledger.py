@@ -33,7 +33,7 @@ from tests.conftest import RunningProxy, StartProxy
 from tests.fake_upstream import FakeUpstream
 from tests.outside import metric_total, scrape
 from tests.redis_server import RedisServer, redis_server_fixture
-from tests.test_summarisation import config, conversation, post
+from tests.store.test_summaries_http import config, conversation, post
 
 redis_server = redis_server_fixture(scope="module")
 

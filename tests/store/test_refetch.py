@@ -22,9 +22,9 @@ from proxy.store.refetch import RefetchTracker, removed_outputs
 from tests.fake_upstream import FakeUpstream
 from tests.helpers import assistant, call, system, tool, user, words
 from tests.outside import metric_total, scrape
+from tests.plugins.test_masking_http import WIRES, send
+from tests.plugins.test_masking_http import config as wires_config
 from tests.wire.chat_helpers import items_of
-from tests.wire.test_masking_http import WIRES, send
-from tests.wire.test_masking_http import config as wires_config
 
 ADMIN = "sk-admin"
 COUNTER = TokenCounter("o200k_base")
@@ -33,8 +33,8 @@ Message = dict[str, Any]
 
 def output(t: int, records: int) -> str:
     return json.dumps({"reservation_id": f"R{t:04d}X", "flights": [
-        {"flight_number": f"HAT{t:02d}{i:02d}", "origin": "JFK", "destination": "SEA", "date": f"2024-05-{i % 28 + 1:02d}",
-         "price": 100 + i, "status": "available"} for i in range(records)]})
+        {"flight_number": f"HAT{t:02d}{i:02d}", "origin": "JFK", "destination": "SEA",
+         "date": f"2024-05-{i % 28 + 1:02d}", "price": 100 + i, "status": "available"} for i in range(records)]})
 
 
 def session(turns: int, records: int = 40, chat: int = 0) -> list[Message]:

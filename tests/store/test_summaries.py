@@ -9,6 +9,7 @@ while a live holder keeps the lock, and lock renewal while summarising.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,8 @@ from proxy.core.errors import SummaryUnavailable
 from proxy.core.items import ASSISTANT, USER, Item
 from proxy.store.memory import MemoryCache
 from proxy.store.summaries import SummaryService, summary_key
+from tests.fake_upstream import FakeUpstream
+from tests.store.test_summaries_http import config as summarising_config
 
 SCOPE = SummaryScope("acme", "llm/v2/gpt-4o-mini/e3b0c44298fc1c14")
 CHAIN = [f"{i:032x}" for i in range(1, 9)]
@@ -113,7 +116,9 @@ async def test_lookup_takes_the_longest_cached_prefix_in_one_get_many() -> None:
     cache = CountingCache()
     svc = service(cache)
     for k in (2, 5):
-        await cache.set(summary_key(SCOPE, CHAIN[k - 1]), {"text": f"summary of {k}", "turns": k, "chain": CHAIN[k - 1]})
+        await cache.set(
+            summary_key(SCOPE, CHAIN[k - 1]), {"text": f"summary of {k}", "turns": k, "chain": CHAIN[k - 1]}
+        )
     cache.ops.clear()
     found = await svc.lookup(SCOPE, CHAIN)
     assert found == CachedSummary(5, CHAIN[4], "summary of 5")
@@ -514,3 +519,40 @@ async def test_a_reload_measures_a_back_off_in_progress_with_the_new_settings() 
         await obtain(svc, Summarizer())
     svc.configure(ttl=None, local_entries=0, lock_wait=0.05, max_wait=600, backoff_first=10, backoff_max=600)
     assert (await obtain(svc, Summarizer()))[1] is True  # 20 s after the failure: past a 10 s back-off
+
+
+async def test_lock_wait_zero_does_not_spin_on_the_cache(upstream: FakeUpstream) -> None:
+    """With ``lock_wait_seconds: 0`` and another replica holding the summary's lock, the store does not retry
+    the lock in a tight loop against the cache (at most a few attempts in half a second)."""
+    from plugins.base import SummaryScope
+    from proxy.serve.state import build_shared
+    from proxy.settings import load_config
+    from proxy.store.memory import MemoryCache
+    from proxy.store.summaries import summary_key
+
+    class Counting(MemoryCache):
+        acquires = 0
+
+        async def _try_acquire(self, lock_key: str, token: str, ttl: float) -> bool:
+            Counting.acquires += 1
+            return await super()._try_acquire(lock_key, token, ttl)
+
+    cfg = load_config(summarising_config(upstream.base_url, summarizer={"lock_wait_seconds": 0}), env={})
+    cache = Counting()
+    shared = build_shared(cfg, cache=cache)
+    scope = SummaryScope("default", "llm/v2/gpt-4o-mini/x")
+    chain = ["0" * 32, "1" * 32]
+    key = summary_key(scope, chain[1])
+
+    async def never(previous: str | None, turns: Any) -> Completion:  # pragma: no cover - never called
+        raise AssertionError("another replica holds the lock")
+
+    try:
+        async with cache.lock("lock:" + key, ttl=30, wait=0) as held:  # another replica, alive, summarising
+            assert held.acquired
+            Counting.acquires = 0
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(shared.summaries.obtain(scope, chain, 2, [[], []], None, never), 0.5)
+            assert Counting.acquires < 100, f"{Counting.acquires} lock attempts in 0.5 s"
+    finally:
+        await shared.close()

@@ -7,10 +7,13 @@ needed); everything runs in well under a second.
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 from aiohttp import web
 from hypothesis import example, given, settings
@@ -34,6 +37,20 @@ from proxy.upstream.http import (
     response_headers,
     upstream_headers,
 )
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
+from tests.faults import (
+    CHAT_MODEL,
+    HELLO,
+    RAW_FAULTS,
+    RawUpstream,
+    Resources,
+    eventually,
+    openai_error,
+    send_chat,
+    sse_data,
+)
+from tests.outside import chat_body
 
 SECRET = "sk-proj-Abc123_def-456XYZ"
 ROUTE = ModelRoute("gpt-4o-mini", "u", "gpt-4o-mini-2024-07-18", "openai", 128_000, 16_384, "o200k_base")
@@ -225,7 +242,8 @@ def test_response_headers_keep_what_clients_need_and_drop_the_rest() -> None:
     (None, "", 0, 0),
     ({"choices": [{"message": {"content": "x"}}], "usage": {"prompt_tokens": -5, "completion_tokens": True}},
      "x", 0, 0),
-    ({"choices": [{"message": {"content": "x"}}], "usage": {"prompt_tokens": 1.5, "completion_tokens": "9"}}, "x", 0, 0),
+    ({"choices": [{"message": {"content": "x"}}], "usage": {"prompt_tokens": 1.5, "completion_tokens": "9"}},
+     "x", 0, 0),
     ({"choices": [{"message": {"content": ["parts"]}}], "usage": []}, "", 0, 0),
 ])
 def test_completion_from(payload: Any, text: str, prompt: int, completion: int) -> None:
@@ -314,9 +332,9 @@ async def response_of(url: str) -> tuple[aiohttp.ClientSession, aiohttp.ClientRe
 
 async def test_read_error_redacts_the_key_and_normalises_the_body(serve: Any) -> None:
     async def echo(request: web.Request) -> web.Response:
-        return web.json_response({"error": {"message": f"Incorrect API key provided: {SECRET}", "type": "invalid_request_error",
-                                            "code": "invalid_api_key"}}, status=400, headers={"Retry-After": "1",
-                                                                                              "Set-Cookie": "a=b"})
+        return web.json_response({"error": {"message": f"Incorrect API key provided: {SECRET}",
+                                            "type": "invalid_request_error", "code": "invalid_api_key"}},
+                                 status=400, headers={"Retry-After": "1", "Set-Cookie": "a=b"})
 
     url = await serve(echo)
     session, response = await response_of(url + "/v1/chat/completions")
@@ -460,3 +478,78 @@ async def test_the_pool_keeps_one_session_per_base_url() -> None:
         await pool.close()
     assert pool.session(a) is not None
     await pool.close()
+
+
+MODEL = "gpt-4o-mini"
+
+
+UPSTREAM_KEY = "sk-upstream-secret"  # base_config's upstream key
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_upstream_key_echoed_in_a_stream_is_redacted(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """The upstream's key, echoed back inside a streamed 200 answer, never reaches the client."""
+    upstream.mode = "echo_key"
+    proxy = await start_proxy(base_config(upstream.base_url))
+    async with openai.AsyncOpenAI(base_url=proxy.base_url, api_key="sk-client", max_retries=0) as client:
+        stream = await client.chat.completions.create(model=MODEL, stream=True,
+                                                      messages=[{"role": "user", "content": "hi"}])
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text.startswith("You called me with")  # the echo came through ...
+    assert UPSTREAM_KEY not in text  # ... redacted, as in relayed errors
+
+
+async def test_the_clients_x_ctxproxy_headers_are_the_proxys_own(
+    serve_routes: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy
+) -> None:
+    """``x-ctxproxy-*`` headers an upstream sends (on a 200 or an error) never reach the client: those headers
+    report what the proxy did, and an upstream must not be able to spoof them."""
+    spoofed = {"x-ctxproxy-summary": "created", "x-ctxproxy-tokens-out": "1", "x-ctxproxy-warning": "from upstream"}
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("user") == "fail":
+            return web.json_response({"error": {"message": "slow down"}}, status=429, headers=spoofed)
+        return web.json_response({"id": "chatcmpl-1", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]},
+            headers=spoofed)
+
+    base = await serve_routes({"/v1/chat/completions": completions})
+    proxy = await start_proxy(base_config(base))
+    for user in ("ok", "fail"):
+        body = chat_body([{"role": "user", "content": "hi"}], MODEL, user=user)
+        async with aiohttp.ClientSession() as s, s.post(proxy.base_url + "/chat/completions", json=body,
+                                                        headers={"Authorization": "Bearer sk-client"}) as r:
+            assert r.headers.getall("x-ctxproxy-summary", []) == ["none"], (user, r.headers)
+            assert r.headers.getall("x-ctxproxy-tokens-out") != ["1"], (user, r.headers)
+            assert "x-ctxproxy-warning" not in r.headers, (user, r.headers)
+
+
+@pytest.mark.parametrize(("mode", "stream", "status", "code"), RAW_FAULTS, ids=[f[0] for f in RAW_FAULTS])
+async def test_raw_upstream_faults(start_proxy: Any, mode: str, stream: bool, status: int, code: str) -> None:
+    raw_up = await RawUpstream(mode).start()
+    try:
+        cfg = base_config(raw_up.url)
+        cfg["server"] = {"first_byte_timeout": 0.5, "idle_timeout": 0.5}
+        proxy = await start_proxy(cfg)
+        async with aiohttp.ClientSession() as s:
+            started = time.monotonic()
+            body = {"model": CHAT_MODEL, "messages": HELLO, "stream": stream}
+            got, headers, raw = await send_chat(s, proxy.url, body)
+            elapsed = time.monotonic() - started
+        assert elapsed < 3
+        assert got == status, raw[:300]
+        if stream:
+            events = sse_data(raw)
+            assert b"[DONE]" not in events
+            err = json.loads(events[-1])["error"]
+        else:
+            err = openai_error(raw)
+            assert headers["x-request-id"]
+        # (a chunk-framing error is seen as a stall: the client's parser drops the connection's data)
+        assert err["code"] == code or (mode == "bad_chunked_stream" and err["code"] == "upstream_timeout")
+        assert raw_up.connections == 1  # no retry behind the client's back
+        # the broken connection is not kept for reuse
+        assert await eventually(lambda: Resources.take(proxy).acquired == 0)
+    finally:
+        await raw_up.stop()

@@ -39,7 +39,8 @@ STREAM = _sse([
     ("message_start", {"type": "message_start", "message": {**MESSAGE, "content": [], "stop_reason": None,
                                                              "usage": {"input_tokens": 12, "output_tokens": 1}}}),
     ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-    ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hello"}}),
+    ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                             "delta": {"type": "text_delta", "text": "Hello"}}),
     ("content_block_delta", {"type": "content_block_delta", "index": 0,
                              "delta": {"type": "text_delta", "text": " from Claude"}}),
     ("content_block_stop", {"type": "content_block_stop", "index": 0}),
@@ -134,7 +135,7 @@ async def test_litellm_failure_mid_stream_ends_with_an_error_event_without_trace
     assert "Traceback" not in raw and "site-packages" not in raw
 
 
-# --------------------------------------------------------------------------- the Responses wire (issue 13)
+# --------------------------------------------------------------------------- the Responses wire
 
 
 async def test_litellm_route_responses_non_streaming_through_aresponses(start_proxy: Any, litellm_httpx: None) -> None:
@@ -217,9 +218,10 @@ async def test_a_provider_echoing_the_key_in_a_4xx_never_shows_it(start_proxy: A
 # connections are litellm's own HTTP, not a mock's. Messages bodies reach it as /v1/responses (litellm's
 # adapter for providers without a Messages API).
 
-WIRES: dict[str, tuple[str, dict[str, Any]]] = {"chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-         "responses": ("/v1/responses", {"input": "hi"}),
-         "messages": ("/v1/messages", {"max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]})}
+WIRES: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    "responses": ("/v1/responses", {"input": "hi"}),
+    "messages": ("/v1/messages", {"max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]})}
 WIRE_STREAM = [(wire, stream) for wire in WIRES for stream in (False, True)]
 WIRE_IDS = [f"{wire}-{'stream' if stream else 'json'}" for wire, stream in WIRE_STREAM]
 
@@ -418,8 +420,8 @@ async def test_a_20s_upstream_is_answered_504_at_first_byte_timeout(
     proxy = await start_proxy(cfg)
     upstream.mode, upstream.delay = "slow_first_byte", 20
     started = time.monotonic()
-    async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/chat/completions", json={
-            "model": "ll" if provider == "litellm" else "direct", "messages": [{"role": "user", "content": "hi"}]}) as r:
+    body = {"model": "ll" if provider == "litellm" else "direct", "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/chat/completions", json=body) as r:
         status = r.status
     elapsed = time.monotonic() - started
     assert status == 504

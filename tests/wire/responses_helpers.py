@@ -365,7 +365,9 @@ def conversations(draw: Any, *, valid: bool = False, max_turns: int = 6) -> list
         for _ in range(draw(st.integers(0, 3))):
             items.extend(draw(event(valid=valid)))
         if t and draw(st.integers(0, 9)) == 0:
-            items.append({"type": "compaction", "id": f"cmp_{t}", "encrypted_content": _b64(draw(st.integers(8, 400)), t)})
+            items.append(
+                {"type": "compaction", "id": f"cmp_{t}", "encrypted_content": _b64(draw(st.integers(8, 400)), t)}
+            )
     if draw(st.integers(0, 8)) == 0:
         items.append(_assistant(draw(text(1, 10))))
     if not valid and draw(st.integers(0, 6)) == 0:

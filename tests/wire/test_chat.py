@@ -1,7 +1,7 @@
 """proxy.wire.chat: the Chat Completions adapter (parse, render, summary, the two pairing edits, atoms).
 
-Repair/check on chat messages is in tests/test_pairing.py and token counts against
-tiktoken in tests/test_tokens.py; this module covers the adapter's own contract.
+Repair/check on chat messages is in tests/wire/test_chat_pairing.py and token counts against
+tiktoken in tests/wire/test_chat_tokens.py; this module covers the adapter's own contract.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ from proxy.core.tokens import REPLY_PRIMING, TokenCounter
 from proxy.wire.chat import WIRE
 from proxy.wire.chat.items import LEGACY, count_message
 from tests import media_files as mf
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
 from tests.helpers import assistant, call, legacy_call, legacy_result, system, tool, user
+from tests.outside import chat_body, post, text_of
 from tests.wire.chat_helpers import check_messages, count, items_of, repair_messages, scan
 
 Message = dict[str, Any]
@@ -375,8 +378,10 @@ def test_media_atoms_digest_the_reference_not_the_envelope() -> None:
     assert atoms(a)[0][0:2] == ("media", USER)
     audio = {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}
     file_by_id = {"role": "user", "content": [{"type": "file", "file": {"file_id": "file-abc"}}]}
-    file_by_data = {"role": "user", "content": [{"type": "file", "file": {"filename": "a.pdf",
-                                                                          "file_data": "data:application/pdf;base64,JVBE"}}]}
+    file_by_data = {
+        "role": "user",
+        "content": [{"type": "file", "file": {"filename": "a.pdf", "file_data": "data:application/pdf;base64,JVBE"}}],
+    }
     kinds = {atoms(m)[0][2] for m in (a, audio, file_by_id, file_by_data)}
     assert len(kinds) == 4
 
@@ -480,3 +485,75 @@ def test_scan_agrees_with_is_paired_on_legacy_mixes() -> None:
     ]
     for messages in mixes:
         assert scan(messages) == is_paired(items_of(messages))
+
+
+CUSTOM_CALL: Message = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "custom", "custom": {"name": "code_exec", "input": "print(1)"}}]}
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_custom_tool_call_is_accepted_and_forwarded(upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """A GPT-5 custom tool call with its result is forwarded unchanged."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    messages = [{"role": "user", "content": "Run print(1)."}, CUSTOM_CALL,
+                {"role": "tool", "tool_call_id": "call_1", "content": "1"}]
+    status, _headers, body = await post(proxy, chat_body(messages, "gpt-4o-mini"))
+    assert status == 200, body
+    assert upstream.chat[-1].body["messages"] == messages
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_custom_tool_call_inputs_are_counted_and_paired(upstream: FakeUpstream, start_proxy: StartProxy
+                                                              ) -> None:
+    """A custom call's input counts as tokens, and an unanswered custom call is repaired like any call."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    big_input = text_of(3000, seed=6)
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_big", "type": "custom", "custom": {"name": "code_exec", "input": big_input}}]}
+    answered = [{"role": "user", "content": "Run it."}, call,
+                {"role": "tool", "tool_call_id": "call_big", "content": "done"}]
+    status, headers, body = await post(proxy, chat_body(answered, "gpt-4o-mini"))
+    assert status == 200, body
+    assert int(headers["x-ctxproxy-tokens-in"]) >= 3000
+    unanswered = [{"role": "user", "content": "Run it."}, CUSTOM_CALL, {"role": "user", "content": "Never mind."}]
+    status, headers, body = await post(proxy, chat_body(unanswered, "gpt-4o-mini"))
+    assert status == 200, body
+    assert int(headers["x-ctxproxy-repairs"]) >= 1
+    forwarded = upstream.chat[-1].body["messages"]
+    assert not any(m.get("tool_calls") for m in forwarded)  # a call without a result never reaches a provider
+
+
+MODEL = "gpt-4o-mini"
+
+
+def error_of(payload: Any) -> dict[str, Any]:
+    assert isinstance(payload, dict) and set(payload) == {"error"}, payload
+    error = payload["error"]
+    assert set(error) >= {"message", "type", "param", "code"}, error
+    return dict(error)
+
+
+@pytest.mark.usefixtures("shared_model_map")
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Weather?"}, legacy_call("get_weather"),
+     {"role": "tool", "tool_call_id": "\u0000fn:get_weather", "content": "sunny"},
+     {"role": "user", "content": "Thanks."}],
+    [{"role": "user", "content": "Weather?"},
+     {"role": "assistant", "content": None, "tool_calls": [
+         {"id": "\u0000fn:get_weather", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+     {"role": "function", "name": "get_weather", "content": "sunny"},
+     {"role": "user", "content": "Thanks."}],
+    [{"role": "user", "content": "Run it."},
+     {"role": "assistant", "content": None, "tool_calls": [
+         {"id": "\u0000x", "type": "custom", "custom": {"name": "code_exec", "input": "print(1)"}}]},
+     {"role": "tool", "tool_call_id": "\u0000x", "content": "1"}],
+], ids=["tool-result-for-a-legacy-call", "legacy-result-for-a-tool-call", "custom-call"])
+async def test_ids_in_the_legacy_namespace_are_refused(upstream: FakeUpstream, start_proxy: StartProxy,
+                                                       messages: list[Message]) -> None:
+    """A NUL-prefixed id could pair a tool result with a legacy function_call: refused, never forwarded."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    for stream in (False, True):
+        status, _headers, body = await post(proxy, {"model": MODEL, "messages": messages, "stream": stream})
+        assert status == 400, body
+        assert error_of(body)["code"] == "invalid_tool_call"
+    assert upstream.chat == []

@@ -11,6 +11,8 @@ from proxy.core.errors import PayloadError
 from proxy.core.pairing import PLACEHOLDER
 from proxy.wire.chat import WIRE as CHAT
 from proxy.wire.chat.shape import check_shape
+from tests.conftest import StartProxy, base_config
+from tests.fake_upstream import FakeUpstream
 from tests.helpers import (
     assistant,
     call,
@@ -22,6 +24,7 @@ from tests.helpers import (
     tool,
     user,
 )
+from tests.outside import chat_body, post
 from tests.wire.chat_helpers import check_messages as check
 from tests.wire.chat_helpers import is_valid
 from tests.wire.chat_helpers import repair_messages as repair
@@ -276,6 +279,7 @@ async def test_pipeline_refuses_invalid_payloads_with_their_code(messages: Any, 
 
 # --------------------------------------------------------------------------- fast scan == precise check
 
+
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from tests.helpers import conversations  # noqa: E402
@@ -292,3 +296,121 @@ def test_fast_scan_agrees_with_the_precise_check(messages: Msgs) -> None:
     assert is_valid(messages) == (not pairing_problems(messages))
     repaired, _ = repair(messages)
     assert scan(repaired) and is_valid(repaired)
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_legacy_function_call_answered_by_a_tool_message_is_not_forwarded_as_paired(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """A function_call answered by {role: tool, tool_call_id: <function name>} is repaired or refused."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": "{}"}},
+                {"role": "tool", "tool_call_id": "get_weather", "content": "sunny"},
+                {"role": "user", "content": "Thanks."}]
+    status, _headers, body = await post(proxy, chat_body(messages, "gpt-4o-mini"))
+    if status == 400:
+        return  # refused by the payload check: right
+    assert status == 200, body
+    forwarded = upstream.chat[-1].body["messages"]
+    call_ids = {c.get("id") for m in forwarded for c in (m.get("tool_calls") or [])}
+    assert all(m.get("tool_call_id") in call_ids for m in forwarded if m.get("role") == "tool"), forwarded
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_assistant_audio_survives_the_removal_of_its_unanswered_calls(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """Removing unanswered tool_calls keeps the assistant message when it still carries audio."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    spoken = {"role": "assistant", "content": None, "audio": {"id": "audio_abc123"},
+              "tool_calls": [{"id": "call_x", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]}
+    messages = [{"role": "user", "content": "Say it and look it up."}, spoken,
+                {"role": "user", "content": "Go on."}]
+    status, _headers, body = await post(proxy, chat_body(messages, "gpt-4o-mini"))
+    assert status == 200, body
+    forwarded = upstream.chat[-1].body["messages"]
+    assert any(m.get("audio") == {"id": "audio_abc123"} for m in forwarded), forwarded
+    assert not any(m.get("tool_calls") for m in forwarded)
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_duplicate_ids_inside_one_tool_calls_are_not_forwarded(upstream: FakeUpstream, start_proxy: StartProxy
+                                                                     ) -> None:
+    """An assistant message whose tool_calls repeat an id is repaired or refused, never forwarded as is."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    fn = {"name": "lookup", "arguments": "{}"}
+    messages = [{"role": "user", "content": "Look it up twice."},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": fn},
+                    {"id": "call_1", "type": "function", "function": fn}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "found"}]
+    status, _headers, body = await post(proxy, chat_body(messages, "gpt-4o-mini"))
+    if status == 400:
+        return
+    assert status == 200, body
+    for m in upstream.chat[-1].body["messages"]:
+        ids = [c.get("id") for c in m.get("tool_calls") or []]
+        assert len(ids) == len(set(ids)), m
+
+
+MODEL = "gpt-4o-mini"
+
+
+def chat(messages: list[Any], model: str = MODEL, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": messages, **extra}
+
+
+CROSSED = {
+    "tool-call-answered-by-function": [
+        {"role": "user", "content": "Look it up."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "fn:lookup", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "function", "name": "lookup", "content": "found it"},
+        {"role": "user", "content": "Thanks, and now?"},
+    ],
+    "function-call-answered-by-tool": [
+        {"role": "user", "content": "Look it up."},
+        {"role": "assistant", "content": None, "function_call": {"name": "lookup", "arguments": "{}"}},
+        {"role": "tool", "tool_call_id": "fn:lookup", "content": "found it"},
+        {"role": "user", "content": "Thanks, and now?"},
+    ],
+}
+
+
+async def test_an_unanswered_tool_call_whose_id_starts_with_fn_gets_a_tool_placeholder(
+    upstream: FakeUpstream, start_proxy: StartProxy
+) -> None:
+    """A client's tool call id that happens to start with ``fn:`` (the prefix of legacy function-call ids) is
+    still a tool call: left unanswered, it gets a tool placeholder under its own id, not a legacy one."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    messages = [
+        {"role": "user", "content": "Look up my booking and the weather."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_booking", "arguments": "{}"}},
+            {"id": "fn:lookup", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "booking ZX1Q"},
+        {"role": "user", "content": "And?"},
+    ]
+    status, headers, body = await post(proxy, chat(messages))
+    assert status == 200, body
+    forwarded = upstream.chat[-1].body["messages"]
+    assert headers["x-ctxproxy-repairs"] == "1"
+    assert pairing_problems(forwarded) == [], forwarded
+    assert forwarded[3]["role"] == "tool" and forwarded[3]["tool_call_id"] == "fn:lookup", forwarded[3]
+
+
+@pytest.mark.parametrize("case", list(CROSSED))
+async def test_tool_calls_and_legacy_function_calls_never_answer_each_other(
+    upstream: FakeUpstream, start_proxy: StartProxy, case: str
+) -> None:
+    """A tool call answered by a legacy ``function`` message, or a legacy call answered by a ``tool`` message,
+    is a pairing the provider refuses: repaired or refused here, never forwarded as paired."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    status, _, body = await post(proxy, chat(CROSSED[case]))
+    if status == 400:  # refusing it is as good as repairing it
+        assert body["error"]["code"] in ("unpaired_tool_call", "unpaired_tool_result", "invalid_tool_pairing")
+        return
+    assert status == 200, body
+    forwarded = upstream.chat[-1].body["messages"]
+    assert pairing_problems(forwarded) == [], forwarded

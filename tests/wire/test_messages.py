@@ -1,4 +1,4 @@
-"""The Messages wire adapter through the pipeline (issue 14): round trips, pairing per block, thinking,
+"""The Messages wire adapter through the pipeline: round trips, pairing per block, thinking,
 cache breakpoints, wire-neutral summaries, hostile inputs, and property tests as for Chat Completions.
 
 Checks use independent helpers (tests/wire/messages_helpers.py): Anthropic's pairing rules and the
@@ -556,7 +556,10 @@ def test_assemble_cli_speaks_the_messages_wire(tmp_path: Any, capsys: pytest.Cap
     path.write_text(json.dumps({"model": CLAUDE, "messages": [user("hi")]}))  # no max_tokens
     assert main(["assemble", "--offline", "--wire", "messages", "--config", str(cfg), str(path)]) == 1
     error = json.loads(capsys.readouterr().out)
-    assert error == {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"}}
+    assert error == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"},
+    }
 
 
 def test_a_user_message_with_thousands_of_results_renders_in_linear_time() -> None:

@@ -1,4 +1,4 @@
-"""``context_management`` emulated for an upstream that lacks it (issue 14), compared with Anthropic's documented
+"""``context_management`` emulated for an upstream that lacks it, compared with Anthropic's documented
 semantics (https://platform.claude.com/docs/en/build-with-claude/context-editing and .../compaction; request and
 response types of the official SDK), and forwarded unchanged to one that has it.
 
@@ -41,9 +41,11 @@ def config(upstream: FakeUpstream, emulate: bool = True, **extra: Any) -> dict[s
 
 
 def factor_of(proxy: RunningProxy) -> float:
-    """The calibration factor the proxy applies to Claude counts (issue 15; a family default until it learns)."""
+    """The calibration factor the proxy applies to Claude counts (a family default until it learns)."""
     runtime = proxy.state.runtime
-    return float(runtime.calibration.factor(runtime.route(CLAUDE), "default")) if runtime.calibration is not None else 1.0
+    return (
+        float(runtime.calibration.factor(runtime.route(CLAUDE), "default")) if runtime.calibration is not None else 1.0
+    )
 
 
 def client(proxy: RunningProxy) -> anthropic.AsyncAnthropic:
@@ -185,7 +187,9 @@ def thinking_conversation(turns: int = 4) -> list[dict[str, Any]]:
         msgs.append({"role": "assistant", "content": [
             {"type": "thinking", "thinking": f"thought {t} " + words(50, t), "signature": f"sig{t}"},
             {"type": "tool_use", "id": f"toolu_{t}", "name": "Read", "input": {"n": t}}]})
-        msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{t}", "content": "ok"}]})
+        msgs.append(
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{t}", "content": "ok"}]}
+        )
         msgs.append({"role": "assistant", "content": [{"type": "redacted_thinking", "data": "ZGF0YQ=="},
                                                       {"type": "text", "text": f"answer {t}"}]})
     msgs.append({"role": "user", "content": "next"})
@@ -208,7 +212,9 @@ async def test_clear_thinking_keeps_the_last_assistant_turns(
                             for m in sent if m["role"] == "assistant" for b in m["content"]
                             if b["type"] in ("thinking",)})
     assert with_thinking == kept_turns
-    redacted = sum(1 for m in sent if m["role"] == "assistant" for b in m["content"] if b["type"] == "redacted_thinking")
+    redacted = sum(
+        1 for m in sent if m["role"] == "assistant" for b in m["content"] if b["type"] == "redacted_thinking"
+    )
     assert redacted == len(kept_turns)
     assert not pairing_problems(sent)
     report = reply.context_management.applied_edits[0]

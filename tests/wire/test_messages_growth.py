@@ -1,4 +1,4 @@
-"""A growing 60-turn Messages conversation on a 16k budget, end to end over HTTP (issue 14's closing figures):
+"""A growing 60-turn Messages conversation on a 16k budget, end to end over HTTP (the figures docs/wires.md quotes):
 summariser calls, tokens received vs forwarded, and the share of consecutive requests whose prompt-cache prefix
 (up to the previous request's last cache_control breakpoint) survived.
 
@@ -38,7 +38,8 @@ def marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages with Claude Code's moving breakpoint on the last block of the last message."""
     last = messages[-1]
     content = last["content"] if isinstance(last["content"], list) else [{"type": "text", "text": last["content"]}]
-    return [*messages[:-1], {**last, "content": [*content[:-1], {**content[-1], "cache_control": {"type": "ephemeral"}}]}]
+    marked = {**content[-1], "cache_control": {"type": "ephemeral"}}
+    return [*messages[:-1], {**last, "content": [*content[:-1], marked]}]
 
 
 async def grow(proxy_url: str, context_manager: Any) -> list[dict[str, Any]]:
@@ -64,7 +65,8 @@ async def grow(proxy_url: str, context_manager: Any) -> list[dict[str, Any]]:
                 ids += 1
                 messages.append({"role": "assistant", "content": [
                     {"type": "text", "text": f"Looking ({turn}.{r})."},
-                    {"type": "tool_use", "id": f"toolu_{ids:04d}", "name": "Read", "input": {"path": f"/src/{ids}.py"}}]})
+                    {"type": "tool_use", "id": f"toolu_{ids:04d}", "name": "Read",
+                     "input": {"path": f"/src/{ids}.py"}}]})
                 messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{ids:04d}",
                                                               "content": words(220, turn * 7 + r)}]})
                 await send()

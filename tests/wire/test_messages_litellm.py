@@ -1,5 +1,5 @@
 """Messages requests on a ``provider: litellm`` route go through litellm's Anthropic-messages interface, after
-the pipeline, to any provider (issue 14). The providers' HTTP is mocked with respx at litellm's seam; the proxy,
+the pipeline, to any provider. The providers' HTTP is mocked with respx at litellm's seam; the proxy,
 the pipeline and litellm's translation run for real; the client is the official ``anthropic`` SDK."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The 200 tau-bench trajectories (OpenAI chat format) converted to Messages blocks, through the pipeline over an
-8k model, for each context manager (issue 14): whole, cut mid tool round, and damaged (an orphan result, a lost
+8k model, for each context manager: whole, cut mid tool round, and damaged (an orphan result, a lost
 result, a displaced result, a duplicate). Every forwarded body is paired by Anthropic's rules, fits the budget by
 an independent recount, keeps the system prompt and the current user turn; a refusal is justified."""
 
@@ -107,6 +107,7 @@ def test_tau_bench_as_messages_over_an_8k_model(matrix: dict[str, Any], manager:
     assert stats["refused"] == 0  # a 1.3k-token system prompt and one turn always fit 8k
 
 
+@pytest.mark.slow
 def test_tau_bench_as_messages_runtime(matrix: dict[str, Any]) -> None:
     print(f"tau-bench as Messages: {matrix['requests']} requests x {len(MANAGERS)} managers, "
           f"{matrix['elapsed']:.1f}s")

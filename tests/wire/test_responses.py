@@ -1,4 +1,4 @@
-"""The Responses wire adapter (issue 13): parse/render, pairing per item type, reasoning adjacency, pinned items,
+"""The Responses wire adapter: parse/render, pairing per item type, reasoning adjacency, pinned items,
 property tests over generated conversations, and real tau-bench trajectories as Responses items.
 
 Every forwarded payload is judged by checkers written in ``tests/wire/responses_helpers.py`` (pairing,
@@ -207,7 +207,8 @@ ROUNDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                          {"type": "local_shell_call_output", "id": "a", "output": "r"}),
     "shell_call": ({"type": "shell_call", "call_id": "a", "action": {"commands": ["ls"]}},
                    {"type": "shell_call_output", "call_id": "a", "output": []}),
-    "apply_patch_call": ({"type": "apply_patch_call", "call_id": "a", "operation": {"type": "delete_file", "path": "x"}},
+    "apply_patch_call": ({"type": "apply_patch_call", "call_id": "a",
+                          "operation": {"type": "delete_file", "path": "x"}},
                          {"type": "apply_patch_call_output", "call_id": "a", "status": "completed"}),
     "mcp_approval_request": ({"type": "mcp_approval_request", "id": "a", "name": "f", "arguments": "{}",
                               "server_label": "s"},
@@ -578,12 +579,14 @@ def tau_matrix() -> dict[str, Any]:
 @pytest.mark.parametrize("manager", sorted(ALL_MANAGERS))
 def test_tau_bench_as_responses_items(tau_matrix: dict[str, Any], manager: str, window: int) -> None:
     stats = tau_matrix["results"][(manager, window)]
-    print(f"{manager:28} {window:5}: changed={stats['changed']} unchanged={stats['unchanged']} refused={stats['refused']}")
+    print(f"{manager:28} {window:5}: changed={stats['changed']} unchanged={stats['unchanged']} "
+          f"refused={stats['refused']}")
     assert not stats["problems"], stats["problems"][:5]
     assert stats["refused"] == 0
     assert stats["changed"] > 200  # the 8k window really compacts (and every damaged variant is repaired)
 
 
+@pytest.mark.slow
 def test_tau_bench_matrix_runtime(tau_matrix: dict[str, Any]) -> None:
     print(f"tau-bench Responses matrix: {tau_matrix['elapsed']:.1f}s")
     assert tau_matrix["elapsed"] < 90

@@ -1,4 +1,4 @@
-"""The Responses wire over HTTP (issue 13): the official ``openai`` client against the proxy and a fake upstream.
+"""The Responses wire over HTTP: the official ``openai`` client against the proxy and a fake upstream.
 
 ``client.responses.create`` (streaming and not) and ``client.responses.compact`` are driven
 exactly as users drive them; the fake upstream records what it receives, and every
@@ -318,7 +318,8 @@ def test_ctxproxy_assemble_on_the_responses_wire(tmp_path: Any, capsys: pytest.C
     cfg = tmp_path / "config.yaml"
     cfg.write_text(yaml.safe_dump({"upstreams": {"u": {"base_url": "http://127.0.0.1:9"}},
                                    "cache": {"backend": "memory"}, "context_manager": "sliding-window",
-                                   "models": [{"name": SMALL, "context_window": WINDOW, "max_output_tokens": MAX_OUT}]}))
+                                   "models": [{"name": SMALL, "context_window": WINDOW,
+                                               "max_output_tokens": MAX_OUT}]}))
     req = tmp_path / "request.json"
     items = long_conversation()
     req.write_text(json.dumps({"model": SMALL, "input": items}))
@@ -407,7 +408,8 @@ async def test_a_28_page_pdf_is_counted_by_its_pages_and_never_forwarded_under_a
     raw = mf.pdf([words(330, seed=i) for i in range(28)])
     assert len(raw) < 30_000
     part = {"type": "input_file", "filename": "report.pdf", "file_data": "data:application/pdf;base64," + mf.b64(raw)}
-    proxy = await start(upstream, start_proxy, tenants=[{"name": "t", "keys": ["sk-client"], "max_context_tokens": 3000}],
+    tenant = {"name": "t", "keys": ["sk-client"], "max_context_tokens": 3000}
+    proxy = await start(upstream, start_proxy, tenants=[tenant],
                         context_manager={"type": "sliding-window", "params": {"keep_turns": 1000}})
     first = {"role": "user", "content": [part, {"type": "input_text", "text": "Summarise it."}]}
     status, _, body = await post(proxy, {"model": MODEL, "input": [first], "stream": stream}, path="/v1/responses")

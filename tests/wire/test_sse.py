@@ -101,7 +101,9 @@ def split(stream: bytes, cuts: list[int]) -> list[bytes]:
 
 
 @pytest.mark.parametrize(("name", "end", "stream", "usage"), STREAMS, ids=[s[0] for s in STREAMS])
-def test_a_whole_stream_is_complete_with_its_usage(name: str, end: StreamEnd, stream: bytes, usage: dict[str, Any]) -> None:
+def test_a_whole_stream_is_complete_with_its_usage(
+    name: str, end: StreamEnd, stream: bytes, usage: dict[str, Any]
+) -> None:
     w = watch(end, [stream])
     assert w.done and w.complete
     assert w.usage == usage
@@ -110,7 +112,9 @@ def test_a_whole_stream_is_complete_with_its_usage(name: str, end: StreamEnd, st
 
 
 @pytest.mark.parametrize(("name", "end", "stream", "usage"), STREAMS, ids=[s[0] for s in STREAMS])
-def test_every_single_cut_gives_the_same_result(name: str, end: StreamEnd, stream: bytes, usage: dict[str, Any]) -> None:
+def test_every_single_cut_gives_the_same_result(
+    name: str, end: StreamEnd, stream: bytes, usage: dict[str, Any]
+) -> None:
     for cut in range(len(stream) + 1):
         w = watch(end, [stream[:cut], stream[cut:]])
         assert (w.done, w.usage) == (True, usage), cut

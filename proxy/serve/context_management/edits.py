@@ -1,4 +1,5 @@
-"""``context_management`` emulated for an upstream that does not apply it (a litellm route, ``context_management: emulate``).
+"""``context_management`` emulated for an upstream that does not apply it (a litellm route,
+``context_management: emulate``).
 
 What is emulated follows Anthropic's documentation as of 2026-12 and the request and
 response types of the official SDK (``anthropic`` 2.14: ``BetaClearToolUses20250919EditParam``,
@@ -51,7 +52,8 @@ THINKING_KEEP = 1
 COMPACT_TRIGGER = 150_000
 COMPACT_MIN_TRIGGER = 50_000
 CLEARED = "[ctxproxy: this tool result was cleared by context_management (clear_tool_uses_20250919)]"
-MARKER = "ctxproxy-compaction/1:"  # encrypted_content of the compaction blocks ctxproxy makes: where the kept part starts
+# encrypted_content of the compaction blocks ctxproxy makes: where the kept part starts
+MARKER = "ctxproxy-compaction/1:"
 
 Message = dict[str, Any]
 

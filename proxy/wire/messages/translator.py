@@ -4,7 +4,8 @@ Errors have Anthropic's shape (``errors``); a stream ends with ``message_stop`` 
 Usage: ``input_tokens`` is only the uncached part, ``cache_read_input_tokens`` and
 ``cache_creation_input_tokens`` come on top of it.
 
-Items. An assistant message is one item, and so is a (mid-conversation) ``system`` message (its ``tool_use`` ids are its calls; its
+Items. An assistant message is one item, and so is a (mid-conversation) ``system`` message (its ``tool_use`` ids are
+its calls; its
 ``thinking``/``redacted_thinking`` blocks stay inside it, byte for byte). A user
 message is split: one result item per ``tool_result`` block, then one user item
 for its other blocks, if any (a user message whose text comes before its results

@@ -248,7 +248,9 @@ def count_element(counter: TokenCounter, element: Any) -> int:
         for field in ("summary", "content"):
             parts = element.get(field)
             if isinstance(parts, list):
-                n += sum(counter.text(p["text"]) for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+                n += sum(
+                    counter.text(p["text"]) for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
         return n
     if kind == "compaction":
         return ITEM_TOKENS + encrypted_tokens(element.get("encrypted_content"))
