@@ -50,7 +50,8 @@ def placeholder(tool: str, call_id: str, tokens: int) -> str:
 
 def _short(text: str, limit: int) -> str:
     """``text`` without unprintable characters, cut to ``limit`` characters (an ellipsis marks the cut)."""
-    text = "".join(ch for ch in text if ch.isprintable())
+    if not text.isprintable():  # (the common case, every character printable, is one C call)
+        text = "".join(ch for ch in text if ch.isprintable())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -176,7 +177,7 @@ def _tool_name(result: _Result) -> str:
     """The name of the tool whose output this is, from the call it answers (its wire-neutral atoms)."""
     if result.call is None:
         return ""
-    names = [(atom[1], atom[2]) for atom in result.call.atoms() if atom[0] == "call" and len(atom) > 2]
+    names = result.call.calls()
     wanted = result.item.result_id
     for call_id, name in names:
         if call_id == wanted:

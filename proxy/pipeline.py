@@ -26,7 +26,7 @@ from typing import Any
 from plugins.base import HistoryResult, HistoryView, Services, stable_cut
 from proxy.core.bands import Bands, assign_groups, split_bands, split_turns, tool_groups
 from proxy.core.budget import Budget, compute_budget, why
-from proxy.core.conversation import Conversation, WireAdapter
+from proxy.core.conversation import Conversation, Resumable, WireAdapter
 from proxy.core.errors import (
     BadRequest,
     ContextLengthExceeded,
@@ -208,8 +208,11 @@ class Prepared:
     unmanaged: str | None = None
 
 
-def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter) -> Prepared:
-    conversation: Conversation = wire.parse(body, counter)
+def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter, tenant: str | None = None) -> Prepared:
+    """Parse, repair and group ``body``; with ``tenant``, a wire that can resume a known conversation parses only
+    what it appends (``proxy.core.warm``: the same result, for less)."""
+    conversation: Conversation = (wire.resume(body, counter, tenant) if tenant is not None
+                                  and isinstance(wire, Resumable) else wire.parse(body, counter))
     items = conversation.items
     if conversation.paired or conversation.unmanaged is not None:
         repaired, repairs = items, Counter[str]()
@@ -293,7 +296,7 @@ def _plan(
 ) -> Assembly | _Plan:
     """Parse, repair, budget and bands; the finished Assembly when nothing needs managing."""
     if prepared is None:
-        prepared = prepare(body, wire, counter)
+        prepared = prepare(body, wire, counter, policy.tenant)
     received, repaired, repairs, fixed = prepared.received, prepared.repaired, prepared.repairs, prepared.fixed
     report.warnings.extend(prepared.notes)
 
@@ -647,7 +650,7 @@ async def observe(
     received: list[Item] = []
     sent = 0
     try:
-        prepared = await run_step(offload, prepare, body, wire, counter)
+        prepared = await run_step(offload, prepare, body, wire, counter, policy.tenant)
         received, sent = prepared.received, prepared.fixed + _tokens(prepared.received)
         would = await assemble(body, wire=wire, route=route, policy=policy, counter=counter, services=services,
                                offload=offload, calibration=calibration, report=report, prepared=prepared)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from proxy.core.items import Item
 from proxy.core.tokens import TokenCounter
@@ -89,3 +89,12 @@ class WireAdapter(Protocol):
 
     def model_changes(self, body: dict[str, Any], upstream_model: str) -> dict[str, Any]:
         """The changes that send ``upstream_model`` in the body (none when the model is in the path)."""
+
+
+@runtime_checkable
+class Resumable(Protocol):
+    """A wire that can parse a request of a known conversation from where its previous request ended
+    (``proxy.core.warm``)."""
+
+    def resume(self, body: dict[str, Any], counter: TokenCounter, tenant: str) -> Conversation:
+        """``parse``, with the items of the longest prefix ``tenant`` sent before reused: the same result."""

@@ -88,6 +88,14 @@ class Item:
         """
         return iter(())
 
+    def calls(self) -> list[tuple[str, str]]:
+        """``(id, name)`` of every call the item makes, as its ``("call", …)`` atoms give them.
+
+        A wire overrides it with a direct read of its JSON where the atoms would re-encode every call's
+        arguments for nothing (observation masking asks for the tool's name of every result it masks).
+        """
+        return [(atom[1], atom[2]) for atom in self.atoms() if atom[0] == "call" and len(atom) > 2]
+
 
 class ItemFactory(Protocol):
     """What a wire lends the neutral pairing repair: the two edits it may need."""

@@ -62,16 +62,31 @@ class ChatWire:
 
     def parse(self, body: dict[str, Any], counter: TokenCounter) -> Conversation:
         messages = body.get("messages")
-        paired = fast_scan(messages)
+        scanned = fast_scan(messages)
         assert isinstance(messages, list)
         keys = [content_key(m) ^ SALT for m in messages]
         items = build_items(messages, keys, counter.many(keys, messages, count_message))
-        if paired is None:
-            paired = is_paired(items)
-        fixed = (REPLY_PRIMING + counter.tools(body.get("tools"))
-                 + counter.tools(body.get("functions"), "functions")
-                 + counter.tools(output_schema(body.get("response_format")), "response_format"))
-        return Conversation(items, fixed, paired)
+        return Conversation(items, _fixed(body, counter), is_paired(items) if scanned is None else scanned)
+
+    def resume(self, body: dict[str, Any], counter: TokenCounter, tenant: str) -> Conversation:
+        """``parse``, reusing the items of the longest prefix of ``messages`` that ``tenant`` sent before in this
+        conversation (``proxy.core.warm``): only the messages after it are scanned, keyed and counted."""
+        messages = body.get("messages")
+        if type(messages) is not list or len(messages) < 2:
+            return self.parse(body, counter)
+        keys = [content_key(m) ^ SALT for m in messages]
+        memory = counter.conversations
+        known = memory.find(tenant, self.name, keys)
+        start = len(known.keys) if known is not None else 0
+        scanned = fast_scan(messages, start)  # a known prefix was well formed and paired, no call waiting
+        if scanned is None:  # legacy function calls: the check on items decides, and nothing is remembered
+            items = build_items(messages, keys, counter.many(keys, messages, count_message))
+            return Conversation(items, _fixed(body, counter), is_paired(items))
+        tail = build_items(messages, keys[start:], counter.many(keys[start:], messages[start:], count_message), start)
+        items = known.items + tail if known is not None else tail
+        if scanned:  # only a paired conversation is remembered: the next one resumes from a clean boundary
+            memory.keep(tenant, self.name, keys, items[:])  # a copy: the request may change its own list
+        return Conversation(items, _fixed(body, counter), scanned)
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
         out = dict(body)
@@ -132,6 +147,13 @@ class ChatWire:
 
 
 WIRE = ChatWire()
+
+
+def _fixed(body: dict[str, Any], counter: TokenCounter) -> int:
+    """What a request counts outside its messages: reply priming and the schemas the provider puts in the prompt."""
+    return (REPLY_PRIMING + counter.tools(body.get("tools"))
+            + counter.tools(body.get("functions"), "functions")
+            + counter.tools(output_schema(body.get("response_format")), "response_format"))
 
 
 def mask_result(item: Item, text: str) -> Item | None:
