@@ -100,8 +100,8 @@ class Assembly:
     received: list[Item] = field(default_factory=list)
     field_name: str = "messages"
     body_changes: dict[str, Any] = field(default_factory=dict)  # output caps and the upstream model name
-    sent_tokens: int | None = None  # observe: ctxproxy's count of the client's payload, which is what is forwarded
     summarised: list[Item] = field(default_factory=list)  # the items of the turns a summary covers (re-fetches)
+    sent_tokens: int | None = None  # observe: ctxproxy's count of the client's payload, which is what is forwarded
 
     @property
     def forwarded_tokens(self) -> int:
