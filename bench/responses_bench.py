@@ -6,8 +6,8 @@ The benchmark payloads (Chat Completions) are converted to Responses input items
 Responses shape) and to Anthropic Messages (a top-level system, ``tool_use`` blocks, one
 user message per run of ``tool_result`` blocks, the tools in Anthropic's shape); each request is what the managed handler does on the CPU: parse the
 JSON body, run the pipeline (``Runtime.assemble``), serialise the body to forward when it
-changed. The wires alternate run by run (ABCABC), so all see the same machine state. cold = empty token-count and summary caches; warm = the same conversation plus one
-new turn after the previous request. Medians of --runs runs, CPU time (process) per request.
+changed. The wires alternate run by run (ABCABC), so all see the same machine state. cold = empty token-count and summary caches; warm = the previous request plus one new turn
+(a growing conversation). Medians of --runs runs, CPU time (process) per request.
 
     .venv/bin/python bench/responses_bench.py [--runs 7] [--json-out FILE] [--profile N]
 
@@ -99,7 +99,9 @@ async def one(runtime: Runtime, wire: Any, raw: bytes) -> tuple[float, float, in
 
 async def run_case(name: str, manager: Any, budget: int, runs: int, tokenizers: Tokenizers) -> list[dict[str, Any]]:
     chat_body = read_payload(name)
-    chats = [chat_body] + [grown_chat(chat_body, i) for i in range(3)]
+    chats = [chat_body]
+    for i in range(3):  # a growing conversation: each request is the previous one plus a turn
+        chats.append(grown_chat(chats[-1], i))
     raws = {w: [orjson.dumps(convert(b)) for b in chats] for w, convert in CONVERT.items()}
     cold: dict[str, list[float]] = {w: [] for w in WIRES}
     warm: dict[str, list[float]] = {w: [] for w in WIRES}
@@ -127,7 +129,10 @@ async def profile(requests: int, tokenizers: Tokenizers) -> None:
     for budget in (200_000, 16_000):
         for w, convert in CONVERT.items():
             runtime = make_runtime(config(MANAGERS["summarising"], budget), tokenizers)
-            raws = [orjson.dumps(convert(grown_chat(chat_body, i))) for i in range(requests + 1)]
+            chats = [chat_body]
+            for i in range(requests):
+                chats.append(grown_chat(chats[-1], i))
+            raws = [orjson.dumps(convert(chat)) for chat in chats]
             await one(runtime, WIRES[w], raws[0])
             prof = cProfile.Profile()
             prof.enable()

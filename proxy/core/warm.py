@@ -12,12 +12,14 @@ a remembered one is used only when its whole sequence of content keys is a prefi
 Content keys are xxh3-128 of each element's JSON as sent, key order included
 (``proxy.core.tokens.content_key``), so this is the check a hash chain over the raw elements makes,
 made element by element: a client that edits the middle, truncates, reorders or comes with another
-tenant's key finds nothing it may reuse and takes the full path. A reused item's ``raw`` is the
-earlier request's JSON for that element, equal to this one's byte for byte.
+tenant's key finds nothing it may reuse and takes the full path.
 
-Remembered items are never changed by the request that reuses them (it builds a new list;
-``assign_groups`` gives them the numbers they already have: a group number depends on the items
-before it alone). Bounded: at most ``max_items`` items in all, least recently used conversations
+A reused item is given this request's JSON for its element (``raw``: the client's own object, as on
+the full path; equal byte for byte to the one it had, since their content keys are equal), and
+nothing else about it changes: the request builds a list of its own, and ``assign_groups`` gives the
+items the numbers they already have (a group number depends on the items before it alone). Two
+concurrent requests of one conversation may each forward the other's equal object for an element:
+the same bytes. Bounded: at most ``max_items`` items in all, least recently used conversations
 go first, and per conversation its last ``BRANCHES`` requests (a client that retried or branched).
 Thread-safe: a large body's parse runs in a worker thread.
 """

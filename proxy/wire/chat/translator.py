@@ -83,7 +83,12 @@ class ChatWire:
             items = build_items(messages, keys, counter.many(keys, messages, count_message))
             return Conversation(items, _fixed(body, counter), is_paired(items))
         tail = build_items(messages, keys[start:], counter.many(keys[start:], messages[start:], count_message), start)
-        items = known.items + tail if known is not None else tail
+        if known is not None:
+            for item, message in zip(known.items, messages):  # each its own element's JSON (the same bytes)
+                item.raw = message
+            items = known.items + tail
+        else:
+            items = tail
         if scanned:  # only a paired conversation is remembered: the next one resumes from a clean boundary
             memory.keep(tenant, self.name, keys, items[:])  # a copy: the request may change its own list
         return Conversation(items, _fixed(body, counter), scanned)
