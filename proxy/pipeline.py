@@ -21,6 +21,7 @@ import dataclasses
 import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from plugins.base import HistoryResult, HistoryView, Services, stable_cut
@@ -229,7 +230,8 @@ def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter, tena
         raise PayloadError(f"nothing is left of '{wire.field}' after the pairing repair ("
                            + ", ".join(f"{k}={v}" for k, v in sorted(repairs.items())) + ")",
                            param=wire.field, code="empty_after_repair")
-    assign_groups(repaired, wire.merge_call_runs)
+    # the items a wire resumed from an earlier request carry their group numbers already
+    assign_groups(repaired, wire.merge_call_runs, conversation.grouped if repaired is items else 0)
     return Prepared(items, repaired, repairs, conversation.fixed_tokens, conversation.notes, conversation.unmanaged)
 
 
@@ -282,7 +284,11 @@ class _Plan:
 
 
 def _tokens(items: list[Item]) -> int:
-    return sum(item.tokens for item in items)
+    return sum(map(TOKENS, items))
+
+
+TOKENS = attrgetter("tokens")
+ROLE = attrgetter("role")
 
 
 def new_report(wire: WireAdapter, route: ModelRoute, policy: Policy, calibration: float) -> Report:
@@ -319,8 +325,8 @@ def _plan(
     report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
 
     bands = split_bands(repaired)
-    turns = split_turns(bands.history)
-    report.turns_total = report.turns_kept = sum(1 for t in turns if t and t[0].starts_turn)
+    # a turn starts at each user item of the history (items before the first one are a preamble, not a turn)
+    report.turns_total = report.turns_kept = list(map(ROLE, bands.history)).count(USER)
     if total <= budget.threshold:
         report.tokens_after = total
         _fits(total, budget, wire)
@@ -328,6 +334,7 @@ def _plan(
         out = wire.render(body, repaired, changes) if changed else body
         return Assembly(out, repaired, changed, report, received, wire.field, changes)
 
+    turns = split_turns(bands.history)
     live = WorkingMemory(bands.working_memory)
     pinned = fixed + _tokens(bands.system) + _tokens(bands.working_memory)
     if bands.current is not None:

@@ -30,7 +30,8 @@ class Conversation:
     ``unmanaged``: why this history must not be managed (the provider holds part of it:
     ``UNMANAGED_REASONS``); the body is then forwarded as sent, output caps and model rules
     aside. ``repairs``: repairs the wire already made while parsing, by kind (they count
-    like the pairing pass's).
+    like the pairing pass's). ``grouped``: how many leading items a wire resumed from an earlier
+    request of the conversation (``proxy.core.warm``): numbered into tool groups already.
     """
 
     items: list[Item]
@@ -39,6 +40,7 @@ class Conversation:
     notes: list[str] = field(default_factory=list)
     unmanaged: str | None = None
     repairs: Counter[str] = field(default_factory=Counter)
+    grouped: int = 0  # the first items were resumed from an earlier request: they carry their group numbers
 
 
 # why a history is left unmanaged (a bounded metric label)
