@@ -164,8 +164,17 @@ def _mask_one(result: _Result, mask: Callable[[Item, str], Item | None],
     item = result.item
     if item.pinned or result.index == 0:  # a turn is kept from its first item: that one stays the client's
         return 0
-    tool = _tool_name(result)
-    copy = mask(item, placeholder(tool, item.result_id or "", item.tokens))
+    call = result.call
+    call_key = 0 if call is None else call.key
+    known = item.masked
+    if known is not None and known[0] == call_key and (call is None or call_key != 0):
+        # the same result answering the same call: a request that resumed the conversation (proxy.core.warm) masks
+        # it as the earlier one did (the placeholder is a function of the result, its count and the call alone)
+        _, tool, copy = known
+    else:
+        tool = _tool_name(result)
+        copy = mask(item, placeholder(tool, item.result_id or "", item.tokens))
+        item.masked = (call_key, tool, copy)
     if copy is None or copy.tokens >= item.tokens:
         return 0
     copy.group = item.group
