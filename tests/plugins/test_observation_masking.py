@@ -144,7 +144,7 @@ async def test_a_growing_conversation_masks_each_result_once() -> None:
     the same results, and forwards what a request on a fresh counter forwards."""
     pipe = Pipe({"type": "observation-masking", "params": {"keep_recent": 3, "mask_step": 1}})
     first = await pipe(support_chat(20))
-    grown = support_chat(20) + [assistant("R00000, on the first day."), user("And the second?")]
+    grown = [*support_chat(20), assistant("R00000, on the first day."), user("And the second?")]
     second = await pipe(copy.deepcopy(grown))
     before = {item.result_id: item for item in first.items if is_masked(item.raw)}
     again = [item for item in second.items if item.result_id in before and is_masked(item.raw)]

@@ -534,7 +534,7 @@ def test_resume_parses_only_what_a_growing_conversation_appends(counter: TokenCo
     """The items of the known prefix are the earlier request's (not built, scanned or counted again), each with this
     request's JSON; only the appended messages get new items."""
     base = [system(), user("Read the file."), call(("c1", "read_file")), tool("c1", "contents " * 50)]
-    grown = copy.deepcopy(base) + [assistant("Done."), user("Next."), call(("c2", "read_file")), tool("c2")]
+    grown = [*copy.deepcopy(base), assistant("Done."), user("Next."), call(("c2", "read_file")), tool("c2")]
     first = WIRE.resume({"model": "m", "messages": copy.deepcopy(base)}, counter, "t")
     second = WIRE.resume({"model": "m", "messages": grown}, counter, "t")
     assert all(a is b for a, b in zip(second.items[:4], first.items))

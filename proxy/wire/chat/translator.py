@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.core.conversation import Conversation
 from proxy.core.bands import assign_groups
+from proxy.core.conversation import Conversation
 from proxy.core.errors import CtxProxyError
 from proxy.core.items import ASSISTANT, SYSTEM, TOOL, Item
 from proxy.core.pairing import PLACEHOLDER, is_paired
