@@ -27,7 +27,7 @@ from typing import Any
 from plugins.base import HistoryResult, HistoryView, Services, stable_cut
 from proxy.core.bands import Bands, assign_groups, split_bands, split_turns, tool_groups
 from proxy.core.budget import Budget, compute_budget, why
-from proxy.core.conversation import Conversation, Resumable, WireAdapter
+from proxy.core.conversation import Resume, WireAdapter
 from proxy.core.errors import (
     BadRequest,
     ContextLengthExceeded,
@@ -212,8 +212,9 @@ class Prepared:
 def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter, tenant: str | None = None) -> Prepared:
     """Parse, repair and group ``body``; with ``tenant``, a wire that can resume a known conversation parses only
     what it appends (``proxy.core.warm``: the same result, for less)."""
-    conversation: Conversation = (wire.resume(body, counter, tenant) if tenant is not None
-                                  and isinstance(wire, Resumable) else wire.parse(body, counter))
+    resume: Resume | None = getattr(wire, "resume", None) if tenant is not None else None  # (not isinstance: slow)
+    conversation = resume(body, counter, tenant) if resume is not None and tenant is not None \
+        else wire.parse(body, counter)
     items = conversation.items
     if conversation.paired or conversation.unmanaged is not None:
         repaired, repairs = items, Counter[str]()

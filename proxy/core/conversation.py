@@ -11,9 +11,9 @@ masking), where the model and the output limits are. The server asks more of a w
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from proxy.core.items import Item
 from proxy.core.tokens import TokenCounter
@@ -93,10 +93,8 @@ class WireAdapter(Protocol):
         """The changes that send ``upstream_model`` in the body (none when the model is in the path)."""
 
 
-@runtime_checkable
-class Resumable(Protocol):
-    """A wire that can parse a request of a known conversation from where its previous request ended
-    (``proxy.core.warm``)."""
 
-    def resume(self, body: dict[str, Any], counter: TokenCounter, tenant: str) -> Conversation:
-        """``parse``, with the items of the longest prefix ``tenant`` sent before reused: the same result."""
+# A wire that can parse a request of a known conversation from where its previous request ended
+# (``proxy.core.warm``) has ``resume(body, counter, tenant)``: ``parse``, with the items of the longest prefix
+# ``tenant`` sent before reused, and the same result.
+Resume = Callable[[dict[str, Any], TokenCounter, str], Conversation]

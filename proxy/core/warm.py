@@ -1,8 +1,8 @@
 """What the previous request of a conversation computed, so that a request which only appends turns parses those.
 
 Consecutive requests of one conversation (an agent loop, a chat) resend the whole history with a
-turn or a tool round appended. A wire that can resume (``proxy.core.conversation.Resumable``: Chat
-Completions) remembers,
+turn or a tool round appended. A wire that can resume (its ``resume``, ``proxy.core.conversation.Resume``:
+Chat Completions) remembers,
 per conversation, the content keys of the elements it parsed and their items (counted, checked,
 paired); the next request reuses those items for the prefix it shares and parses, checks and counts
 only the elements after it.
