@@ -124,13 +124,14 @@ def test_tool_groups_of_a_sublist_with_the_same_group_number_apart() -> None:
 
 
 @given(st.lists(st.sampled_from(["s", "u", "a", "c1", "c1,2", "c3", "t1", "t2", "t3", "o"]), max_size=14),
-       st.data())
-def test_numbering_from_a_start_gives_the_numbers_of_the_whole_list(tokens: list[str], data: st.DataObject) -> None:
+       st.booleans(), st.data())
+def test_numbering_from_a_start_gives_the_numbers_of_the_whole_list(tokens: list[str], merge: bool,
+                                                                     data: st.DataObject) -> None:
     """A resumed conversation numbers only what it appended: the groups are those of numbering the whole list."""
     whole = items(" ".join(tokens))
-    assign_groups(whole, False)
+    assign_groups(whole, merge)
     start = data.draw(st.integers(0, len(tokens)))
     resumed = items(" ".join(tokens))
-    assign_groups(resumed[:start], False)
-    assign_groups(resumed, False, start)
+    assign_groups(resumed[:start], merge)
+    assign_groups(resumed, merge, start)
     assert [i.group for i in resumed] == [i.group for i in whole]
