@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import copy
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
 from proxy.core.items import USER, Item
 from proxy.core.warm import BRANCHES, Conversations
+from tests.conftest import StartProxy
+from tests.fake_upstream import FakeUpstream
+from tests.wire.test_masking_http import WIRES, request_points, support_session
+from tests.wire.test_masking_http import config as masking_config
 
 
 def _items(n: int) -> list[Item]:
@@ -67,3 +78,43 @@ def test_a_one_element_conversation_is_not_remembered() -> None:
     memory = Conversations()
     memory.keep("t", "chat", [1], _items(1))
     assert len(memory) == 0 and memory.find("t", "chat", [1]) is None
+
+
+# --------------------------------------------------------------------------- from the outside
+
+
+async def _send(proxy: Any, wire: Any, body: dict[str, Any], key: str) -> None:
+    headers = {"Authorization": f"Bearer {key}", "x-api-key": key, "anthropic-version": "2023-06-01"}
+    async with aiohttp.ClientSession() as s, s.post(proxy.url + wire.path, json=body, headers=headers) as r:
+        text = await r.text()
+        assert r.status == 200, text[:500]
+
+
+@pytest.mark.parametrize("wire", ["chat", "responses", "messages"])
+async def test_a_conversation_forwards_the_same_whatever_was_sent_before(
+        upstream: FakeUpstream, start_proxy: StartProxy, wire: str) -> None:
+    """Two tenants drive one growing agent session through one proxy (streaming and not), over the masking
+    threshold; one of them then edits an early message and resends. Each request's forwarded body is the one a
+    proxy that never saw the conversation forwards for it: what earlier requests left behind changes nothing."""
+    tenants = [{"name": "a", "keys": ["sk-a"]}, {"name": "b", "keys": ["sk-b"]}]
+    config = {**masking_config(upstream, {"type": "observation-masking", "params": {"keep_recent": 3}}),
+              "tenants": tenants}
+    warm = await start_proxy(config)
+    w = WIRES[wire]
+    session = support_session(tasks=10, records=2)
+    points = request_points(session)
+    edited = copy.deepcopy(session)
+    first_user = next(i for i, m in enumerate(edited) if m["role"] == "user")
+    edited[first_user] = {**edited[first_user], "content": "An edited question."}
+    requests = [(session[:n], "sk-a" if k % 2 else "sk-b", k % 3 == 0) for k, n in enumerate(points)]
+    requests.append((edited, "sk-a", False))
+    sent = []
+    for messages, key, stream in requests:
+        body = w.body(messages, w.model(32_000), stream)
+        await _send(warm, w, body, key)
+        sent.append((body, key, w.forwarded(upstream)))
+    assert all("[ctxproxy removed this " in json.dumps(forwarded) for _, _, forwarded in sent[-4:])
+    for body, key, forwarded in sent[-4:]:
+        cold = await start_proxy(config)
+        await _send(cold, w, body, key)
+        assert w.forwarded(upstream) == forwarded
