@@ -101,14 +101,15 @@ def mask_observations(view: HistoryView, keep_recent: int, step: int) -> Masking
     line = lines[-1]  # the last grid line that keeps keep_recent
     need = total - budget.threshold
     copies: list[tuple[_Result, Item, str]] = []
+    names: dict[int, dict[str, str]] = {}  # per call item (by identity): its call ids' tool names, read once
     saved = 0
     count = 0
     while count < line and saved < need:
-        saved += _mask_one(results[count], mask, copies)
+        saved += _mask_one(results[count], mask, copies, names)
         count += 1
     end = lines[bisect.bisect_left(lines, count)]  # the first grid line at or past what T needs
     while count < end:
-        saved += _mask_one(results[count], mask, copies)
+        saved += _mask_one(results[count], mask, copies, names)
         count += 1
     if not copies:
         return None
@@ -159,7 +160,7 @@ def _results(turns: list[list[Item]]) -> list[_Result]:
 
 
 def _mask_one(result: _Result, mask: Callable[[Item, str], Item | None],
-              copies: list[tuple[_Result, Item, str]]) -> int:
+              copies: list[tuple[_Result, Item, str]], names: dict[int, dict[str, str]]) -> int:
     """Mask one result if that saves tokens (appended to ``copies`` with its tool's name); the tokens saved."""
     item = result.item
     if item.pinned or result.index == 0:  # a turn is kept from its first item: that one stays the client's
@@ -172,7 +173,7 @@ def _mask_one(result: _Result, mask: Callable[[Item, str], Item | None],
         # it as the earlier one did (the placeholder is a function of the result, its count and the call alone)
         _, tool, copy = known
     else:
-        tool = _tool_name(result)
+        tool = _tool_name(result, names)
         copy = mask(item, placeholder(tool, item.result_id or "", item.tokens))
         item.masked = (call_key, tool, copy)
     if copy is None or copy.tokens >= item.tokens:
@@ -182,13 +183,22 @@ def _mask_one(result: _Result, mask: Callable[[Item, str], Item | None],
     return item.tokens - copy.tokens
 
 
-def _tool_name(result: _Result) -> str:
-    """The name of the tool whose output this is, from the call it answers (its wire-neutral atoms)."""
-    if result.call is None:
+def _tool_name(result: _Result, names: dict[int, dict[str, str]]) -> str:
+    """The name of the tool whose output this is, from the call it answers (``Item.calls``: its call atoms).
+
+    A message may hold thousands of parallel calls: its atoms are read once (``names``), not once per result.
+    """
+    call = result.call
+    if call is None:
         return ""
-    names = result.call.calls()
+    known = names.get(id(call))
+    if known is None:
+        pairs = call.calls()
+        known = {call_id: name for call_id, name in reversed(pairs)}  # the first of a repeated id wins
+        if len(pairs) == 1:
+            known[""] = pairs[0][1]  # a single call names any result that answers it
+        names[id(call)] = known
     wanted = result.item.result_id
-    for call_id, name in names:
-        if call_id == wanted:
-            return name
-    return names[0][1] if len(names) == 1 else ""
+    if wanted is not None and wanted in known:
+        return known[wanted]
+    return known.get("", "")

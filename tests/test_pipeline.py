@@ -606,6 +606,15 @@ def _chat_turns(n: int, displaced: bool = False) -> dict[str, Any]:
     return {"model": MODEL, "messages": [*msgs, user("current")]}
 
 
+def _chat_parallel_calls(n: int, displaced: bool = False) -> dict[str, Any]:
+    """One earlier turn whose assistant message made ``n`` calls at once, each answered: masking names each
+    masked output's tool from that one message."""
+    calls = [(f"c{i}", "read_file", f'{{"path": "src/m{i}.py"}}') for i in range(n)]
+    results = [tool(f"c{i}", f"line {i}: " + "ok " * 60) for i in range(n)]
+    return {"model": MODEL, "messages": [system("You are an agent."), user("Read every file."), call(*calls),
+                                         *results, assistant("Read."), user("current")]}
+
+
 LADDERS: dict[str, tuple[Any, Callable[..., dict[str, Any]], bool, Any]] = {
     # name: (wire, body of n pairs, displaced, context manager)
     "chat-tool-loop": (CHAT, _chat_loop, False, None),
@@ -614,6 +623,8 @@ LADDERS: dict[str, tuple[Any, Callable[..., dict[str, Any]], bool, Any]] = {
     "responses-displaced-outputs": (RESPONSES, _responses_loop, True, None),
     "messages-tool-loop": (MESSAGES, _messages_loop, False, None),
     "chat-turns-stack": (CHAT, _chat_turns, False, {"type": "stack", "params": {"max_messages": 40}}),
+    "chat-parallel-calls-masked": (CHAT, _chat_parallel_calls, False, {"type": "observation-masking",
+                                                                       "params": {"keep_recent": 10}}),
     "chat-turns-trimmed": (CHAT, _chat_turns, False, {"type": "summarising", "params": {"summarizer": "drop",
                                                                                         "keep_turns": 100_000}}),
 }

@@ -168,8 +168,24 @@ def missing(values: Sequence[Value], text: str) -> list[Value]:
 
 
 def _written(text: str) -> str:
-    """A key or value as the section writes it: as is, or quoted (JSON) when it holds a separator."""
-    return text if _PLAIN.fullmatch(text) and text.isprintable() else orjson.dumps(text).decode()
+    """A key or value as the section writes it: as is, or quoted (JSON) when it holds a separator or a character
+    that is not printable; those (controls, bidirectional overrides, line separators) are escaped, never written
+    raw into the model's context."""
+    if _PLAIN.fullmatch(text) and text.isprintable():
+        return text
+    quoted = orjson.dumps(text).decode()
+    if quoted.isprintable():
+        return quoted
+    return "".join(ch if ch.isprintable() else _escaped(ch) for ch in quoted)
+
+
+def _escaped(ch: str) -> str:
+    """A character as a JSON escape (a pair of surrogates beyond the basic plane)."""
+    code = ord(ch)
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
 def listing(values: Sequence[Value]) -> str:

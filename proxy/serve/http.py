@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import uuid
@@ -151,17 +152,67 @@ def parse_body(raw: bytes, fields: frozenset[str] = WIRES.interpreted_fields) ->
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidJSON(f"The request body is not valid JSON: {exc}") from None
+    if LONG_DIGITS.search(raw):
+        body = _exact(raw, body)
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object", code="invalid_body")
     check_field_names(body, fields)
+    check_repeated_fields(raw, body)
     return body
+
+
+# Top-level fields an upstream must read as the proxy did: the model (the allow-list, the route) and the output
+# caps. The JSON decoder keeps a repeated key's last value; an upstream that keeps the first would run another
+# model, or another output limit, than the one the proxy checked.
+GUARDED_FIELDS = ("model", "max_tokens", "max_completion_tokens", "max_output_tokens", "n")
+
+
+def check_repeated_fields(raw: bytes, body: dict[str, Any]) -> None:
+    """Refuse a body whose top level repeats a guarded field. A byte count rules nearly every body out at once;
+    only a body that names a guarded field more than once anywhere is decoded again, key by key."""
+    suspects = [key for key in GUARDED_FIELDS if key in body and raw.count(f'"{key}"'.encode()) > 1]
+    if not suspects:
+        return
+    outermost: list[list[tuple[str, Any]]] = []
+
+    def keep(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        outermost[:] = [pairs]  # objects close innermost first: the last one is the body itself
+        return {}
+
+    try:
+        json.loads(raw, object_pairs_hook=keep)
+    except (ValueError, RecursionError):
+        raise BadRequest("The request body repeats a field or nests too deeply to be checked; send each field "
+                         "once.", code="ambiguous_field") from None
+    seen: set[str] = set()
+    for key, _ in outermost[0] if outermost else ():
+        if key in suspects and key in seen:
+            raise BadRequest(f"The field '{key}' appears more than once; send it once.", param=key,
+                             code="ambiguous_field")
+        seen.add(key)
+
+
+# orjson reads an integer beyond 64 bits as a float (12345678901234567890123 -> 1.2345678901234568e+22): a
+# body with a run of 20 digits is read again by the standard decoder, which keeps such integers exact.
+LONG_DIGITS = re.compile(rb"[0-9]{20}")
+
+
+def _exact(raw: bytes, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` read again with its large integers exact (``body`` itself when the standard decoder cannot)."""
+    try:
+        exact = json.loads(raw)
+    except (ValueError, RecursionError):
+        return body
+    return exact if isinstance(exact, dict) else body
 
 
 def dumps_body(body: dict[str, Any]) -> bytes:
     """A body as JSON to forward (a 400 when it cannot be: orjson reads 1024 levels of nesting, writes 254)."""
     try:
         return orjson.dumps(body)
-    except TypeError:
+    except TypeError as exc:
+        if "64-bit" in str(exc):  # an integer read exactly (``LONG_DIGITS``): written as the client wrote it
+            return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
         raise BadRequest("The request body is nested too deeply (more than 254 levels) to be forwarded.",
                          code="invalid_json") from None
 

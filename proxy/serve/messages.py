@@ -35,7 +35,7 @@ from proxy.core.errors import ContextLengthExceeded
 from proxy.core.offload import run_step
 from proxy.core.tokens import TokenCounter
 from proxy.serve.hooks import HOOKS
-from proxy.serve.http import OVERRIDE_HEADER, RESPONSE_HEADERS, json_response
+from proxy.serve.http import OVERRIDE_HEADER, RESPONSE_HEADERS, dumps_body, json_response
 from proxy.serve.managed import report_headers
 from proxy.serve.scope import request_scope
 from proxy.serve.streaming import relay_answer
@@ -98,7 +98,7 @@ async def count_tokens_handler(request: web.Request, wire: Wire) -> web.StreamRe
         if upstream_count is not None:
             sent = {k: v for k, v in forwarded.items() if not (added and k == "max_tokens") and k != "stream"}
             path = next(own for own, name in wire.endpoints.items() if name == "count_tokens")
-            call = Outgoing(wire.name, path, sent, await run_step(offload, orjson.dumps, sent), False,
+            call = Outgoing(wire.name, path, sent, await run_step(offload, dumps_body, sent), False,
                             request.headers, rid)
             answer = await upstream_count(route, call)
             if answer is not None:

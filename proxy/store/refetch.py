@@ -9,13 +9,16 @@ its place), ``summarised`` (its turn went into a summary) or ``dropped`` (the wi
 the working-memory cap removed it). A re-fetched output is not counted again; the new call's own
 output, if it is removed in turn, may be.
 
-What is remembered per conversation, in a bounded LRU of this process (never shared across tenants,
-nor across replicas: each replica counts the re-fetches of the requests it serves after one it
+What is remembered per conversation, in a bounded LRU of this process for each tenant (never shared
+across tenants, and one tenant's traffic never evicts another's conversations; nor across replicas: each replica counts the re-fetches of the requests it serves after one it
 served): the length and hash of the last request's received items (a later request whose items
 extend them holds the model's new calls after them; one that does not, an edited history or another
 run with the same start, counts nothing and starts again), and the signatures of the calls whose
-outputs that request removed (the newest ``per_conversation``). A conversation is recognised by
-tenant, system band and first item, as ``proxy.store.prefix.PrefixTracker`` does.
+outputs that request removed (the newest ``per_conversation``). A request that removed nothing starts no
+entry, so small requests cannot flush the ones that can count. Each tenant holds at most
+``conversations`` conversations and ``signatures`` remembered signatures in all (about 150 bytes each),
+its least recently seen conversations going first. A conversation is recognised by tenant, system band
+and first item, as ``proxy.store.prefix.PrefixTracker`` does.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from dataclasses import dataclass, field
 from proxy.core.items import SYSTEM, TOOL, Item
 
 HOW = ("masked", "summarised", "dropped")
-CONVERSATIONS = 4096
+CONVERSATIONS = 4096  # per tenant
 PER_CONVERSATION = 256
+SIGNATURES = 65_536  # per tenant: removed and re-fetched ids remembered in all (~10 MB)
 
 
 def signature(name: str, arguments: str) -> int:
@@ -92,10 +96,13 @@ class _Conversation:
 class RefetchTracker:
     """``observe`` every forwarded request; it returns the re-fetches the request shows, by how."""
 
-    def __init__(self, conversations: int = CONVERSATIONS, per_conversation: int = PER_CONVERSATION) -> None:
-        self._conversations: OrderedDict[tuple[str, int], _Conversation] = OrderedDict()
+    def __init__(self, conversations: int = CONVERSATIONS, per_conversation: int = PER_CONVERSATION,
+                 signatures: int = SIGNATURES) -> None:
+        self._tenants: dict[str, OrderedDict[int, _Conversation]] = {}
+        self._held: dict[str, int] = {}  # per tenant: signatures remembered (removed + re-fetched ids)
         self._size = conversations
         self._per = per_conversation
+        self._signatures = signatures
         self._lock = threading.Lock()  # a large request is observed from a worker thread
 
     def observe(self, tenant: str, received: list[Item], forwarded: list[Item],
@@ -109,10 +116,11 @@ class RefetchTracker:
             head.append(item.key)
             if item.role != SYSTEM:
                 break
-        conversation = (tenant, hash(tuple(head)))
+        conversation = hash(tuple(head))
         keys = tuple(item.key for item in received)
         with self._lock:
-            previous = self._conversations.get(conversation)
+            mine = self._tenants.get(tenant)
+            previous = mine.get(conversation) if mine is not None else None
         new: list[tuple[str, int]] = []
         if previous is not None and previous.removed and len(keys) >= previous.length \
                 and hash(keys[: previous.length]) == previous.digest:
@@ -148,11 +156,38 @@ class RefetchTracker:
                 refetched.popitem(last=False)
             for ident in refetched:
                 remembered.pop(ident, None)
-            self._conversations[conversation] = _Conversation(len(keys), hash(keys), remembered, refetched)
-            self._conversations.move_to_end(conversation)
-            while len(self._conversations) > self._size:
-                self._conversations.popitem(last=False)
+            self._remember(tenant, conversation, _Conversation(len(keys), hash(keys), remembered, refetched))
         return counts
+
+
+    def _remember(self, tenant: str, conversation: int, entry: _Conversation) -> None:
+        """Keep ``entry`` as the tenant's newest conversation (or forget the conversation when it holds nothing
+        to count), then evict the tenant's oldest ones beyond its bounds. Under the lock."""
+        mine = self._tenants.get(tenant)
+        held = self._held.get(tenant, 0)
+        if mine is not None and conversation in mine:
+            old = mine.pop(conversation)
+            held -= len(old.removed) + len(old.refetched)
+        if entry.removed or entry.refetched:
+            if mine is None:
+                mine = self._tenants[tenant] = OrderedDict()
+            mine[conversation] = entry
+            held += len(entry.removed) + len(entry.refetched)
+        if mine is not None:
+            while mine and (len(mine) > self._size or held > self._signatures):
+                _, oldest = mine.popitem(last=False)
+                held -= len(oldest.removed) + len(oldest.refetched)
+            if not mine:
+                del self._tenants[tenant]
+        if held:
+            self._held[tenant] = held
+        else:
+            self._held.pop(tenant, None)
+
+    def conversations(self, tenant: str) -> list[_Conversation]:
+        """The tenant's remembered conversations, oldest first (for tests and debugging)."""
+        with self._lock:
+            return list(self._tenants.get(tenant, {}).values())
 
 
 def _answered(result: Item, call: Item | None) -> int | None:

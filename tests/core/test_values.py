@@ -164,10 +164,22 @@ def test_hostile_arguments_and_text() -> None:
     deep = "[" * 1000 + '"HAT170"' + "]" * 1000
     assert list(values.argument_values("f", deep)) == [Value("f", "HAT170")]
     made = values.section([Value("q", "a\x00b"), Value("q", "x\u2028y"), Value("q", "ok")], 100, COUNTER.text)
-    assert made.text == 'Values these turns acted on: q="a\\u0000b", "x\u2028y", ok'
+    assert made.text == 'Values these turns acted on: q="a\\u0000b", "x\\u2028y", ok'
     log = " ".join(str(100_000 + i) for i in range(10_000))
     acted = values.acted_on(turns_of([user(log)]))
     assert len(acted) == 10_000
     bounded = values.section(acted, 300, COUNTER.text)
     assert COUNTER.text(bounded.text) <= 300 and bounded.listed + bounded.left_out == 10_000
     assert bounded.text.endswith("109999")
+
+
+@pytest.mark.parametrize("text", ["\u202egnp.exe\u2028next", "tab\there", "x\U000e0001y", "zero\u200bwidth"])
+def test_a_value_with_invisible_or_reordering_characters_is_listed_escaped(text: str) -> None:
+    """A value lands in the model's context: a right-to-left override, a line separator or a tag character
+    written raw would hide or reorder what the model reads. Such values are quoted with those characters
+    escaped, and the quoted text still decodes to the value itself."""
+    listed = values.listing([Value("name", text)])
+    assert listed.isprintable()
+    key, written = listed.split("=", 1)
+    assert key == "name" and json.loads(written) == text
+    assert values.listing([Value("name", "café 日本")]) == "name=café 日本"  # printable text stays readable

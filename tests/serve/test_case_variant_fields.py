@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
-from tests.outside import post
+from tests.outside import post, request
 
 HI = [{"role": "user", "content": "hi"}]
 TENANT = {"name": "t", "keys": ["sk-t"], "models": ["gpt-4o-mini"], "max_output_tokens": 50}
@@ -52,3 +52,38 @@ async def test_other_keys_keep_their_case(start_proxy: StartProxy, upstream: Fak
     status, _, answer = await post(proxy, {"model": "gpt-4o-mini", "messages": HI, "X-Custom": 1, "User": "u"},
                                    key="sk-t")
     assert status == 200, answer
+
+
+@pytest.mark.parametrize(("path", "raw"), [
+    ("/v1/chat/completions",
+     b'{"model":"gpt-4o-mini","max_tokens":100000,"messages":[{"role":"user","content":"hi"}],"max_tokens":50}'),
+    ("/v1/chat/completions", b'{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}],"model":"gpt-4o-mini"}'),
+    ("/v1/responses", b'{"model":"gpt-4o-mini","max_output_tokens":9999,"input":"hi","max_output_tokens":50}'),
+    ("/v1/messages",
+     b'{"model":"gpt-4o-mini","max_tokens":100000,"messages":[{"role":"user","content":"hi"}],"max_tokens":50}'),
+    ("/v1/messages/count_tokens",
+     b'{"model":"gpt-4o","model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}]}'),
+])
+async def test_a_repeated_model_or_output_cap_is_refused(
+        start_proxy: StartProxy, upstream: FakeUpstream, path: str, raw: bytes) -> None:
+    """A JSON decoder keeps a repeated key's last value, as ctxproxy's does; an upstream that keeps the first
+    would run the model, or the output limit, the tenant's policy never checked. Refused in the wire's shape,
+    nothing forwarded."""
+    proxy = await start_proxy(base_config(upstream.base_url, tenants=[TENANT]))
+    status, _, answer = await request(proxy, "POST", path, key="sk-t", data=raw,
+                                      headers={"Content-Type": "application/json"})
+    assert status == 400, answer
+    assert b"more than once" in answer  # (Anthropic's error shape carries no code)
+    assert upstream.chat == [] and upstream.responses == [] and upstream.messages == [] and upstream.other == []
+
+
+async def test_a_guarded_name_nested_in_the_body_is_not_a_repeat(start_proxy: StartProxy,
+                                                                 upstream: FakeUpstream) -> None:
+    """A tool whose parameters include a "model" or "max_tokens" property is an ordinary request."""
+    proxy = await start_proxy(base_config(upstream.base_url, tenants=[TENANT]))
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {"type": "object", "properties": {
+        "model": {"type": "string"}, "max_tokens": {"type": "integer"}}}}}]
+    status, _, answer = await post(proxy, {"model": "gpt-4o-mini", "max_tokens": 50, "messages": HI,
+                                           "tools": tools}, key="sk-t")
+    assert status == 200, answer
+    assert upstream.chat[-1].body["tools"] == tools

@@ -288,3 +288,24 @@ async def test_gzip_and_deflate_bodies_keep_working(upstream: FakeUpstream, star
         assert json.loads(forwarded[0] or upstream.other[0].raw) == body
     elif path not in ("/v1/ctxproxy/explain", "/v1/messages/count_tokens"):
         assert forwarded and forwarded[0]["model"] == "gpt-4o-mini"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_integer_beyond_64_bits_reaches_the_upstream_exactly(
+        start_proxy: StartProxy, upstream: FakeUpstream, stream: bool) -> None:
+    """A managed body is written again before it is forwarded: an integer too large for 64 bits (a seed, an
+    account number in metadata or in a message's tool arguments) must reach the provider as the client wrote
+    it, not as a float."""
+    big, bigger = 12345678901234567890123, -99999999999999999999999999
+    proxy = await start_proxy(base_config(upstream.base_url, context_manager={
+        "type": "summarising", "params": {"summarizer": "drop", "trimmer": {"max_tokens": 300}}}))
+    messages = [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "again"}]
+    raw = json.dumps({"model": "gpt-4o-mini", "messages": messages, "seed": big, "metadata": {"n": bigger},
+                      "stream": stream}).encode()
+    status, headers, answer = await request(proxy, "POST", "/v1/chat/completions", data=raw,
+                                            headers={"Content-Type": "application/json"})
+    assert status == 200, answer
+    assert int(headers["x-ctxproxy-tokens-out"]) < int(headers["x-ctxproxy-tokens-in"])  # managed: re-written
+    sent = json.loads(upstream.chat[-1].raw)
+    assert sent["seed"] == big and sent["metadata"] == {"n": bigger}

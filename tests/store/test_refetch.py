@@ -126,9 +126,28 @@ def test_the_tracker_is_bounded() -> None:
     for s in sessions:
         received = items(s)
         tracker.observe("acme", received, [i for i in received if i.result_id is None])  # every output dropped
-    assert len(tracker._conversations) == 2
-    kept = next(iter(tracker._conversations.values()))
-    assert list(kept.removed) == [hash("c3"), hash("c4"), hash("c5")]  # the newest removals of the conversation
+    kept = tracker.conversations("acme")
+    assert len(kept) == 2
+    assert list(kept[0].removed) == [hash("c3"), hash("c4"), hash("c5")]  # the newest removals of the conversation
+
+
+def test_one_tenants_traffic_never_evicts_another_tenants_conversations() -> None:
+    """The bound is per tenant: a tenant sending thousands of conversations keeps another tenant's re-fetches
+    counted; requests that removed nothing start no entry, and remembered signatures are bounded too."""
+    tracker = RefetchTracker(conversations=8, signatures=10)
+    first = session(3)
+    observe(tracker, first)
+    for i in range(50):  # another tenant's flood, half of it removing something
+        flood = items([system(f"s{i}"), *session(2)[1:]])
+        tracker.observe("flood", flood, [] if i % 2 else flood)
+        tracker.observe("flood", items([system(f"quiet {i}"), user("hi")]), [])
+    assert len(tracker.conversations("flood")) <= 8
+    assert sum(len(c.removed) + len(c.refetched) for c in tracker.conversations("flood")) <= 10
+    assert observe(tracker, repeat_first(first)) == {"dropped": 1}
+    quiet = RefetchTracker()
+    received = items(session(2))
+    quiet.observe("acme", received, received)  # nothing removed: nothing remembered
+    assert quiet.conversations("acme") == []
 
 
 # --------------------------------------------------------------------------- over HTTP, on each wire
