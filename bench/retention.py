@@ -74,20 +74,25 @@ def where(strategy: Strategy, budget: int, subject: Subject, form: Form, n: int)
             f"the request of {n} messages")
 
 
+WM_CAP = {"working_memory_messages": 20}
+
+
 def strategies() -> list[Strategy]:
     """Every strategy of the table, in its order. Summarising rows turn masking off where the param exists."""
     return [
         Strategy("sliding-window", {"type": "sliding-window"}),
         Strategy("stack", {"type": "stack"}),
-        Strategy("summarising/drop", {"type": "summarising", "params": {"summarizer": "drop"}}),
-        Strategy("summarising/generic", {"type": "summarising"}, "generic"),
-        Strategy("summarising/extractive", {"type": "summarising"}, "extractive"),
+        # the summarising rows keep the working-memory cap of 20 the default had when the table was first
+        # measured; the rows named no-wm-cap are today's default (no cap)
+        Strategy("summarising/drop", {"type": "summarising", "params": {"summarizer": "drop", **WM_CAP}}),
+        Strategy("summarising/generic", {"type": "summarising", "params": WM_CAP}, "generic"),
+        Strategy("summarising/extractive", {"type": "summarising", "params": WM_CAP}, "extractive"),
         Strategy("summarising/generic/no-wm-cap", {"type": "summarising", "params": {"working_memory_messages": None}},
                  "generic"),
         Strategy("observation-masking", {"type": "observation-masking"}, None, "plugin:observation-masking"),
-        Strategy("hybrid/generic", {"type": "summarising", "params": {"mask_observations": True}}, "generic",
-                 "param:summarising.mask_observations"),
-        Strategy("hybrid/extractive", {"type": "summarising", "params": {"mask_observations": True}},
+        Strategy("hybrid/generic", {"type": "summarising", "params": {"mask_observations": True, **WM_CAP}},
+                 "generic", "param:summarising.mask_observations"),
+        Strategy("hybrid/extractive", {"type": "summarising", "params": {"mask_observations": True, **WM_CAP}},
                  "extractive", "param:summarising.mask_observations"),
         Strategy("hybrid/generic/no-wm-cap",
                  {"type": "summarising", "params": {"mask_observations": True, "working_memory_messages": None}},
@@ -187,6 +192,9 @@ class Run:
                     except Exception as exc:  # a third-party plugin's bug: name the request it broke on
                         raise Failure(f"{where(strategy, budget, subject, form, n)}: {type(exc).__name__}: {exc}") \
                             from exc
+                    # a summary started in the background is ready for the next request (a user's think time
+                    # longer than the summariser), so the figures do not depend on how fast this loop runs
+                    await shared.background.idle()
                     report = assembly.report
                     meter.observe(n, received, origins, form.forwarded(assembly.body), report.tokens_before,
                                   report.tokens_after, assembly.changed, report.removed)

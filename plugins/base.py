@@ -113,6 +113,12 @@ class SummaryStore(Protocol):
         fails or is backing off after a failure.
         """
 
+    def making(self, scope: SummaryScope, chain: Sequence[str]) -> int:
+        """How many turns the longest summary of this history being made now covers (0: none is)."""
+
+    def failing(self, scope: SummaryScope, chain: Sequence[str]) -> str | None:
+        """``backoff`` or ``failed`` when this conversation's last summary failed (None: it did not)."""
+
 
 class SummarizeFn(Protocol):
     async def __call__(self, previous: str | None, turns: Sequence[Sequence[Item]]) -> Completion: ...
@@ -155,6 +161,24 @@ class Compactor(Protocol):
         """The values section of ``turns`` (``proxy.core.values``: all the values they acted on, within
         ``services.values_tokens``, after ``lead``) and its tokens; ``link`` is the chained hash of ``turns``
         (the same turns give the same section: it is remembered under it)."""
+
+    @property
+    def background(self) -> bool:
+        """Summaries can be made in the background (``prefetch``) in this process."""
+
+    def prefetch(self, summarizer: Summarizer, services: Services, turns: Sequence[Sequence[Item]],
+                 chain: Sequence[str], cut: int) -> str:
+        """Start the summary of ``turns[:cut]`` in the background and return at once: ``started``, ``skipped``
+        (no room: the queue is full), ``busy`` (one of this conversation is under way) or ``backoff``."""
+
+    def making(self, summarizer: Summarizer, services: Services, chain: Sequence[str]) -> int:
+        """How many turns the longest summary of this history being made now covers (0: none is)."""
+
+    def failing(self, summarizer: Summarizer, services: Services, chain: Sequence[str]) -> str | None:
+        """``backoff`` or ``failed`` when this conversation's last summary failed (None: it did not)."""
+
+    def used(self, summarizer: Summarizer, services: Services, summary: CachedSummary) -> None:
+        """A request forwards ``summary`` (counts the first use of one made in the background)."""
 
 
 @dataclass
@@ -233,6 +257,8 @@ class HistoryResult:
     removed: dict[str, int] = field(default_factory=dict)
     detail: dict[str, Any] = field(default_factory=dict)  # for explain: what was (or would be) summarised
     masked: list[dict[str, Any]] = field(default_factory=list)  # for explain: {call_id, tool, tokens_removed}
+    waited: float | None = None  # seconds the request waited for a summariser (None: it did not wait)
+    background: str = ""  # a summary asked for in the background: started | skipped | busy | backoff
 
     @classmethod
     def unchanged(cls, view: HistoryView) -> HistoryResult:
@@ -252,6 +278,15 @@ class ContextManager(ABC):
     @abstractmethod
     async def manage_history(self, view: HistoryView) -> HistoryResult:
         """Return the history to send for this request."""
+
+    def look_ahead_point(self, budget: Budget) -> int | None:
+        """The payload from which a request under T should call ``look_ahead`` (None: never)."""
+        return None
+
+    async def look_ahead(self, view: HistoryView) -> str:
+        """A request under T whose payload reached ``look_ahead_point``: start, in the background, what a later
+        request will need, and return at once what was done (``HistoryResult.background``; "": nothing)."""
+        return ""
 
     @property
     def hysteresis_ratio(self) -> float:

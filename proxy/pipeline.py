@@ -68,6 +68,7 @@ class Report:
     hard_budget: int = 0
     threshold: int = 0
     calibration: float = 1.0
+    provider_window: int | None = None  # the provider's real window, where it narrowed the route's
     turns_total: int = 0
     turns_kept: int = 0
     turns_summarised: int = 0
@@ -80,6 +81,8 @@ class Report:
     summary_detail: dict[str, Any] = field(default_factory=dict)
     masked: list[dict[str, Any]] = field(default_factory=list)  # tool outputs masked: {call_id, tool, tokens_removed}
     max_tokens_clamped: bool = False
+    summary_wait: float | None = None  # seconds the request waited for a summariser (None: it did not wait)
+    background: str = ""  # a summary asked for in the background: started | skipped | busy | backoff ("": none)
     warnings: list[str] = field(default_factory=list)
     unmanaged: str | None = None  # why the history was forwarded unmanaged (the provider holds part of it)
     # observe: the client's body was forwarded and every figure above is what enforce would have done
@@ -247,6 +250,7 @@ async def assemble(
     services: Services,
     offload: bool = False,
     calibration: float = 1.0,
+    provider_window: int | None = None,
     report: Report | None = None,
     prepared: Prepared | None = None,
 ) -> Assembly:
@@ -256,17 +260,30 @@ async def assemble(
     summariser) is synchronous and linear in the number of items. With ``offload`` (a large body) the
     synchronous steps run in a worker thread, before and after that await, so the event loop keeps
     serving other requests while a long conversation is parsed, counted, trimmed and rendered.
+    ``calibration`` and ``provider_window``: what the provider's counts and refusals taught (``compute_budget``).
     ``report`` (filled in as the steps go, so a caller still has it when a step refuses) and ``prepared``
     (the body already parsed): given by ``observe``.
     """
     if report is None:
-        report = new_report(wire, route, policy, calibration)
+        report = new_report(wire, route, policy, calibration, provider_window)
     planned = await run_step(offload, _plan, body, wire, route, policy, counter, services, calibration, offload,
                              report, prepared)
     if isinstance(planned, Assembly):
         return planned
+    if isinstance(planned, _Ahead):  # under T, but near it: the context manager may prepare what comes next
+        planned.done.report.background = await policy.manager.look_ahead(planned.view)
+        return planned.done
     result = await policy.manager.manage_history(planned.view)
     return await run_step(offload, _finish, planned, result)
+
+
+@dataclass
+class _Ahead:
+    """A request under T whose payload reached the context manager's look-ahead point: its finished assembly
+    (forwarded as it is) and the view the manager looks ahead on."""
+
+    done: Assembly
+    view: HistoryView
 
 
 @dataclass
@@ -293,16 +310,18 @@ TOKENS = attrgetter("tokens")
 ROLE = attrgetter("role")
 
 
-def new_report(wire: WireAdapter, route: ModelRoute, policy: Policy, calibration: float) -> Report:
+def new_report(wire: WireAdapter, route: ModelRoute, policy: Policy, calibration: float,
+               provider_window: int | None = None) -> Report:
     return Report(model=route.name, tenant=policy.tenant, context_manager=policy.binding.type, wire=wire.name,
-                  warnings=list(policy.warnings), calibration=calibration)
+                  warnings=list(policy.warnings), calibration=calibration, provider_window=provider_window)
 
 
 def _plan(
     body: dict[str, Any], wire: WireAdapter, route: ModelRoute, policy: Policy, counter: TokenCounter,
     services: Services, calibration: float, offload: bool, report: Report, prepared: Prepared | None,
-) -> Assembly | _Plan:
+) -> Assembly | _Ahead | _Plan:
     """Parse, repair, budget and bands; the finished Assembly when nothing needs managing."""
+    provider_window = report.provider_window
     if prepared is None:
         prepared = prepare(body, wire, counter, policy.tenant)
     received, repaired, repairs, fixed = prepared.received, prepared.repaired, prepared.repairs, prepared.fixed
@@ -311,7 +330,7 @@ def _plan(
     max_tokens, changes = limit_output(body, wire, route, policy, report)
     changes.update(wire.model_changes(body, route.upstream_model))
     if prepared.unmanaged is not None:
-        return _unmanaged(body, prepared, wire, route, policy, report, max_tokens, changes, calibration)
+        return _unmanaged(body, prepared, wire, route, policy, report, max_tokens, changes, calibration, provider_window)
 
     report.repairs = dict(repairs)
     if repairs and policy.pairing == "strict":
@@ -322,7 +341,7 @@ def _plan(
     total = fixed + _tokens(repaired)
     report.tokens_before = total
 
-    budget = _budget(route, policy, max_tokens, calibration)
+    budget = _budget(route, policy, max_tokens, calibration, provider_window)
     report.window, report.reserve, report.margin = budget.window, budget.reserve, budget.margin
     report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
 
@@ -334,16 +353,27 @@ def _plan(
         _fits(total, budget, wire)
         changed = bool(repairs) or bool(changes)
         out = wire.render(body, repaired, changes) if changed else body
-        return Assembly(out, repaired, changed, report, received, wire.field, changes)
+        done = Assembly(out, repaired, changed, report, received, wire.field, changes)
+        point = None if services.dry_run or not turns else policy.manager.look_ahead_point(budget)
+        if point is None or total < point:
+            return done
+        return _Ahead(done, _view(wire, counter, services, budget, bands, turns, fixed, offload))
 
     turns = split_turns(bands.history)
     live = WorkingMemory(bands.working_memory)
+    view = _view(wire, counter, services, budget, bands, turns, fixed, offload)
+    # what can never be dropped: refuse now, before a summariser is called (and billed) for nothing
+    _fits(view.pinned_tokens - _tokens(bands.working_memory) + _tokens(live.pinned_items())
+          + _tokens(_pinned(bands.history)), budget, wire)
+    return _Plan(body, wire, policy, report, prepared, changes, budget, bands, live, view)
+
+
+def _view(wire: WireAdapter, counter: TokenCounter, services: Services, budget: Budget, bands: Bands,
+          turns: list[list[Item]], fixed: int, offload: bool) -> HistoryView:
+    """The committed history as the context manager sees it."""
     pinned = fixed + _tokens(bands.system) + _tokens(bands.working_memory)
     if bands.current is not None:
         pinned += bands.current.tokens
-    # what can never be dropped: refuse now, before a summariser is called (and billed) for nothing
-    _fits(pinned - _tokens(bands.working_memory) + _tokens(live.pinned_items()) + _tokens(_pinned(bands.history)),
-          budget, wire)
 
     def summary_item(text: str, covered: int) -> Item:
         return wire.summary(text, covered, counter)
@@ -351,7 +381,7 @@ def _plan(
     def mask(item: Item, text: str) -> Item | None:
         return wire.mask(item, text, counter)
 
-    view = HistoryView(
+    return HistoryView(
         turns=turns,
         turn_tokens=[_tokens(t) for t in turns],
         chain_fn=lambda: chain_hashes(turns, counter),
@@ -364,7 +394,6 @@ def _plan(
         mask=mask,
         working_memory_results=sum(1 for item in bands.working_memory if item.result_id is not None),
     )
-    return _Plan(body, wire, policy, report, prepared, changes, budget, bands, live, view)
 
 
 def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
@@ -374,6 +403,8 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
                                          plan.changes)
     report.summary = result.summary_status
     report.summary_detail = dict(result.detail)
+    report.summary_wait = result.waited
+    report.background = result.background
     report.turns_summarised = result.turns_summarised
     report.turns_dropped = result.turns_dropped
     report.masked = list(result.masked)
@@ -421,7 +452,7 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
                or bool(repairs))
     out = wire.render(body, final, changes) if changed else body
     summarised = [item for turn in plan.view.turns[: result.turns_summarised] for item in turn]
-    return Assembly(out, final, changed, report, received, wire.field, changes, summarised)
+    return Assembly(out, final, changed, report, received, wire.field, changes, summarised=summarised)
 
 
 def whole_turns(history: list[Item], kept: list[Item]) -> tuple[list[Item], list[Item]]:
@@ -457,7 +488,7 @@ def whole_turns(history: list[Item], kept: list[Item]) -> tuple[list[Item], list
 
 def _unmanaged(
     body: dict[str, Any], prepared: Prepared, wire: WireAdapter, route: ModelRoute, policy: Policy, report: Report,
-    max_tokens: int | None, changes: dict[str, Any], calibration: float,
+    max_tokens: int | None, changes: dict[str, Any], calibration: float, provider_window: int | None = None,
 ) -> Assembly:
     """The provider holds part of this history: forward the conversation as sent; only the body's rules apply.
 
@@ -468,7 +499,7 @@ def _unmanaged(
     report.unmanaged = prepared.unmanaged
     visible = prepared.fixed + _tokens(prepared.received)
     report.tokens_before = report.tokens_after = visible
-    budget = _budget(route, policy, max_tokens, calibration)
+    budget = _budget(route, policy, max_tokens, calibration, provider_window)
     report.window, report.reserve, report.margin = budget.window, budget.reserve, budget.margin
     report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
     check_visible(visible, policy, calibration, wire.field, prepared.unmanaged)
@@ -498,7 +529,8 @@ def check_visible(visible: int, policy: Policy, calibration: float, param: str, 
     )
 
 
-def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibration: float) -> Budget:
+def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibration: float,
+            provider_window: int | None = None) -> Budget:
     manager = policy.manager
     cap = policy.max_context_tokens
     if policy.budget_cap is not None:
@@ -512,6 +544,7 @@ def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibrati
         hysteresis_ratio=manager.hysteresis_ratio,
         summary_threshold=manager.summary_threshold,
         calibration=calibration,
+        provider_window=provider_window,
     )
     if policy.base_threshold is not None:
         # an override may lower the summary threshold, never raise it above the policy's own
@@ -640,6 +673,7 @@ async def observe(
     services: Services,
     offload: bool = False,
     calibration: float = 1.0,
+    provider_window: int | None = None,
 ) -> Assembly:
     """Observe mode: forward the client's body, and report what enforce would have done with it.
 
@@ -651,7 +685,7 @@ async def observe(
     payload; ``tokens_after``: what enforce would forward) and, where enforce would refuse the request,
     ``would_refuse`` with the refusal's code (``tokens_after`` 0: nothing would be forwarded).
     """
-    report = new_report(wire, route, policy, calibration)
+    report = new_report(wire, route, policy, calibration, provider_window)
     report.mode = "observe"
     _, changes = limit_output(body, wire, route, policy, report)
     changes.update(wire.model_changes(body, route.upstream_model))

@@ -34,6 +34,9 @@ class Calibration(Protocol):
 
     def factor(self, route: ModelRoute, tenant: str) -> float: ...
 
+    def window(self, route: ModelRoute) -> int | None:
+        """The provider's real window where its refusals showed it narrower than the route's (None: not)."""
+
     async def prime(self, route: ModelRoute, tenant: str) -> None: ...
 
 
@@ -102,9 +105,14 @@ class Runtime:
 
     def window_of(self, model: str) -> int:
         try:
-            return self.routes.resolve(model).window
+            return self.window(self.routes.resolve(model))
         except ModelNotFound:
             return self.routes.fallback_window()
+
+    def window(self, route: ModelRoute) -> int:
+        """The route's window, narrowed to the provider's real one where its refusals showed it smaller."""
+        learned = self.calibration.window(route) if self.calibration is not None else None
+        return min(route.window, learned) if learned is not None else route.window
 
     def services(self, route: ModelRoute, policy: Policy, *, request_id: str = "", dry_run: bool = False) -> Services:
         s = self.config.settings
@@ -118,7 +126,7 @@ class Runtime:
             summary_tokens=s.summarizer.max_summary_tokens,
             values_tokens=s.summarizer.max_values_tokens,
             summarizer_timeout=s.summarizer.timeout_seconds,
-            summarizer_window=route.window,
+            summarizer_window=self.window(route),
             window_of=self.window_of,
             summarizer_max_calls=s.summarizer.max_calls_per_summary,
             counter=self.tokenizers.get(route.encoding),
@@ -157,17 +165,18 @@ class Runtime:
         policy = self.policy(tenant, model, override)
         counter = self.tokenizers.get(route.encoding)
         calibration = await self.calibration_factor(route, policy.tenant)
+        provider_window = self.calibration.window(route) if self.calibration is not None else None
         if (mode or policy.mode) == "observe":
             assembly = await observe(
                 body, wire=wire, route=route, policy=policy, counter=counter,
                 services=self.services(route, policy, request_id=request_id, dry_run=True),
-                offload=offload, calibration=calibration,
+                offload=offload, calibration=calibration, provider_window=provider_window,
             )
             return assembly, route, policy
         assembly = await assemble(
             body, wire=wire, route=route, policy=policy, counter=counter,
             services=self.services(route, policy, request_id=request_id, dry_run=dry_run),
-            offload=offload, calibration=calibration,
+            offload=offload, calibration=calibration, provider_window=provider_window,
         )
         if assembly.report.summary == "failed" and policy.on_summarizer_error == "fail":
             raise SummarizerFailed("the summariser failed and this proxy is configured with on_summarizer_error: fail")

@@ -138,7 +138,8 @@ class ModelSettings(Strict):
     provider: Literal["openai", "litellm"] = Field(
         "openai", description="openai = pass-through to an OpenAI-compatible upstream; litellm = litellm.acompletion."
     )
-    context_window: int | None = Field(None, ge=1, description="Input window (default: litellm's model map).")
+    context_window: int | None = Field(None, ge=1, description="Input window (default: litellm's model map); "
+                                       "narrowed to the provider's real one where it refuses a request for length.")
     max_output_tokens: int | None = Field(None, ge=1, description="Model's max output (default: litellm's map).")
     tokenizer: str | None = Field(None, description="tiktoken encoding name (default by model family).")
     mode: Mode | None = Field(None, description=f"This route's mode ({MODE_DOC}); a tenant's own mode wins over "
@@ -300,6 +301,15 @@ class SummarizerSettings(Strict):
     max_calls_per_summary: int = Field(
         8, ge=1, description="Chunks one summary may take; older aged turns beyond are dropped unsummarised."
     )
+    background_summaries: int = Field(
+        4, ge=0, description="Summaries this process makes in the background at once, before requests need "
+        "them (summary_prefetch_ratio); 0: none, the request that needs a summary makes it and waits.")
+    background_queue: int = Field(
+        64, ge=0, description="Background summaries that may wait for a place; past it one is skipped (counted), "
+        "never waited for.")
+    background_unused_seconds: float = Field(
+        3600, gt=0, description="A summary made in the background and used by no request of this process within "
+        "this long (or before it stops) counts as wasted.")
 
 
 class CompactionSettings(Strict):

@@ -69,8 +69,10 @@ class Figures:
     turns: int
     budget: int
     requests: int
-    summaries_created: int
+    summaries_created: int  # by a request, or in the background
     summaries_reused: int
+    background_made: int  # of summaries_created, made in the background; of those, never used by a request:
+    background_wasted: int
     tokens_unmanaged: int  # input tokens the upstream counted, over the run
     tokens_managed: int
     cached_unmanaged: int
@@ -88,6 +90,7 @@ class Figures:
         rows = [
             ("requests (agent calls)", f"{self.requests}"),
             ("summaries created / reused", f"{self.summaries_created} / {self.summaries_reused}"),
+            ("of those created, in the background / wasted", f"{self.background_made} / {self.background_wasted}"),
             ("input tokens, unmanaged -> managed", f"{self.tokens_unmanaged:,} -> {self.tokens_managed:,}"),
             ("of which cached, unmanaged -> managed", f"{self.cached_unmanaged:,} -> {self.cached_managed:,}"),
             ("cost without context management", f"${self.cost_unmanaged:.4f}"),
@@ -137,10 +140,10 @@ async def run(turns: int = 60, budget: int = 16_000, model: str = "gpt-4o", mana
                                       headers={"Authorization": "Bearer sk-client",
                                                "x-fake-conversation": conversation}) as r:
                         assert r.status == 200, await r.text()
-        text = app[STATE].metrics.render()[0].decode()
     finally:
-        await runner.cleanup()
+        await runner.cleanup()  # a background summary no request used by now counts as wasted
         await fake.stop()
+    text = app[STATE].metrics.render()[0].decode()
     n = len(requests)
     managed, unmanaged = fake.usages[:n], fake.usages[n:]
     prices = ModelMap().prices(model)
@@ -156,8 +159,11 @@ async def run(turns: int = 60, budget: int = 16_000, model: str = "gpt-4o", mana
     t = {"tenant": "default", "model": ROUTE}
     return Figures(
         model=model, turns=turns, budget=budget, requests=n,
-        summaries_created=int(metric_total(text, "ctxproxy_summaries_total", result="created")),
+        summaries_created=int(metric_total(text, "ctxproxy_summaries_total", result="created")
+                              + metric_total(text, "ctxproxy_background_summaries_total", result="made")),
         summaries_reused=int(metric_total(text, "ctxproxy_summaries_total", result="reused")),
+        background_made=int(metric_total(text, "ctxproxy_background_summaries_total", result="made")),
+        background_wasted=int(metric_total(text, "ctxproxy_background_summaries_total", result="wasted")),
         tokens_unmanaged=sum(u["prompt_tokens"] for u in unmanaged),
         tokens_managed=sum(u["prompt_tokens"] for u in managed),
         cached_unmanaged=sum(u["prompt_tokens_details"]["cached_tokens"] for u in unmanaged),

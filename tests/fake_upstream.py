@@ -41,6 +41,13 @@ prefix, in whole messages, with the previous request of the same conversation (h
 ``x-fake-conversation``, else the first message), in the same units, floored to ``cache_block`` tokens
 and 0 below ``cache_min`` (OpenAI: 128 and 1024). Summariser calls then report their true counts too.
 ``usages`` and ``summary_usages`` record every usage reported for a chat request and a summary.
+
+A provider's real window (``window``, a ``ProviderWindow``): every request of the three wires (summaries
+aside) is counted as that provider counts it (text and tool schemas each at its own scale of o200k) and
+reported so in its usage; one whose input plus its output limit is over the window is refused with status
+400 in that provider's own words, numbers included (``dialect``: OpenAI, the Responses API, Anthropic,
+vLLM, SGLang, llama.cpp, Ollama, Mistral). ``window_counts`` holds every count, ``window_refused`` the
+refused ones.
 """
 
 from __future__ import annotations
@@ -70,6 +77,88 @@ class Received:
     body: Any
 
 
+# keys whose values are structure, not text a provider's tokenizer reads
+STRUCTURAL = frozenset({"type", "role", "id", "call_id", "tool_call_id", "tool_use_id", "status", "signature",
+                        "cache_control", "media_type", "detail"})
+
+
+@dataclass
+class ProviderWindow:
+    """A provider's real context window and tokenizer, and the words it refuses an overflow with.
+
+    ``limit``: its window (input plus the request's output limit); ``text_scale`` / ``tool_scale``: its count of
+    the conversation's text / of the tool schemas, as multiples of o200k; ``dialect``: whose refusal text
+    (``openai`` Chat Completions, ``responses`` / ``responses-plain`` the Responses API with and without numbers,
+    ``anthropic``, ``vllm``, ``sglang``, ``llamacpp``, ``ollama``, ``ollama-plain``, ``mistral``)."""
+
+    limit: int
+    text_scale: float = 1.0
+    tool_scale: float = 1.0
+    dialect: str = "openai"
+
+    def count(self, body: dict[str, Any]) -> int:
+        """The provider's own count of a request's input."""
+        tools = body.get("tools")
+        tool_tokens = o200k_tokens(json.dumps(tools, separators=(",", ":"))) if tools else 0
+        text = 3
+        for key in ("system", "instructions"):
+            text += text_tokens(body.get(key))
+        for key in ("messages", "input"):
+            value = body.get(key)
+            if isinstance(value, str):
+                text += o200k_tokens(value) + 3
+            elif isinstance(value, list):
+                text += sum(3 + text_tokens(item) for item in value)
+        return round(self.text_scale * text + self.tool_scale * tool_tokens)
+
+    def refusal(self, body: dict[str, Any], n: int) -> dict[str, Any] | None:
+        """The provider's error body for a request it counts ``n`` input tokens for, or None when it fits."""
+        out = next((v for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")
+                    if isinstance(v := body.get(k), int)), 0)
+        w = self.limit
+        if n + out <= w:
+            return None
+        openai = {"type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}
+        if self.dialect == "openai":
+            said = (f"However, you requested {n + out} tokens ({n} in the messages, {out} in the completion). "
+                    "Please reduce the length of the messages or completion.") if out else (
+                f"However, your messages resulted in {n} tokens. Please reduce the length of the messages.")
+            return {"error": {"message": f"This model's maximum context length is {w} tokens. {said}", **openai}}
+        if self.dialect == "responses":
+            return {"error": {**openai, "param": "input", "message": f"Input tokens exceed the configured limit of "
+                              f"{w} tokens. Your messages resulted in {n} tokens. Please reduce the length of the "
+                              "messages."}}
+        if self.dialect == "responses-plain":
+            return {"error": {**openai, "param": "input", "message": "Your input exceeds the context window of this "
+                              "model. Please adjust your input and try again."}}
+        if self.dialect == "anthropic":
+            message = (f"prompt is too long: {n} tokens > {w} maximum" if n > w else
+                       f"input length and `max_tokens` exceed context limit: {n} + {out} > {w}, decrease input "
+                       "length or `max_tokens` and try again")
+            return {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+        if self.dialect == "vllm":
+            return {"error": {"message": f"This model's maximum context length is {w} tokens. However, your request "
+                              f"has {n} input tokens. Please reduce the length of the input messages.",
+                              "type": "BadRequestError", "param": None, "code": 400}}
+        if self.dialect == "sglang":
+            return {"error": {"message": f"The input ({n} tokens) is longer than the model's context length "
+                              f"({w} tokens).", "type": "BadRequestError", "param": None, "code": 400}}
+        if self.dialect == "llamacpp":
+            return {"error": {"code": 400, "message": "the request exceeds the available context size, try "
+                              "increasing it", "type": "exceed_context_size_error", "n_prompt_tokens": n,
+                              "n_ctx": w}}
+        if self.dialect == "ollama":
+            return {"error": {"message": f"prompt too long; exceeded max context length by {n + out - w} tokens",
+                              "type": "invalid_request_error", "param": None, "code": None}}
+        if self.dialect == "ollama-plain":
+            return {"error": {"message": "the input length exceeds the context length",
+                              "type": "invalid_request_error", "param": None, "code": None}}
+        if self.dialect == "mistral":
+            return {"object": "error", "message": f"Prompt contains {n} tokens, too large for model with {w} maximum "
+                    "context length", "type": "invalid_request_error", "param": None, "code": None}
+        raise ValueError(f"unknown dialect {self.dialect!r}")
+
+
 @dataclass
 class FakeUpstream:
     # ok | status | hang | slow_first_byte | stall | break | no_done | error_in_stream | malformed | script
@@ -94,6 +183,7 @@ class FakeUpstream:
     active: int = 0
     # summariser calls: wait this long before answering; or hold every call until this many are pending
     summary_delay: float = 0.0
+    summary_gate: asyncio.Event | None = None  # when set: every summariser call waits until the event is set
     summary_barrier: int = 0
     # relayed wires (/v1/responses, /v1/messages, /v1/sse-clean-close)
     responses_end: str = "response.completed"  # | response.incomplete | response.failed
@@ -129,6 +219,11 @@ class FakeUpstream:
     cache_block: int = 1
     usages: list[dict[str, Any]] = field(default_factory=list)
     summary_usages: list[dict[str, Any]] = field(default_factory=list)
+    window: ProviderWindow | None = None
+    # mode "error_in_stream": the error event written after the stream began
+    stream_error: dict[str, Any] = field(default_factory=lambda: {"message": "overloaded", "type": "server_error"})
+    window_counts: list[int] = field(default_factory=list)
+    window_refused: list[int] = field(default_factory=list)
     _conversations: dict[str, list[str]] = field(default_factory=dict)
     url: str = ""
     _runner: web.AppRunner | None = None
@@ -197,6 +292,9 @@ class FakeUpstream:
             self.summaries.append(rec)
             return await self._summary(request, body)
         self.chat.append(rec)
+        refused = self._over_window(body)
+        if refused is not None:
+            return refused
         self.active += 1
         try:
             return await self._answer(request, body)
@@ -214,6 +312,8 @@ class FakeUpstream:
             if self._pending_summaries >= self.summary_barrier:
                 self._barrier.set()
             await self._barrier.wait()
+        if self.summary_gate is not None:
+            await self.summary_gate.wait()
         if self.summary_delay:
             await asyncio.sleep(self.summary_delay)
         if self.summary_mode == "status":
@@ -239,7 +339,13 @@ class FakeUpstream:
         return self.prompt_scale if self.prompt_scale is not None else 1.0
 
     def usage_for(self, request: web.Request, body: Any) -> Any:
-        """The usage of one chat request: the fixed USAGE, or counted (``prompt_scale``, ``report_cached``)."""
+        """The usage of one chat request: the fixed USAGE, or counted (``prompt_scale``, ``report_cached``,
+        ``window``)."""
+        if self.window is not None:
+            n = self.window.count(body)
+            counted: dict[str, Any] = {"prompt_tokens": n, "completion_tokens": 12, "total_tokens": n + 12}
+            self.usages.append(counted)
+            return counted
         if not self.truthful:
             return self.fixed_usage  # type: ignore[no-any-return]
         messages = body.get("messages") if isinstance(body.get("messages"), list) else []
@@ -293,7 +399,7 @@ class FakeUpstream:
                 request.transport.close()  # type: ignore[union-attr]
                 return resp
             if self.mode == "error_in_stream" and i == 2:
-                await resp.write(b'data: {"error": {"message": "overloaded", "type": "server_error"}}\n\n')
+                await resp.write(b"data: " + json.dumps({"error": self.stream_error}).encode() + b"\n\n")
                 return resp
             if self.mode == "malformed" and i == 2:
                 await resp.write(b"data: {not json\n\n")
@@ -352,6 +458,18 @@ class FakeUpstream:
         await asyncio.sleep(self.delay or 30)
         return resp
 
+    def _over_window(self, body: Any) -> web.Response | None:
+        """With a ``window``: count the request as that provider does; its refusal when it does not fit."""
+        if self.window is None or not isinstance(body, dict):
+            return None
+        n = self.window.count(body)
+        self.window_counts.append(n)
+        error = self.window.refusal(body, n)
+        if error is None:
+            return None
+        self.window_refused.append(n)
+        return web.json_response(error, status=400)
+
     # ------------------------------------------------------------------ relayed wires
 
     async def _wire_stream(self, request: web.Request, events: list[bytes]) -> web.StreamResponse:
@@ -405,10 +523,17 @@ class FakeUpstream:
             return web.json_response(payload, status=self.status, headers=self.status_headers)
         if self.mode == "hang" or self.mode == "slow_first_byte":
             await asyncio.sleep(self.delay or 3600)
+        refused = self._over_window(body)
+        if refused is not None:
+            return refused
+        usage = None
+        if self.window is not None:
+            n = self.window_counts[-1]
+            usage = {**RESPONSE_USAGE, "input_tokens": n, "total_tokens": n + 12}
         output = self.responses_script.pop(0) if self.responses_script else None
         if not body.get("stream"):
-            return web.json_response(response_object(model, "completed", output))
-        return await self._wire_stream(request, responses_events(model, self.responses_end, output))
+            return web.json_response(response_object(model, "completed", output, usage))
+        return await self._wire_stream(request, responses_events(model, self.responses_end, output, usage))
 
     async def _compact(self, request: web.Request) -> web.StreamResponse:
         body = await self._record(request, self.compactions)
@@ -438,7 +563,12 @@ class FakeUpstream:
             payload = self.status_body if self.status_body is not None else {
                 "type": "error", "error": {"type": "api_error", "message": "upstream failure"}}
             return web.json_response(payload, status=self.status, headers=self.status_headers)
+        refused = self._over_window(body)
+        if refused is not None:
+            return refused
         counted = self.anthropic_input(body) if self.anthropic_input is not None else 10
+        if self.window is not None:
+            counted = self.window_counts[-1]
         if self.anthropic_input is not None:
             self.anthropic_inputs.append(counted)
             if self.anthropic_window is not None and counted > self.anthropic_window:
@@ -456,6 +586,10 @@ class FakeUpstream:
         return await self._wire_stream(request, anthropic_events(model, content, counted))
 
     async def _anthropic_summary(self, request: web.Request, body: Any) -> web.StreamResponse:
+        if self.summary_gate is not None:
+            await self.summary_gate.wait()
+        if self.summary_delay:
+            await asyncio.sleep(self.summary_delay)
         if self.summary_mode == "status":
             return web.json_response({"type": "error", "error": {"type": "api_error", "message": self.summary_error}},
                                      status=self.summary_status)
@@ -513,6 +647,17 @@ def message_tokens(message: Any) -> int:
     return n
 
 
+def text_tokens(value: Any) -> int:
+    """o200k tokens of every text in a JSON value (structural keys aside): what a provider reads of it."""
+    if isinstance(value, str):
+        return o200k_tokens(value)
+    if isinstance(value, list):
+        return sum(text_tokens(v) for v in value)
+    if isinstance(value, dict):
+        return sum(text_tokens(v) for k, v in value.items() if k not in STRUCTURAL)
+    return 0
+
+
 def request_tokens(body: Any) -> int:
     """A chat request's true o200k count: its messages, 3 priming tokens, and its tool schemas as JSON."""
     messages = body.get("messages") if isinstance(body, dict) else None
@@ -550,7 +695,8 @@ def function_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
             "name": name, "arguments": arguments}
 
 
-def response_object(model: str, status: str, output: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def response_object(model: str, status: str, output: list[dict[str, Any]] | None = None,
+                    usage: dict[str, Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": "resp_fake", "object": "response", "created_at": 0, "status": status, "model": model,
         "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "error": None,
@@ -558,7 +704,7 @@ def response_object(model: str, status: str, output: list[dict[str, Any]] | None
     }
     if status != "in_progress":
         out["output"] = [REPLY_ITEM] if output is None else output
-        out["usage"] = RESPONSE_USAGE
+        out["usage"] = usage or RESPONSE_USAGE
     if status == "incomplete":
         out["incomplete_details"] = {"reason": "max_output_tokens"}
     if status == "failed":
@@ -567,13 +713,13 @@ def response_object(model: str, status: str, output: list[dict[str, Any]] | None
 
 
 def responses_events(model: str, end: str = "response.completed",
-                     output: list[dict[str, Any]] | None = None) -> list[bytes]:
+                     output: list[dict[str, Any]] | None = None, usage: dict[str, Any] | None = None) -> list[bytes]:
     """A Responses API stream as OpenAI sends it: named events, a terminal one, and no [DONE].
 
     ``output``: function calls to stream instead of the fixed text reply.
     """
     if output is not None:
-        return _function_call_events(model, end, output)
+        return _function_call_events(model, end, output, usage)
     item = {"id": "msg_fake", "type": "message", "status": "in_progress", "role": "assistant", "content": []}
     part = {"type": "output_text", "text": "", "annotations": []}
     events: list[tuple[str, dict[str, Any]]] = [
@@ -591,12 +737,13 @@ def responses_events(model: str, end: str = "response.completed",
                                         "part": {**part, "text": REPLY}}),
         ("response.output_item.done", {"output_index": 0, "item": {
             **item, "status": "completed", "content": [{**part, "text": REPLY}]}}),
-        (end, {"response": response_object(model, end.split(".", 1)[1])}),
+        (end, {"response": response_object(model, end.split(".", 1)[1], None, usage)}),
     ]
     return [sse(name, {"type": name, "sequence_number": i, **data}) for i, (name, data) in enumerate(events)]
 
 
-def _function_call_events(model: str, end: str, output: list[dict[str, Any]]) -> list[bytes]:
+def _function_call_events(model: str, end: str, output: list[dict[str, Any]],
+                          usage: dict[str, Any] | None = None) -> list[bytes]:
     events: list[tuple[str, dict[str, Any]]] = [
         ("response.created", {"response": response_object(model, "in_progress")}),
     ]
@@ -608,7 +755,7 @@ def _function_call_events(model: str, end: str, output: list[dict[str, Any]]) ->
             events.append(("response.function_call_arguments.done", {"item_id": item["id"], "output_index": i,
                                                                       "arguments": item["arguments"]}))
         events.append(("response.output_item.done", {"output_index": i, "item": item}))
-    events.append((end, {"response": response_object(model, end.split(".", 1)[1], output)}))
+    events.append((end, {"response": response_object(model, end.split(".", 1)[1], output, usage)}))
     return [sse(name, {"type": name, "sequence_number": i, **data}) for i, (name, data) in enumerate(events)]
 
 

@@ -185,11 +185,11 @@ async def test_conversations_differing_only_in_a_spoken_answer_do_not_share_a_su
     a = with_spoken("Your flight UA0 to JFK is cancelled; rebook before Friday.", "audio_a1")
     b = with_spoken("Your flight UA0 to JFK is confirmed; seat 14C, boarding 07:40.", "audio_b2")
     status, headers, _ = await post(proxy, chat(a, model=SMALL))
-    assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
     assert "is cancelled" in json.dumps(upstream.summaries[-1].body)
     status, headers, _ = await post(proxy, chat(b, model=SMALL))
     assert status == 200
-    assert headers["x-ctxproxy-summary"] == "created", "B was served A's summary (its flight is 'cancelled')"
+    assert headers["x-ctxproxy-summary"] == "waited", "B was served A's summary (its flight is 'cancelled')"
     assert "is confirmed" in json.dumps(upstream.summaries[-1].body)
 
 
@@ -425,7 +425,7 @@ async def test_an_echoed_upstream_key_never_reaches_a_tenant_through_a_summary(
     proxy = await start_proxy(cfg)
     messages = conversation(40)
     status, headers, _ = await post(proxy, chat(messages, model=SMALL), key=TENANT_KEY)
-    assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
     assert secret not in json.dumps(upstream.chat[-1].body), "the summariser's key was forwarded to another provider"
     status, _, explained = await post(proxy, chat(messages, model=SMALL), path="/v1/ctxproxy/explain", key=TENANT_KEY)
     assert status == 200

@@ -75,7 +75,7 @@ async def test_savings_on_an_alias_are_priced_on_the_upstream_model(
     upstream.prompt_scale = 1.0
     proxy = await start_proxy(config(upstream.base_url))
     [headers] = await send(proxy, [40])
-    assert headers["x-ctxproxy-summary"] == "created"
+    assert headers["x-ctxproxy-summary"] == "waited"
     text = await scrape(proxy)
     t = {"tenant": "default", "model": ALIAS}
     removed = removed_of(headers)
@@ -102,7 +102,7 @@ async def test_a_compaction_that_breaks_a_cached_prefix_shows_the_cache_effect(
     upstream.prompt_scale, upstream.report_cached = 1.0, True
     proxy = await start_proxy(config(upstream.base_url))
     headers = await send(proxy, [10, 11, 40])  # under the threshold twice (cached), then a compaction
-    assert [h["x-ctxproxy-summary"] for h in headers] == ["none", "none", "created"]
+    assert [h["x-ctxproxy-summary"] for h in headers] == ["none", "none", "waited"]
     before, after = upstream.usages[1], upstream.usages[2]
     cached_before = before["prompt_tokens_details"]["cached_tokens"]
     cached_after = after["prompt_tokens_details"]["cached_tokens"]
@@ -127,7 +127,7 @@ async def test_a_compaction_whose_prefix_is_kept_shows_none(
     proxy = await start_proxy(config(upstream.base_url, context_manager={
         "type": "summarising", "params": {"keep_turns": 4, "mask_observations": False}}))
     headers = await send(proxy, [40, 41, 42])  # compacted once, then the summary is reused: the prefix is kept
-    assert [h["x-ctxproxy-summary"] for h in headers] == ["created", "reused", "reused"]
+    assert [h["x-ctxproxy-summary"] for h in headers] == ["waited", "reused", "reused"]
     text = await scrape(proxy)
     t = {"tenant": "default", "model": ALIAS}
     assert metric_total(text, "ctxproxy_prompt_cache_effect_tokens_total", **t, kind="break") == 0

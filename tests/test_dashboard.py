@@ -46,9 +46,12 @@ REQUIRED_TITLES = [
     "Token calibration factor",
     "Token count error p10/p50/p90",
     "Calibration samples by result",
+    "Overflow refusals: recovered vs failed",
     "Savings: observed (would-be) vs enforced per tenant",
     "Observed: tokens received vs what enforce would forward",
     "Observed: requests enforce would refuse, by code",
+    "Background summaries by result",
+    "Requests that waited for a summariser (p50, rate)",
 ]
 # the series whose mode=observe samples are what enforce would have done (proxy.serve.metrics)
 MODED = ("ctxproxy_estimated_savings_usd_total", "ctxproxy_tokens_received_total", "ctxproxy_tokens_forwarded_total",
@@ -99,11 +102,16 @@ def exported() -> dict[str, set[str]]:
     m.payload_error("invalid_role")
     m.prefix("acme", "gpt-4o-mini", True)
     m.refetched("acme", "gpt-4o-mini", {"masked": 1, "summarised": 1, "dropped": 1})
+    m.background_summary("acme", "used")
+    m.assembled("acme", "gpt-4o-mini", Report(model="gpt-4o-mini", tenant="acme", context_manager="summarising",
+                                              summary="created", summary_wait=1.5))
     for net in (0.5, -0.25):
         m.account("acme", "gpt-4o-mini", RequestCost(
             "gpt-4o-mini", 100, 1.0, 0.1, 0.2, 0.3, net, True, CacheEffect(True, True, 10, 2, 5, 1.0)))
     m.calibration_factor("acme", "openai", "gpt-4o-mini", 1.2)
     m.calibration_sample("gpt-4o-mini", Sample("used", 1.2), Usage(1200), 1000, 1.2)
+    m.overflow("acme", "gpt-4o-mini", recovered=True)
+    m.overflow("acme", "gpt-4o-mini", recovered=False)
     observed = Report(model="gpt-4o-mini", tenant="acme", context_manager="summarising", tokens_before=100,
                       tokens_after=40, removed={"summarised": 60}, mode="observe")
     m.assembled("acme", "gpt-4o-mini", observed)

@@ -84,7 +84,7 @@ async def test_summariser_calls_carry_their_own_uuid_request_id(upstream: FakeUp
     proxy = await start_proxy(config(upstream.base_url))
     parent = str(uuid.uuid4())
     status, headers = await chat(proxy, conversation(40), request_id=parent)
-    assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
     sent = ids(upstream, "summarize")
     assert sent and all(is_uuid(rid) for rid in sent), sent
     assert parent not in sent
@@ -101,7 +101,7 @@ async def test_summaries_created_and_reused_against_an_upstream_enforcing_uuid_r
     assert status == 200
     refused = [{k.lower(): v for k, v in r.headers.items()}.get("x-request-id") for r in upstream.rejected]
     assert refused == [], f"the upstream refused calls with X-Request-ID {refused}"
-    assert headers["x-ctxproxy-summary"] == "created"
+    assert headers["x-ctxproxy-summary"] == "waited"
     status, headers = await chat(proxy, conversation(40))
     assert (status, headers["x-ctxproxy-summary"]) == (200, "reused")
 
@@ -142,7 +142,9 @@ async def test_summariser_failures_are_counted_by_reason(upstream: FakeUpstream,
     assert (status, headers["x-ctxproxy-summary"]) == (200, "failed")
     upstream.summary_mode = "empty"
     status, headers = await chat(proxy, conversation(41))
+    # the conversation's summary failed: this request does not wait for the retry, made in the background
     assert (status, headers["x-ctxproxy-summary"]) == (200, "failed")
+    await proxy.state.shared.background.idle()
     samples = metric_samples(await scrape(proxy), "ctxproxy_summarizer_failures_total")
     reasons = {labels.get("reason"): value for labels, value in samples if value > 0}
     assert sum(reasons.values()) == 2, samples

@@ -125,7 +125,7 @@ async def test_savings_priced_on_the_upstream_model_of_an_alias(upstream: FakeUp
     """Item 2: a route name: fast, model: gpt-4o-mini records estimated savings at gpt-4o-mini's input price."""
     proxy = await start_proxy(alias_config(upstream.base_url))
     status, headers, _ = await post(proxy, chat_body(conversation(40), "fast"))
-    assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
     assert metric_total(await scrape(proxy), "ctxproxy_estimated_savings_usd_total") > 0
 
 
@@ -135,7 +135,7 @@ async def test_summariser_cost_priced_on_the_upstream_model_of_an_alias(
     """Item 2: the summariser's calls through the alias 'fast' cost gpt-4o-mini's prices."""
     proxy = await start_proxy(alias_config(upstream.base_url))
     status, headers, _ = await post(proxy, chat_body(conversation(40), "fast"))
-    assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
     assert upstream.summaries
     text = await scrape(proxy)
     assert metric_total(text, "ctxproxy_summarizer_tokens_total") > 0
@@ -147,7 +147,7 @@ async def test_unknown_price_is_a_counted_warning(upstream: FakeUpstream, start_
     """Item 2: a model with no known price counts ctxproxy_unpriced_model_total instead of a silent 0 USD."""
     proxy = await start_proxy(alias_config(upstream.base_url, "acme-internal/mystery-1"))
     status, headers, _ = await post(proxy, chat_body(conversation(40), "fast"))
-    assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
     assert metric_total(await scrape(proxy), "ctxproxy_unpriced_model_total") >= 1
 
 
@@ -167,7 +167,7 @@ async def test_summariser_chunks_fit_the_summariser_models_window(upstream: Fake
     cfg.pop("summarizer_model")
     proxy = await start_proxy(cfg)
     status, headers, _ = await post(proxy, chat_body(conversation(200), "big"))
-    assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
     assert {c.body["model"] for c in upstream.summaries} == {"small"}
     sizes = [message_tokens(c.body["messages"]) for c in upstream.summaries]
     answer = 300  # config(): summarizer.max_summary_tokens
@@ -183,7 +183,7 @@ async def test_a_fleet_sharing_the_first_turn_keeps_every_summary(upstream: Fake
     proxy = await start_proxy(summarising_config(upstream.base_url))
     for agent in range(10):
         status, headers, _ = await post(proxy, chat_body(fleet_conversation(agent, 40)))
-        assert (status, headers["x-ctxproxy-summary"]) == (200, "created"), agent
+        assert (status, headers["x-ctxproxy-summary"]) == (200, "waited"), agent
     calls = len(upstream.summaries)
     status, headers, _ = await post(proxy, chat_body(fleet_conversation(0, 41)))  # agent 0's next request
     assert status == 200
@@ -196,7 +196,7 @@ async def test_a_single_growing_conversation_reuses_its_summary(upstream: FakeUp
     """Item 4 control (passes today): the same growth step reuses the summary when no other agent interferes."""
     proxy = await start_proxy(summarising_config(upstream.base_url))
     status, headers, _ = await post(proxy, chat_body(fleet_conversation(0, 40)))
-    assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
     status, headers, _ = await post(proxy, chat_body(fleet_conversation(0, 41)))
     assert (status, headers["x-ctxproxy-summary"]) == (200, "reused")
     assert len(upstream.summaries) == 1
@@ -216,7 +216,7 @@ async def test_concurrent_summaries_with_the_same_first_turn_both_stay_indexed(
         proxy = await start_proxy(summarising_config(upstream.base_url, cache=cache))
         upstream.summary_barrier = 2  # both summariser calls are answered together
         results = await asyncio.gather(*(post(proxy, chat_body(fleet_conversation(a, 40))) for a in (1, 2)))
-        assert [(s, h["x-ctxproxy-summary"]) for s, h, _ in results] == [(200, "created")] * 2
+        assert [(s, h["x-ctxproxy-summary"]) for s, h, _ in results] == [(200, "waited")] * 2
         upstream.summary_barrier = 0
         calls = len(upstream.summaries)
         statuses = []
@@ -245,9 +245,12 @@ async def test_single_flight_across_replicas_outlasts_the_lock_wait(upstream: Fa
             await asyncio.sleep(0.01)
         second = await post(replicas[1], chat_body(conversation(40)))
         results = [await first, second]
+        made = [metric_total(await scrape(r), "ctxproxy_summaries_total", result="created") for r in replicas]
+        reused = [metric_total(await scrape(r), "ctxproxy_summaries_total", result="reused") for r in replicas]
     assert [s for s, _, _ in results] == [200, 200]
     assert len(upstream.summaries) == 1
-    assert sorted(h["x-ctxproxy-summary"] for _, h, _ in results) == ["created", "reused"]
+    assert [h["x-ctxproxy-summary"] for _, h, _ in results] == ["waited", "waited"]  # both needed it to fit
+    assert (made, reused) == ([1, 0], [0, 1])
 
 
 # =========================================================================== item 6: custom tool calls
@@ -343,7 +346,7 @@ async def summarise(upstream: FakeUpstream, start_proxy: StartProxy, special: li
     proxy = await start_proxy(summarising_config(upstream.base_url, context_manager={
         "type": "summarising", "params": {"keep_turns": 4, "mask_observations": False}}))
     status, headers, body = await post(proxy, chat_body(conversation_with(special)))
-    assert (status, headers.get("x-ctxproxy-summary")) == (200, "created"), body
+    assert (status, headers.get("x-ctxproxy-summary")) == (200, "waited"), body
     return summariser_text(upstream)
 
 

@@ -48,7 +48,7 @@ def tenants() -> list[dict[str, Any]]:
         {   # summarising through the llm summariser (the fake upstream writes summaries), all models
             "name": "research",
             "keys": [KEYS["research"]],
-            "context_manager": {"type": "summarising", "params": {"keep_turns": 6}},
+            "context_manager": {"type": "summarising", "params": {"keep_turns": 6, "working_memory_messages": 20}},
             "max_context_tokens": CAPS["research"],
             "summarizer_model": MINI,
         },

@@ -129,7 +129,7 @@ async def test_prometheus_scrapes_summarizer_cost(
             status, headers, _ = await call(s, proxy.url, {"model": MODEL, "messages": conversation(40)})
             assert status == 200
             results.append(headers["x-ctxproxy-summary"])
-        assert results == ["created", "reused"]
+        assert results == ["waited", "reused"]
         _, direct = await scrape(s, proxy.url)
         expected = value(direct, "ctxproxy_summarizer_cost_usd_total", tenant="acme", model=MODEL)
         assert expected > 0

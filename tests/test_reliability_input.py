@@ -405,7 +405,7 @@ async def test_200k_messages_bounded_time_and_memory(upstream: FakeUpstream, sta
           f"peak RSS +{mem.peak_growth / MB:.0f} MB, after +{mem.after_growth / MB:.0f} MB, "
           f"{len(upstream.summaries)} summariser calls")
     assert status == 200, out[:300]
-    assert headers["x-ctxproxy-summary"] == "created"
+    assert headers["x-ctxproxy-summary"] == "waited"
     assert int(headers["x-ctxproxy-tokens-out"]) <= 128000 - 16384 - 12800
     assert elapsed < 20
     assert mem.peak_growth < 500 * MB
@@ -472,7 +472,7 @@ async def test_30mb_conversation_summarised_in_bounded_time(upstream: FakeUpstre
     print(f"\n30 MB conversation ({len(raw) / MB:.1f} MB, 300 turns): {status} in {elapsed:.1f}s, "
           f"peak RSS +{mem.peak_growth / MB:.0f} MB, {len(upstream.summaries)} summariser calls")
     assert status == 200, out[:300]
-    assert headers["x-ctxproxy-summary"] == "created"
+    assert headers["x-ctxproxy-summary"] == "waited"
     assert elapsed < 60
     assert mem.peak_growth < 1500 * MB
     assert_forwarded_valid(upstream)

@@ -289,7 +289,7 @@ async def test_reload_during_a_summariser_call_keeps_the_requests_policy(setup: 
     assert not env.upstream.chat
 
     raw = await in_flight
-    assert raw.status_code == 200 and raw.headers["x-ctxproxy-summary"] == "created"
+    assert raw.status_code == 200 and raw.headers["x-ctxproxy-summary"] == "waited"
     forwarded = env.upstream.chat[0].body["messages"]
     assert user_turns(forwarded) == 6 + 1  # the old keep_turns
     assert 1500 < count_tokens(forwarded) <= CAPS["research"] * 1.01
@@ -554,7 +554,11 @@ async def test_reload_applies_the_summariser_back_off_to_a_back_off_in_progress(
         upstream.summary_mode = "ok"
         assert await summary() == "failed" and len(upstream.summaries) == calls  # backing off: not asked
         await rewrite_and_reload(proxy, path, {**config, "summarizer": {"retry_backoff_seconds": 0}})
-        assert await summary() == "created" and len(upstream.summaries) == calls + 1
+        # its last summary failed, so this request is not made to wait: the summary is retried in the background
+        assert await summary() == "failed"
+        await proxy.state.shared.background.idle()
+        assert len(upstream.summaries) == calls + 1
+        assert await summary() == "reused"
 
 
 async def test_reload_applies_the_summary_ttl(upstream: FakeUpstream, start_proxy: Any, tmp_path: Path) -> None:
@@ -567,10 +571,10 @@ async def test_reload_applies_the_summary_ttl(upstream: FakeUpstream, start_prox
                               json={"model": "small-model", "messages": travel.conversation(40)}) as r:
                 return r.headers["x-ctxproxy-summary"]
 
-        assert await summary() == "created"
+        assert await summary() == "waited"
         assert await summary() == "reused"
         await asyncio.sleep(1.0)
-        assert await summary() == "created"  # expired after the reloaded TTL, not the week it started with
+        assert await summary() == "waited"  # expired after the reloaded TTL, not the week it started with
 
 
 async def test_reload_names_the_settings_that_need_a_restart(upstream: FakeUpstream, start_proxy: Any,

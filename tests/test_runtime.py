@@ -34,8 +34,9 @@ def runtime(**extra: Any) -> Runtime:
 
 
 class Calibration:
-    def __init__(self, factor: float) -> None:
+    def __init__(self, factor: float, window: int | None = None) -> None:
         self.value = factor
+        self.learned = window
         self.routes: list[ModelRoute] = []
         self.tenants: list[str] = []
 
@@ -46,6 +47,10 @@ class Calibration:
         self.routes.append(route)
         self.tenants.append(tenant)
         return self.value
+
+    def window(self, route: ModelRoute) -> int | None:
+        """The provider's window its refusals showed (None: the route's holds)."""
+        return self.learned
 
 
 TENANTS = [{"name": "acme", "keys": ["sk-acme-1", "sk-acme-2"]},
@@ -132,6 +137,19 @@ async def test_assemble_divides_the_budget_by_the_routes_calibration(factor: flo
     assert assembly.report.hard_budget == int(window_budget / factor)
     assert calibration.routes == [route]
     assert calibration.tenants == ["default"]  # the tenant's own factor (no tenants configured: "default")
+
+
+async def test_a_window_learned_from_the_provider_narrows_the_budget_and_the_summarisers_window() -> None:
+    """The provider refused above 4000 tokens: B, the summariser's chunks and an explicit budget all use 4000."""
+    rt = runtime(trimmer={"reserve_tokens": 0, "max_tokens": 7000})
+    rt.calibration = Calibration(1.0, window=4000)
+    assembly, route, policy = await rt.assemble(CHAT, {"model": "small", "messages": [
+        {"role": "user", "content": "hi"}]}, tenant=None)
+    assert (assembly.report.window, assembly.report.provider_window) == (4000, 4000)
+    assert assembly.report.hard_budget == 4000 - 400  # not the explicit 7000
+    assert rt.services(route, policy).summarizer_window == rt.window_of("small") == 4000
+    rt.calibration = Calibration(1.0, window=None)
+    assert rt.window_of("small") == 8000
 
 
 async def test_a_tenant_may_not_assemble_a_model_outside_its_list() -> None:

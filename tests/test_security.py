@@ -235,7 +235,7 @@ async def test_tenants_never_get_each_others_summary(upstream: FakeUpstream, sta
     status_a, text_a = await ask(TENANT_A_KEY)
     upstream.summary_text = "BRAVO-ONLY summary: Bob's booking ZX2Q."
     status_b, text_b = await ask(TENANT_B_KEY)
-    assert (status_a, status_b) == ("created", "created")
+    assert (status_a, status_b) == ("waited", "waited")  # each made its own
     assert "ALPHA-ONLY" in text_a and "BRAVO-ONLY" in text_b and "ALPHA-ONLY" not in text_b
     # each keeps reusing its own
     upstream.summary_text = "SHOULD-NOT-BE-CALLED"
@@ -430,7 +430,7 @@ async def test_cache_files_are_owner_only_whatever_the_umask(upstream: FakeUpstr
         body = {"model": SMALL, "messages": conversation(40)}
         async with aiohttp.ClientSession() as s, s.post(proxy.url + "/v1/chat/completions", json=body,
                                                         headers={"Authorization": f"Bearer {TENANT_A_KEY}"}) as r:
-            assert r.status == 200 and r.headers["x-ctxproxy-summary"] == "created"
+            assert r.status == 200 and r.headers["x-ctxproxy-summary"] == "waited"
         await proxy.runner.cleanup()
     finally:
         os.umask(old)

@@ -387,7 +387,7 @@ async def test_override_sliding_window_applied(upstream: FakeUpstream, start_pro
         over = await c.chat.completions.with_raw_response.create(
             model="small", messages=convo, extra_headers={"x-ctxproxy-context-manager": "sliding-window"})
     # the default (summarising) calls the summariser; the override drops turns instead
-    assert base.headers["x-ctxproxy-summary"] == "created"
+    assert base.headers["x-ctxproxy-summary"] == "waited"
     assert upstream.summaries  # in one or more chunks: the small model's window is the summariser's too
     assert over.headers["x-ctxproxy-summary"] == "none"
     assert "x-ctxproxy-warning" not in over.headers
@@ -431,7 +431,7 @@ async def test_malformed_override_falls_back_to_default_policy(upstream: FakeUps
         raw = await c.chat.completions.with_raw_response.create(
             model="small", messages=turns(16, words=60), extra_headers={"x-ctxproxy-context-manager": "{bad json"})
     assert "x-ctxproxy-warning" in raw.headers
-    assert raw.headers["x-ctxproxy-summary"] == "created"
+    assert raw.headers["x-ctxproxy-summary"] == "waited"
     assert upstream.summaries
 
 

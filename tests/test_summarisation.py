@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import base_config
+from tests.outside import metric_total, scrape
 
 MODEL = "small-model"
 WINDOW = 8000
@@ -78,7 +79,7 @@ async def test_growing_conversation_summaries_grow_with_conversation_not_request
     from tests.wire.chat_helpers import counts as chat_counts
 
     counter = TokenCounter("o200k_base")
-    first = statuses.index("created")
+    first = next(i for i, s in enumerate(statuses) if s != "none")  # the first summary asked for
     size = lambda n: sum(chat_counts(counter, conversation(n)))  # noqa: E731
     growth = size(60) - size(first + 1)
     bound = math.ceil(growth / (0.1 * hard)) + 1
@@ -98,7 +99,11 @@ async def test_concurrent_identical_requests_make_one_summary(upstream, start_pr
         results = await asyncio.gather(*(post(s, proxy.url, conversation(40)) for _ in range(20)))
     assert [r[0] for r in results] == [200] * 20
     assert len(upstream.summaries) == 1
-    assert sorted(r[1]["x-ctxproxy-summary"] for r in results).count("created") == 1
+    # nothing fits under B without the summary: every request waited for the one summariser call
+    assert [r[1]["x-ctxproxy-summary"] for r in results] == ["waited"] * 20
+    text = await scrape(proxy)
+    assert metric_total(text, "ctxproxy_summaries_total", result="created") == 1
+    assert metric_total(text, "ctxproxy_summaries_total", result="reused") == 19
 
 
 async def test_two_tenants_never_share_a_summary(upstream, start_proxy):
@@ -116,7 +121,7 @@ async def test_restart_on_the_same_cache_directory_reuses_the_summary(upstream, 
     first = await start_proxy(cfg)
     async with aiohttp.ClientSession() as s:
         status, headers, _ = await post(s, first.url, conversation(40))
-        assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+        assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
         await first.runner.cleanup()
         second = await start_proxy(cfg)
         status, headers, _ = await post(s, second.url, conversation(40))
@@ -137,9 +142,14 @@ async def test_failing_summariser_still_serves_within_budget(upstream, start_pro
         forwarded = upstream.chat[-1].body["messages"]
         # the trimmer alone fitted it: it dropped only what the budget required
         assert len(forwarded) > 4 * 4
+        # the summariser is back, but this conversation's last summary failed: the next request does not
+        # wait for it again; the summary is retried in the background and the request after uses it
         upstream.summary_mode = "ok"
         status, headers, _ = await post(s, proxy.url, conversation(40))
-        assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+        assert (status, headers["x-ctxproxy-summary"]) == (200, "failed")
+        await proxy.state.shared.background.idle()
+        status, headers, _ = await post(s, proxy.url, conversation(40))
+        assert (status, headers["x-ctxproxy-summary"]) == (200, "reused")
 
 
 async def test_on_summarizer_error_fail_answers_502(upstream, start_proxy):
@@ -174,7 +184,7 @@ async def test_aged_part_larger_than_the_summarisers_window_is_folded_in_chunks(
     proxy = await start_proxy(config(upstream.base_url, summarizer_model=MODEL))  # an 8k summariser window
     async with aiohttp.ClientSession() as s:
         status, headers, _ = await post(s, proxy.url, conversation(40))
-    assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
     assert len(upstream.summaries) >= 2
     first, *rest = [c.body["messages"][1]["content"] for c in upstream.summaries]
     assert not first.startswith("Previous summary")
@@ -207,7 +217,7 @@ async def test_summariser_work_per_request_is_bounded_and_oversized_summaries_ar
     upstream.summary_text = "word " * 3000  # ignores max_tokens (300)
     async with aiohttp.ClientSession() as s:
         status, headers, _ = await post(s, proxy.url, conversation(60))
-    assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+    assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
     assert len(upstream.summaries) == 2
     summary = upstream.chat[-1].body["messages"][1]["content"]
     from proxy.core.tokens import TokenCounter

@@ -58,7 +58,9 @@ class Budget:
     hard_budget: int
     threshold: int
     hysteresis_ratio: float
-    limited_by: str = "window"  # what set B: window (window - reserve - margin), budget (trimmer.max_tokens), cap (tenant)
+    # what set B: window (window - reserve - margin), provider (the same, on the provider's real window, learned
+    # from its refusal for length: ``window`` is then that one), budget (trimmer.max_tokens), cap (tenant)
+    limited_by: str = "window"
 
     @property
     def step(self) -> int:
@@ -76,12 +78,18 @@ def compute_budget(
     hysteresis_ratio: float = 0.1,
     summary_threshold: int = 0,
     calibration: float = 1.0,
+    provider_window: int | None = None,
 ) -> Budget:
     """B and T in the proxy's own token count.
 
     ``calibration`` is the provider's count over the proxy's for this model (``proxy.store.calibration``):
-    B holds in the provider's count, so in the proxy's own count it is B / calibration.
+    B holds in the provider's count, so in the proxy's own count it is B / calibration. ``provider_window``
+    is the provider's real window where it refused a larger payload (``proxy.store.windows``): it replaces a
+    larger configured window, and caps an explicit ``trimmer.max_tokens`` too (the provider has the last word).
     """
+    narrowed = provider_window is not None and 0 < provider_window < window
+    if narrowed and provider_window is not None:
+        window = provider_window
     if trimmer.reserve_tokens is not None:
         reserve = trimmer.reserve_tokens
     elif request_max_tokens is not None:
@@ -91,8 +99,8 @@ def compute_budget(
     ratio = min(0.5, max(0.0, trimmer.safety_margin_ratio))
     margin = math.ceil(ratio * window)
     derived = window - reserve - margin
-    hard, limited_by = derived, "window"
-    if trimmer.max_tokens is not None:
+    hard, limited_by = derived, "provider" if narrowed else "window"
+    if trimmer.max_tokens is not None and not (narrowed and derived < trimmer.max_tokens):
         hard, limited_by = trimmer.max_tokens, "budget"
     if tenant_cap is not None and tenant_cap < hard:
         hard, limited_by = tenant_cap, "cap"
@@ -117,7 +125,8 @@ def why(budget: Budget) -> str:
         return "the configured token budget (trimmer.max_tokens)"
     if budget.limited_by == "cap":
         return "this key's context cap (max_context_tokens)"
-    text = (f"window {budget.window} - completion reserve {budget.reserve} - safety margin {budget.margin}")
+    window = f"the provider's window {budget.window}" if budget.limited_by == "provider" else f"window {budget.window}"
+    text = (f"{window} - completion reserve {budget.reserve} - safety margin {budget.margin}")
     if budget.window - budget.reserve - budget.margin <= 0:
         text += ": the completion reserve (the request's max_tokens, or the model's max output) leaves no room " \
                 "for input; lower max_tokens"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -41,20 +42,32 @@ def create_app(config: Config, *, config_path: str | None = None, cache: Cache |
                   supervised=Supervised.from_env(os.environ), wires=wires)
     # bodies are read by proxy.serve.http.read_body, which applies the running config's max_body_mb
     app = web.Application(middlewares=[error_middleware])
+    state.drain_timeout = config.settings.server.drain_timeout  # the runner's, when ``make_runner`` builds it
     app[STATE] = state
+    app.on_shutdown.append(_draining)
     app.cleanup_ctx.append(_lifecycle)
     add_routes(app, wires)
     return app
 
 
+async def _draining(app: web.Application) -> None:
+    """Shutdown begins (before in-flight requests are awaited): the drain timeout runs from now."""
+    state = app[STATE]
+    state.drain_started = time.monotonic()
+    state.shared.background.drain()  # no new background summary; the running ones go on
+
+
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
-    shared = app[STATE].shared
+    state = app[STATE]
+    shared = state.shared
     flushing = asyncio.create_task(shared.ledger.run())  # the cost ledger, written every few seconds
     yield
     flushing.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await flushing
-    await shared.close()
+    # background summaries get what is left of the drain timeout, then are abandoned (nothing half-written)
+    began = state.drain_started if state.drain_started is not None else time.monotonic()
+    await shared.close(drain=max(0.0, began + state.drain_timeout - time.monotonic()))
 
 
 def create_metrics_app(app: web.Application) -> web.Application:

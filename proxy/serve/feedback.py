@@ -2,8 +2,8 @@
 
 ``settle`` runs in the managed handler's ``finally`` for every request the pipeline assembled (no
 await: nothing here can delay or fail the answer). It normalises the provider's usage
-(in the form its wire says, ``proxy.core.usage``), gives the calibration store the tenant's sample (``proxy.store.calibration``; a
-refusal for length, ``proxy.core.refusal``, is one too), lets the
+(in the form its wire says, ``proxy.core.usage``), gives the calibration store the tenant's sample
+(``proxy.store.calibration``; a refusal for length is learned from when it comes: ``proxy.serve.overflow``), lets the
 prompt-cache tracker compare the answer with the conversation's previous one
 (``proxy.store.promptcache``), prices the request (``proxy.serve.costs``) and counts it in the
 metrics (and through them the cost ledger). In observe mode the sample is the client's payload
@@ -27,20 +27,19 @@ from proxy.wire.protocol import Wire
 
 def settle(shared: Shared, metrics: Metrics, route: ModelRoute, assembly: Assembly, tenant: str, usage: Any,
            status: int, wire: Wire, *, refusal: Refusal | None = None) -> RequestCost:
-    """Calibrate from one answer (or a refusal for length), measure its prompt-cache effect, count its figures;
-    returns them (for the log)."""
+    """Calibrate from one answer, measure its prompt-cache effect, count its figures; returns them (for the log).
+
+    ``refusal``: the provider refused the request for length; that was already learned from
+    (``proxy.serve.overflow``), and there is no usage to learn from."""
     report = assembly.report
     observed = report.mode == "observe"
     answered: Usage | None = normalise_usage(usage, wire.usage_form) if 200 <= status < 300 else None
-    hidden = hidden_input(assembly.body)
     sent = assembly.forwarded_tokens  # what went upstream, as ctxproxy counts it (observe: the client's payload)
-    if refusal is not None:  # the provider counted more than its window: the ratio is at least window / ours
-        sample = shared.calibration.refused(tenant, route.upstream, route.upstream_model, refusal.input_tokens,
-                                            refusal.limit or route.window, sent, hidden)
-    else:
+    if refusal is None:  # a refusal for length was learned from when it came (proxy.serve.overflow)
         sample = shared.calibration.observe(tenant, route.upstream, route.upstream_model,
-                                            answered.input_tokens if answered is not None else None, sent, hidden)
-    metrics.calibration_sample(route.upstream_model, sample, answered, sent, report.calibration)
+                                            answered.input_tokens if answered is not None else None,
+                                            sent, hidden_input(assembly.body))
+        metrics.calibration_sample(route.upstream_model, sample, answered, sent, report.calibration)
     # cached-token counts that do not add up (cached above the input ...) measure nothing
     cached = answered if answered is not None and answered.consistent else None
     # observe mode removed nothing: the provider's cache saw the client's payload

@@ -4,21 +4,26 @@ One handler serves every wire (``make_handler(wire)``); ``proxy.serve.routes`` r
 registered wire's paths. The request's scope (``proxy.serve.scope``) does what every handler
 does (id, authentication, body, record, metrics, log); everything wire-specific comes from the
 wire's translator: parsing and rendering, where the model is, the upstream path, the stream's end.
+A refusal for length that comes before the answer is recovered once (``proxy.serve.overflow``).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.core.errors import UpstreamStatus
 from proxy.core.offload import run_step
 from proxy.pipeline import Assembly
+from proxy.policy import ModelRoute
 from proxy.runtime import Runtime
 from proxy.serve.http import OVERRIDE_HEADER, Handler, dumps_body, header_safe
-from proxy.serve.scope import request_scope
+from proxy.serve.overflow import recover
+from proxy.serve.scope import Scope, request_scope
 from proxy.serve.state import State
 from proxy.serve.streaming import relay_answer
 from proxy.settings import Tenant
@@ -78,7 +83,9 @@ def report_headers(assembly: Assembly, overhead: float) -> dict[str, str]:
         "x-ctxproxy-mode": r.mode,
         "x-ctxproxy-tokens-in": str(r.tokens_before),
         "x-ctxproxy-tokens-out": str(r.tokens_after),
-        "x-ctxproxy-summary": r.summary,
+        # a request that waited for a summariser says so, whoever made the summary
+        "x-ctxproxy-summary": "waited" if r.summary_wait is not None and r.summary in ("created", "reused")
+        else r.summary,
         "x-ctxproxy-repairs": str(sum(r.repairs.values())),
         "x-ctxproxy-overhead-ms": f"{overhead * 1000:.2f}",
     }
@@ -97,7 +104,7 @@ def make_handler(wire: Wire, hook: RequestHook | None = None) -> Handler:
 
 async def _handle(request: web.Request, wire: Wire, hook: RequestHook | None) -> web.StreamResponse:
     async with request_scope(request, wire) as scope:
-        st, served, runtime, record, rid = scope.state, scope.served, scope.runtime, scope.record, scope.request_id
+        st, runtime, record, rid = scope.state, scope.runtime, scope.record, scope.request_id
         idle = st.config.settings.server.idle_timeout
         body = await scope.body()
         override = request.headers.get(OVERRIDE_HEADER)
@@ -112,35 +119,83 @@ async def _handle(request: web.Request, wire: Wire, hook: RequestHook | None) ->
         forwardable: bytes | None = scope.raw
         if exchange is not None and exchange.edited:
             body, forwardable = exchange.body, None
-        assembly, route, _policy = await runtime.assemble(
-            wire, body, tenant=scope.tenant, override=override, offload=scope.offload, request_id=rid,
-            params=request.match_info,
-        )
-        if exchange is not None:
-            assembly.report.warnings.extend(exchange.warnings)
-        record.report = assembly.report
+        assembly, route = await _assemble(scope, wire, body, exchange, override)
         record.model = route.name
-        scope.settled = (route, assembly)
-        st.metrics.assembled(record.tenant, route.name, assembly.report, route.upstream_model)
-        stable, refetched, data = await run_step(scope.offload, _outgoing, st, forwardable, assembly, record.tenant)
-        if stable is not None:
-            st.metrics.prefix(record.tenant, route.name, stable)
-        if refetched:
-            record.refetched = refetched
-            st.metrics.refetched(record.tenant, route.name, refetched)
-        overhead = time.perf_counter() - record.started
-        record.overhead = overhead
-        scope.headers.update(report_headers(assembly, overhead))
-        call = Outgoing(wire.name, wire.upstream_path(route.upstream_model), assembly.body, data,
-                        body.get("stream") is True, request.headers, rid, wire.litellm_fields)
-        sent = time.perf_counter()
-        watcher = StreamWatcher(sent, wire.stream_end)
+        upstream = _Upstream(scope, wire, route, body, exchange, override, assembly)
         try:
-            answer = await served.providers.for_route(route).send(route, call)
-            if exchange is not None:
-                answer = exchange.wrap(answer)
-            response = await relay_answer(request, answer, scope.headers, idle_timeout=idle, watcher=watcher)
-        finally:
-            record.upstream = time.perf_counter() - sent
-            record.ttft, record.usage = watcher.ttft, watcher.usage
+            stable, refetched, data = await run_step(scope.offload, _outgoing, st, forwardable, assembly,
+                                                     record.tenant)
+            if stable is not None:
+                st.metrics.prefix(record.tenant, route.name, stable)
+            if refetched:
+                record.refetched = refetched
+                st.metrics.refetched(record.tenant, route.name, refetched)
+            upstream.first_bytes = data
+            upstream.overhead = record.overhead = time.perf_counter() - record.started
+            sent = time.perf_counter()
+            watcher = StreamWatcher(sent, wire.stream_end)
+            try:
+                try:
+                    answer = await upstream.send(assembly)
+                except UpstreamStatus as exc:  # nothing has reached the client yet: a refusal for length is recovered
+                    _, answer = await recover(scope, exc, route, assembly, upstream.reassemble, upstream.send)
+                if exchange is not None:
+                    answer = exchange.wrap(answer)
+                response = await relay_answer(request, answer, scope.headers, idle_timeout=idle, watcher=watcher)
+            finally:
+                record.upstream = time.perf_counter() - sent
+                record.ttft, record.usage = watcher.ttft, watcher.usage
+        finally:  # the figures of what the provider last received (a refused attempt's are replaced by its retry's)
+            st.metrics.assembled(record.tenant, route.name, upstream.forwarded.report, route.upstream_model)
         return scope.answered(response)
+
+
+async def _assemble(scope: Scope, wire: Wire, body: dict[str, Any], exchange: Exchange | None,
+                    override: str | None) -> tuple[Assembly, ModelRoute]:
+    """The pipeline on the request's body (the hook's edit of it, if any), with the hook's warnings."""
+    assembly, route, _policy = await scope.runtime.assemble(
+        wire, body, tenant=scope.tenant, override=override, offload=scope.offload, request_id=scope.request_id,
+        params=scope.request.match_info,
+    )
+    if exchange is not None:
+        assembly.report.warnings.extend(exchange.warnings)
+    return assembly, route
+
+
+@dataclass
+class _Upstream:
+    """One request's way to its route's provider: sends an assembly (the first, or a retry's), and can assemble the
+    request again (``proxy.serve.overflow``)."""
+
+    scope: Scope
+    wire: Wire
+    route: ModelRoute
+    body: dict[str, Any]
+    exchange: Exchange | None
+    override: str | None
+    first: Assembly
+    first_bytes: bytes = b""  # the first assembly's (the client's own when nothing changed)
+    overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.forwarded = self.first  # the assembly the provider last received: its figures are the request's
+
+    async def send(self, assembly: Assembly) -> Answer:
+        scope, wire, record = self.scope, self.wire, self.scope.record
+        self.forwarded = assembly
+        record.report, scope.settled = assembly.report, (self.route, assembly)
+        scope.headers.update(report_headers(assembly, self.overhead))
+        data = self.first_bytes if assembly is self.first else await run_step(
+            scope.offload, _again, scope.state, assembly, record.tenant)
+        call = Outgoing(wire.name, wire.upstream_path(self.route.upstream_model), assembly.body, data,
+                        self.body.get("stream") is True, scope.request.headers, scope.request_id, wire.litellm_fields)
+        return await scope.served.providers.for_route(self.route).send(self.route, call)
+
+    async def reassemble(self) -> Assembly:
+        return (await _assemble(self.scope, self.wire, self.body, self.exchange, self.override))[0]
+
+
+def _again(st: State, assembly: Assembly, tenant: str) -> bytes:
+    """A retry's bytes; the prefix tracker now remembers what it forwarded (its figure was counted for the first)."""
+    st.prefix.observe(assembly.received, assembly.items, tenant)
+    return forward_bytes(None, assembly)

@@ -58,6 +58,7 @@ from proxy.core.conversation import UNMANAGED_REASONS
 from proxy.core.pairing import REPAIR_KINDS
 from proxy.core.usage import normalise_usage
 from proxy.pipeline import MODES, REMOVED_HOW, SUMMARY_STATUSES
+from proxy.store.background import BACKGROUND_RESULTS
 from proxy.store.calibration import SAMPLE_RESULTS
 from proxy.store.refetch import HOW as REFETCH_HOW
 from proxy.upstream.engine import FAILURE_REASONS
@@ -87,6 +88,7 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0
 # (ctxproxy's count - the provider's) / the provider's: negative = ctxproxy counted fewer (budgets too large)
 ERROR_BUCKETS = (-0.5, -0.3, -0.2, -0.15, -0.1, -0.05, -0.02, -0.01, 0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 CACHE_EFFECT_KINDS = ("break", "removed")
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 TM = ("tenant", "model")
 TMM = (*TM, "mode")  # mode: enforce | observe (proxy.pipeline.MODES)
@@ -140,6 +142,14 @@ class Metrics:
         self.summaries = counter("ctxproxy_summaries", "Requests that used a summary, by result.", ("tenant", "result"))
         self.summarizer_failures = counter(
             "ctxproxy_summarizer_failures", "Summariser calls that failed, by reason.", ("tenant", "reason"))
+        self.background_summaries = counter(
+            "ctxproxy_background_summaries", "Summaries made in the background before a request needs them, by "
+            "result: started, skipped (no room, or backing off), made, failed, used (first forwarded by a request "
+            "of this process), wasted (made and not used in time, or before the process stopped), abandoned "
+            "(at shutdown).", ("tenant", "result"))
+        self.summary_wait = histogram(
+            "ctxproxy_summary_wait_seconds", "Time requests waited for a summariser (only requests that waited: "
+            "nothing else fitted under B).", ("tenant",), WAIT_BUCKETS)
         self.unpriced = counter(
             "ctxproxy_unpriced_model", "Cost figures skipped: the model has no price in litellm's map or the config.",
             ("model",))
@@ -202,6 +212,13 @@ class Metrics:
             ("tenant", "upstream", "model"), registry=self.registry, multiprocess_mode="mostrecent")
         self.calibration_samples = counter(
             "ctxproxy_calibration_samples", "Answers considered for calibration, by result.", ("model", "result"))
+        # the provider's refusals for length (proxy.serve.overflow): re-assembled and answered, or not
+        self.overflow_recovered = counter(
+            "ctxproxy_overflow_recovered", "Requests the provider refused for their length that were re-assembled "
+            "within what the refusal taught and then answered.", TM)
+        self.overflow_failed = counter(
+            "ctxproxy_overflow_failed", "Requests the provider refused for their length that could not be recovered "
+            "(nothing smaller to send, the retry refused or failed, or output already started).", TM)
         self.count_error = histogram(
             "ctxproxy_token_count_error_ratio",
             "Relative error of ctxproxy's input count against the provider's, (ctxproxy - provider) / provider: "
@@ -270,6 +287,24 @@ class Metrics:
             self._child(self.net_loss, t, for_model).inc(cost)
         self._ledger(t, for_model, summarizer_usd=cost, net_usd=-cost)
 
+    def background_summary(self, tenant: str, result: str) -> None:
+        """What became of a background summary (``proxy.store.background``)."""
+        label = result if result in BACKGROUND_RESULTS else OTHER
+        self._child(self.background_summaries, self.tenant_label(tenant), label).inc()
+
+    def background_summary_made(self, tenant: str, model: str, made: Completion | None) -> None:
+        """A summary made in the background: created for the request that started it (its tenant and model).
+
+        Its cost was counted where it was paid (``summary_call``); here it is attributed, as a request's own
+        summary is in ``account``, and the cost report counts it as created."""
+        t, m = self.tenant_label(tenant), self.model_label(model)
+        self._ledger(t, m, summaries_created=1)
+        if made is None:
+            return
+        cost = self.model_map.cost(made.priced_model, made.prompt_tokens, made.completion_tokens)
+        if cost:
+            self._child(self.request_summarizer_cost, t, m).inc(max(0.0, cost))
+
     def summary_failed(self, tenant: str, reason: str) -> None:
         self.summarizer_failures.labels(self.tenant_label(tenant), reason if reason in FAILURE_REASONS else OTHER).inc()
 
@@ -288,6 +323,11 @@ class Metrics:
     def cache_breaker_opened(self) -> None:
         """The cache backend timed out and is bypassed for a while (``proxy.store.guard``)."""
         self.cache_breaker.inc()
+
+    def overflow(self, tenant: str, model: str, recovered: bool) -> None:
+        """One refusal for length, recovered or not (``proxy.serve.overflow``)."""
+        metric = self.overflow_recovered if recovered else self.overflow_failed
+        self._child(metric, self.tenant_label(tenant), self.model_label(model)).inc()
 
     def assembled(self, tenant: str, model: str, report: Report, upstream_model: str | None = None) -> None:
         """What the pipeline did to one request; savings priced on the model the route sends upstream.
@@ -318,6 +358,8 @@ class Metrics:
             return
         if report.summary != "none":
             self.summaries.labels(t, report.summary if report.summary in SUMMARY_RESULTS else OTHER).inc()
+        if report.summary_wait is not None:
+            self._child(self.summary_wait, t).observe(max(0.0, report.summary_wait))
         for kind, n in report.repairs.items():
             if n > 0:
                 self.repairs.labels(kind if kind in REPAIR_KINDS else OTHER).inc(n)

@@ -2,7 +2,8 @@
 
 Fields: request id, wire, tenant, model, status, mode, tokens in/out, what was removed and
 how, how many tool outputs were masked, the re-fetches the request showed (by how: masked, summarised,
-dropped; ``proxy.store.refetch``), summary status, repairs, overhead and upstream latency. In observe
+dropped; ``proxy.store.refetch``), summary status, repairs, overhead and upstream latency, and what
+became of a refusal for length (``overflow``: recovered or failed). In observe
 mode (``mode: "observe"``) the client's payload was forwarded, and tokens out, removed, the summary and the
 cost's gross are what enforce would have done (``would_refuse``: the code enforce would have refused it
 with). Keys and prompt text are never part of a record.
@@ -41,7 +42,8 @@ class RequestRecord:
     upstream: float | None = None
     ttft: float | None = None
     usage: dict[str, Any] | None = None
-    refusal: Refusal | None = None  # the provider refused the payload for length (calibration evidence; not logged)
+    refusal: Refusal | None = None  # the provider refused the payload for length (learned from; not logged)
+    overflow: str | None = None  # recovered | failed: what became of a refusal for length (proxy.serve.overflow)
     refetched: dict[str, int] | None = None  # calls repeating one whose output was removed, by how
     cost: RequestCost | None = None
 
@@ -56,6 +58,8 @@ class RequestRecord:
         }
         if self.error:
             out["error"] = self.error
+        if self.overflow:
+            out["overflow"] = self.overflow
         r = self.report
         if r is not None:
             out.update(
@@ -70,6 +74,10 @@ class RequestRecord:
                 repairs=r.repairs,
                 context_manager=r.context_manager,
             )
+            if r.summary_wait is not None:
+                out["summary_wait_ms"] = round(r.summary_wait * 1000, 3)  # it waited for a summariser
+            if r.background:
+                out["background"] = r.background  # a summary asked for in the background, and what came of it
             if r.masked:
                 out["outputs_masked"] = len(r.masked)  # tool outputs masked (which ones: explain, assemble)
             if self.refetched:

@@ -23,9 +23,8 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.core.errors import CtxProxyError, PayloadError, UpstreamStatus
+from proxy.core.errors import CtxProxyError, PayloadError
 from proxy.core.offload import run_step
-from proxy.core.refusal import length_refusal
 from proxy.pipeline import Assembly
 from proxy.policy import ModelRoute
 from proxy.runtime import Runtime, model_of
@@ -124,8 +123,6 @@ async def request_scope(request: web.Request, wire: Wire, *, event: str = "reque
         scope.status = exc.status
         if counted and (isinstance(exc, PayloadError) or exc.code == "context_length_exceeded"):
             st.metrics.payload_error(exc.code or "invalid_payload")
-        if isinstance(exc, UpstreamStatus):  # the provider's own words: a refusal for length is calibration evidence
-            record.refusal = length_refusal(exc.status, exc.raw if isinstance(exc.raw, dict) else exc.body)
         record.error = exc.code
         raise
     except (asyncio.CancelledError, ConnectionResetError):

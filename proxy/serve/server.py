@@ -135,8 +135,12 @@ async def _metrics_listener(app: web.Application, config: Config, *, reuse_port:
 def make_runner(app: web.Application, config: Config, *, shutdown_timeout: float | None = None) -> web.AppRunner:
     """The app's runner: handlers cancelled with their client, idle and half-sent request heads timed out, request
     bodies decoded by ``proxy.serve.http.read_body`` (aiohttp would refuse a coding it cannot decode in plain text)."""
+    from proxy.serve.state import STATE
+
     server = config.settings.server
     drain = server.drain_timeout if shutdown_timeout is None else shutdown_timeout
+    if STATE in app:
+        app[STATE].drain_timeout = drain  # background work gets what is left of it (proxy.serve.app)
     return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain,
                          keepalive_timeout=server.header_timeout, auto_decompress=False)
 

@@ -26,6 +26,7 @@ from proxy.serve.metrics import Metrics
 from proxy.serve.workers import Status, Supervised
 from proxy.settings import Config, load_config
 from proxy.store.backends import cache_guard, open_cache, open_ledger_store
+from proxy.store.background import BackgroundSummaries
 from proxy.store.cache import Cache, SafeCache
 from proxy.store.calibration import CalibrationStore, ConfiguredCalibration
 from proxy.store.compaction import Compaction
@@ -53,9 +54,13 @@ class Shared:
     pool: UpstreamPool
     calibration: CalibrationStore
     ledger: Ledger
+    background: BackgroundSummaries = field(
+        default_factory=lambda: BackgroundSummaries(concurrency=0, queue=0, unused_after=3600.0))
     prompt_cache: PromptCacheTracker = field(default_factory=PromptCacheTracker)
 
-    async def close(self) -> None:
+    async def close(self, drain: float = 0.0) -> None:
+        """Close everything; background summaries get ``drain`` seconds to finish (then they are abandoned)."""
+        await self.background.close(drain)  # first: its summaries are counted and priced, and need the pool
         await self.summaries.close()
         await self.calibration.close()
         await self.ledger.close()
@@ -82,11 +87,13 @@ def build_shared(
         on_call=metrics.summary_call if metrics else None,
         on_failure=metrics.summary_failed if metrics else None,
     )
+    background = BackgroundSummaries(**background_settings(config), observer=metrics)
     calibration = CalibrationStore(cache, on_factor=metrics.calibration_factor if metrics else None)
     ledger = Ledger(open_ledger_store(s.cache, create=True))
     if metrics is not None:
         metrics.ledger = ledger
-    return Shared(Tokenizers(), model_map or ModelMap(), cache, summaries, UpstreamPool(s.server), calibration, ledger)
+    return Shared(Tokenizers(), model_map or ModelMap(), cache, summaries, UpstreamPool(s.server), calibration, ledger,
+                  background)
 
 
 @dataclass
@@ -104,6 +111,18 @@ class SummarySettings(TypedDict):
     max_wait: float
     backoff_first: float
     backoff_max: float
+
+
+class BackgroundSettings(TypedDict):
+    concurrency: int
+    queue: int
+    unused_after: float
+
+
+def background_settings(config: Config) -> BackgroundSettings:
+    s = config.settings.summarizer
+    return BackgroundSettings(concurrency=s.background_summaries, queue=s.background_queue,
+                              unused_after=s.background_unused_seconds)
 
 
 def summary_settings(config: Config) -> SummarySettings:
@@ -148,11 +167,12 @@ def build_runtime(config: Config, shared: Shared, *, engine: bool = True) -> Ser
     """
     shared.pool.configure(config.settings.server)
     shared.summaries.configure(**summary_settings(config))
+    shared.background.configure(**background_settings(config))
     providers = Providers(config, shared.pool)
     shared.model_map.set_price_overrides(price_overrides(config))
     runtime = Runtime(config, tokenizers=shared.tokenizers, model_map=shared.model_map, summaries=shared.summaries,
                       calibration=ConfiguredCalibration(shared.calibration, config),
-                      compaction=Compaction(shared.summaries))
+                      compaction=Compaction(shared.summaries, shared.background))
     if engine:
         runtime.engine = UpstreamEngine(runtime.route, providers.for_route)
     return Served(runtime, providers)
@@ -178,6 +198,8 @@ class State:
     prefix: PrefixTracker = field(default_factory=PrefixTracker)
     refetch: RefetchTracker = field(default_factory=RefetchTracker)  # re-fetches of removed outputs, per conversation
     draining: bool = False
+    drain_timeout: float = 0.0  # how long shutdown waits for in-flight work (the runner's, ``make_runner``)
+    drain_started: float | None = None  # when shutdown began (time.monotonic)
     supervised: Supervised | None = None  # a worker of ``serve --workers N``
     wires: Wires = field(default_factory=lambda: WIRES)  # the wires this app speaks (``create_app(wires=...)``)
     started_with: Config = field(init=False)  # the config the process was built with

@@ -8,24 +8,37 @@ the forwarded payload fits the window as the provider counts it.
 
 How the factor is kept (the design choices, each for a reason):
 
-- **A windowed median**, not an EWMA: the last ``WINDOW`` samples, so one odd request (a provider that
-  added a hidden system prompt, an image priced differently) moves nothing, and a real change (a new
-  tokenizer behind the same name) takes over after ``WINDOW / 2`` requests.
+- **A conservative bound that tightens at once and loosens slowly**, not a median or a mean: the factor
+  is the top of an *envelope* of the last ``WINDOW`` samples (``envelope``), in which every sample keeps
+  its full weight until ``HOLD`` newer samples have arrived and then loses ``1 - STEP`` (10 %) of it for
+  every ``HOLD`` more; the family default is the oldest sample of all. A ratio above the factor in use
+  raises it with the very next request (a payload that the provider counts higher than the proxy did is
+  the one that overflows); a lower one lowers it only after ``HOLD`` consistent samples, and by at most
+  10 % every ``HOLD`` samples, never below the last ``HOLD`` ratios. The price: one odd request the
+  provider counts high (an image it prices differently) narrows the budget at once, for about fifteen
+  requests when it was 1.5 times the usual ratio. A factor learned on one mix of
+  content (a 15k-token tool list the provider counts at half the proxy's count) therefore cannot widen
+  the budget for the next mix (text, counted at 1.3x) faster than the evidence; the median of the samples
+  did, and put a text-heavy payload 35 % over B. ``spread`` (the highest recent ratio less the lowest)
+  is kept and shown beside the factor. docs/cost.md#calibration compares this with calibrating tool schemas
+  and messages apart, on two runs.
 - **Samples are filtered, then clamped.** Not a sample: no usage, a provider count of 0, a forwarded
   payload under ``MIN_SAMPLE_TOKENS`` (fixed per-request overheads dominate small requests), a request
   whose provider count includes input ctxproxy cannot see (``hidden_input``: Responses
   ``previous_response_id``/``conversation``/``prompt``, server-side tools), or a ratio outside
   ``PLAUSIBLE`` (no tokenizer is 3x another on the same text: the provider counted something else).
   A plausible ratio is clamped to [``MIN_FACTOR``, ``MAX_FACTOR``].
-- **Learned only after ``MIN_SAMPLES`` samples**; until then the family default applies
-  (``family_default``), or the pooled factor where it is higher (below).
-- **A published factor with a dead band**: the factor in use moves only when the median differs from it
-  by ``DEADBAND`` or more, and is rounded to 0.01. Budgets (and the trimmer's prefix-stable grid, which
-  is a function of B) do not jitter from request to request, and every replica publishes the same value.
+- **Learned after ``MIN_SAMPLES`` samples**: from then on the tenant's own envelope alone sets its factor;
+  before, the highest of the family default (``family_default``), the tenant's first samples and the
+  pooled factor (below).
+- **A published factor, rounded up to 0.01, with a dead band for loosening**: the factor in use rises to
+  the envelope at once and falls only when the envelope is ``DEADBAND`` or more below it. Budgets (and the
+  trimmer's prefix-stable grid, which is a function of B) do not jitter from request to request, and
+  every replica publishes the same value.
 - **Shared through the cache backend** (``Cache.get/set``, one JSON object per key), so replicas and
   restarts share it: a replica merges its own new samples with the stored ones (by origin and time) and
-  writes the result back in the background; concurrent writers can lose a few samples, which a median
-  does not notice.
+  writes the result back in the background; concurrent writers can lose a few samples (a lost high one
+  comes back with the next answer of the same mix).
 - **Read through an in-process table**: the request path reads a dict (``factor``); a key seen for the
   first time is loaded once (``load``, awaited), and an entry older than ``REFRESH_SECONDS`` is refreshed
   in the background while the current value keeps serving. The table is a bounded LRU (model names can
@@ -38,9 +51,11 @@ How the factor is kept (the design choices, each for a reason):
   tenant's own samples, so no tenant can widen another's budget or cap.
 - **A refusal for length is evidence** (``proxy.core.refusal``): the provider counted more than its
   window, so the ratio is at least window / ctxproxy's count of the payload (exactly the provider's stated
-  count / ctxproxy's, when the message states it). The samples below that value are dropped (the provider
-  has just shown that a factor that low overflows) and it is recorded as ``MIN_SAMPLES`` samples, so the
-  factor is at least that value from the next request on.
+  count / ctxproxy's, when the message states it). It is a sample like any other, and as the newest it
+  sets the factor from the next request on (``proxy.serve.overflow`` re-assembles the refused request
+  with it at once).
+- **The provider's real window** (``proxy.store.windows``), learned from its refusals, is kept in the
+  pooled record of (upstream, model) and shared and persisted with it; ``window`` reads it.
 
 Per model, the config may pin the factor or switch calibration off (``models[].calibration``); the
 config's view is ``ConfiguredCalibration``, which the runtime uses.
@@ -63,6 +78,8 @@ from typing import TYPE_CHECKING, Any
 
 from proxy.core.errors import CacheBackendError
 from proxy.store.cache import Cache, SafeCache
+from proxy.store.windows import LearnedWindow, from_record
+from proxy.store.windows import merged as merged_window
 
 if TYPE_CHECKING:
     from proxy.policy import ModelRoute
@@ -75,6 +92,8 @@ PLAUSIBLE = (1 / 3, 3.0)
 MIN_SAMPLE_TOKENS = 256
 MIN_SAMPLES = 3
 WINDOW = 32
+HOLD = 3  # samples a ratio keeps its full weight for, and then between two of its steps down
+STEP = 0.9  # what a ratio keeps of its weight at each step down
 QUANTUM = 0.01
 DEADBAND = 0.02
 REFRESH_SECONDS = 30.0
@@ -199,12 +218,33 @@ def refusal_sample(provider_tokens: int | None, limit: int, proxy_tokens: int, h
     return Sample("refused", round(min(MAX_FACTOR, max(MIN_FACTOR, ratio)), 2))
 
 
-def publish(median: float, current: float | None) -> float:
-    """The factor to use: ``current`` while the median stays within the dead band of it."""
-    median = min(MAX_FACTOR, max(MIN_FACTOR, median))
-    if current is not None and abs(median - current) < DEADBAND:
-        return current
-    return round(round(median / QUANTUM) * QUANTUM, 2)
+def envelope(ratios: list[float], default: float) -> float:
+    """The conservative bound on recent ratios (oldest first) that a budget uses, the default the oldest of all.
+
+    Each ratio counts at its full value until ``HOLD`` newer ones have arrived, then at ``STEP`` of it for
+    every ``HOLD`` more; the bound is the highest of them. A new high raises it at once; lower ratios bring it
+    down only as they accumulate: by at most ``1 - STEP`` every ``HOLD`` samples, and never below themselves.
+    """
+    n = len(ratios)
+    top = default * STEP ** (n // HOLD)
+    for i, ratio in enumerate(ratios):
+        top = max(top, ratio * STEP ** ((n - 1 - i) // HOLD))
+    return top
+
+
+def publish(bound: float, current: float | None) -> float:
+    """The factor to use: ``bound`` rounded up to 0.01 when it is above ``current`` (tighten at once), or when it
+    is ``DEADBAND`` or more below it (loosen); ``current`` otherwise."""
+    bound = min(MAX_FACTOR, max(MIN_FACTOR, bound))
+    rounded = round(math.ceil(round(bound / QUANTUM, 6)) * QUANTUM, 2)
+    if current is None or rounded > current or current - bound >= DEADBAND:
+        return rounded
+    return current
+
+
+def spread(ratios: list[float]) -> float | None:
+    """How far apart the recent ratios are (the highest less the lowest; None below two)."""
+    return round(max(ratios) - min(ratios), 2) if len(ratios) >= 2 else None
 
 
 @dataclass(frozen=True)
@@ -217,8 +257,9 @@ class Calibrated:
     samples: int  # the tenant's own
     family: str
     default: float
-    learned: float | None  # the tenant's published learned factor (None: fewer than MIN_SAMPLES samples)
+    learned: float | None  # the factor of the tenant's own samples (None: none yet)
     shared: float | None = None  # the pooled learned factor of all tenants (None: not enough samples)
+    spread: float | None = None  # the tenant's recent ratios: the highest less the lowest
 
 
 Key = tuple[str, str, str]  # (tenant, upstream, upstream model)
@@ -232,7 +273,8 @@ class _Entry:
     family: str
     default: float
     samples: list[tuple[float, float, str]] = field(default_factory=list)  # (ratio, unix time, origin)
-    published: float | None = None
+    published: float | None = None  # the factor of these samples (None: no sample yet)
+    window: LearnedWindow | None = None  # the provider's real window (the pooled record of a model only)
     loaded: float = -math.inf  # monotonic time of the last read from the cache
     dirty: bool = False
 
@@ -240,14 +282,16 @@ class _Entry:
     def learned(self) -> float | None:
         return self.published if len(self.samples) >= MIN_SAMPLES else None
 
+    @property
+    def ratios(self) -> list[float]:
+        return [ratio for ratio, _, _ in self.samples]
+
     def recompute(self, stored: float | None = None) -> None:
-        if len(self.samples) < MIN_SAMPLES:
+        if not self.samples:
             self.published = None
             return
-        ratios = sorted(ratio for ratio, _, _ in self.samples)
-        mid = len(ratios) // 2
-        median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-        self.published = publish(median, stored if stored is not None else self.published)
+        self.published = publish(envelope(self.ratios, self.default),
+                                 stored if stored is not None else self.published)
 
 
 FactorHook = Callable[[str, str, str, float], None]  # (tenant, upstream, upstream model, factor in effect)
@@ -287,14 +331,19 @@ class CalibrationStore:
         own = self._entries.get((tenant, upstream, model))
         pooled = self._entries.get((POOLED, upstream, model))
         family, default = (own.family, own.default) if own is not None else family_default(model)
-        learned = own.learned if own is not None else None
+        learned = own.published if own is not None else None
         shared = pooled.learned if pooled is not None else None
         samples = len(own.samples) if own is not None else 0
-        if learned is not None:
-            return Calibrated(learned, "learned", samples, family, default, learned, shared)
-        if shared is not None and shared > default:
-            return Calibrated(shared, "shared", samples, family, default, None, shared)
-        return Calibrated(default, "default", samples, family, default, None, shared)
+        known = (samples, family, default, learned, shared, spread(own.ratios) if own is not None else None)
+        if learned is not None and samples >= MIN_SAMPLES:
+            return Calibrated(learned, "learned", *known)
+        # until its own samples rule, a tenant's factor is the highest of the default, its first samples and the
+        # pool: other tenants' evidence can tighten its budget, never widen it
+        if shared is not None and shared > max(default, learned or 0.0):
+            return Calibrated(shared, "shared", *known)
+        if learned is not None and learned > default:
+            return Calibrated(learned, "learned", *known)
+        return Calibrated(default, "default", *known)
 
     def factor(self, tenant: str, upstream: str, model: str) -> float:
         return self.get(tenant, upstream, model).factor
@@ -327,26 +376,39 @@ class CalibrationStore:
         """Record one answer's counts for the tenant and the pool; the shared records are updated in the background."""
         sample = sample_of(provider_tokens, proxy_tokens, hidden)
         if sample.result == "used" and sample.ratio is not None:
-            self._record(tenant, upstream, model, sample.ratio, floor=False)
+            self._record(tenant, upstream, model, sample.ratio)
         return sample
 
     def refused(self, tenant: str, upstream: str, model: str, provider_tokens: int | None, limit: int,
                 proxy_tokens: int, hidden: str | None = None) -> Sample:
-        """Record a refusal for length: the samples below its ratio dropped, the ratio weighing MIN_SAMPLES samples."""
+        """Record a refusal for length: its ratio is the newest sample, so the factor is at least that from now on."""
         sample = refusal_sample(provider_tokens, limit, proxy_tokens, hidden)
         if sample.result == "refused" and sample.ratio is not None:
-            self._record(tenant, upstream, model, sample.ratio, floor=True)
+            self._record(tenant, upstream, model, sample.ratio)
         return sample
 
-    def _record(self, tenant: str, upstream: str, model: str, ratio: float, *, floor: bool) -> None:
+    def window(self, upstream: str, model: str, configured: int) -> int | None:
+        """The provider's real window for (upstream, model) where it narrows ``configured`` (None: it does not)."""
+        pooled = self._entries.get((POOLED, upstream, model))
+        found = pooled.window if pooled is not None else None
+        return found.limit if found is not None and found.serves(configured, self.clock()) else None
+
+    def learn_window(self, upstream: str, model: str, limit: int, configured: int, source: str) -> int:
+        """Remember the provider's real window for (upstream, model) (shared in the background); the window now
+        in effect for a route configured with ``configured``."""
+        entry = self._entry((POOLED, upstream, model))
+        learned = LearnedWindow(max(1, limit), configured, source, self.clock())
+        current = entry.window if entry.window is not None and entry.window.serves(configured, learned.at) else None
+        entry.window = merged_window(current, learned)
+        entry.dirty = True
+        self._schedule_write((POOLED, upstream, model))
+        return min(configured, entry.window.limit) if entry.window is not None else configured
+
+    def _record(self, tenant: str, upstream: str, model: str, ratio: float) -> None:
         before = self._before(upstream, model)
         for key in ((tenant, upstream, model), (POOLED, upstream, model)):
             entry = self._entry(key)
             now = self.clock()
-            if floor:
-                entry.samples = [s for s in entry.samples if s[0] >= ratio]
-                # weighs MIN_SAMPLES samples (distinct times: a merge tells samples apart by origin and time)
-                entry.samples.extend((ratio, now + i * 1e-6, self.origin) for i in range(MIN_SAMPLES - 1))
             entry.samples.append((ratio, now, self.origin))
             del entry.samples[:-WINDOW]
             entry.recompute()
@@ -426,6 +488,8 @@ class CalibrationStore:
         merged = entry.samples + [s for s in theirs if (s[2], s[1]) not in seen]
         merged.sort(key=lambda s: s[1])
         entry.samples = merged[-WINDOW:]
+        if entry.tenant == POOLED:
+            entry.window = merged_window(entry.window, from_record(stored.get("window")))
         factor = stored.get("factor")
         current = float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool) \
             and MIN_FACTOR <= factor <= MAX_FACTOR else None
@@ -463,6 +527,8 @@ class CalibrationStore:
                                   "samples": [[r, t, o] for r, t, o in entry.samples], "updated": self.clock()}
         if entry.tenant != POOLED:
             record["tenant"] = entry.tenant
+        elif entry.window is not None:
+            record["window"] = entry.window.as_record()
         await self.cache.set(cache_key(*key), record, self.ttl)
         self._changed(key[1], key[2], before)
 
@@ -505,12 +571,14 @@ class Effective:
     tenant: str
     upstream: str
     upstream_model: str
+    provider_window: int | None = None  # the provider's real window, learned from its refusals (None: none known)
 
     def describe(self) -> dict[str, Any]:
         c = self.calibrated
         return {"factor": self.factor, "source": self.source, "tenant": self.tenant, "upstream": self.upstream,
                 "upstream_model": self.upstream_model, "family": c.family, "family_default": c.default,
-                "learned": c.learned, "samples": c.samples, "shared": c.shared}
+                "learned": c.learned, "samples": c.samples, "shared": c.shared, "spread": c.spread,
+                "provider_window": self.provider_window}
 
 
 class ConfiguredCalibration:
@@ -530,8 +598,13 @@ class ConfiguredCalibration:
         return 1.0 if mode == "off" else float(mode)
 
     async def prime(self, route: ModelRoute, tenant: str) -> None:
-        if self._modes.get(route.name, "auto") == "auto":
-            await self.store.load(tenant, route.upstream, route.upstream_model)
+        """Know the tenant's factor and the route's learned window (whatever the mode: a pinned factor does not
+        make the provider's window any larger)."""
+        await self.store.load(tenant, route.upstream, route.upstream_model)
+
+    def window(self, route: ModelRoute) -> int | None:
+        """The provider's real window where it is narrower than the route's (learned from its refusals)."""
+        return self.store.window(route.upstream, route.upstream_model, route.window)
 
     def effective(self, route: ModelRoute, tenant: str) -> Effective:
         mode = self.mode(route)
@@ -542,4 +615,4 @@ class ConfiguredCalibration:
             factor, source = 1.0, "off"
         else:
             factor, source = float(mode), "pinned"
-        return Effective(factor, source, calibrated, tenant, route.upstream, route.upstream_model)
+        return Effective(factor, source, calibrated, tenant, route.upstream, route.upstream_model, self.window(route))

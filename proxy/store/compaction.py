@@ -51,6 +51,8 @@ from plugins.base import (
 from plugins.summarizers.llm import PROMPT, LLMParams, LLMSummarizer
 from proxy.core import values
 from proxy.core.items import Item
+from proxy.store.background import BackgroundSummaries
+from proxy.store.summaries import conversation_key, summary_key
 
 # what a dry run forwards in place of a summary it would make (explain, count_tokens, ``ctxproxy assemble``)
 WOULD_CREATE = "[ctxproxy explain: a summary of these turns would be created here]"
@@ -74,10 +76,12 @@ def summarizer_for(own: Summarizer | None, instructions: Any = None) -> Summariz
 
 
 class Compaction:
-    """``plugins.base.Compactor`` over a summary store."""
+    """``plugins.base.Compactor`` over a summary store, with the process's background runner when there is one."""
 
-    def __init__(self, store: SummaryStore, sections: int = SECTIONS) -> None:
+    def __init__(self, store: SummaryStore, background: BackgroundSummaries | None = None,
+                 sections: int = SECTIONS) -> None:
         self.store = store
+        self.runner = background
         self._sections: OrderedDict[tuple[str, str, str, int, str], tuple[values.Section, int]] = OrderedDict()
         self._size = sections
 
@@ -103,6 +107,10 @@ class Compaction:
         while len(self._sections) > self._size:
             self._sections.popitem(last=False)
         return out
+
+    @property
+    def background(self) -> bool:
+        return self.runner is not None and self.runner.enabled
 
     def unavailable(self, summarizer: Summarizer | None, services: Services) -> str | None:
         if summarizer is not None and summarizer.name == "drop":
@@ -139,6 +147,44 @@ class Compaction:
             status = "pending" if exc.reason == "pending" else "failed"
             return Compacted(status, str(exc), reason=exc.reason)
         return Compacted("created" if fresh else "reused", made.text, made)
+
+
+    def prefetch(self, summarizer: Summarizer, services: Services, turns: Sequence[Sequence[Item]],
+                 chain: Sequence[str], cut: int) -> str:
+        runner = self.runner
+        summarize = summarizer.bind(services)
+        if runner is None or summarize is None or services.dry_run or not 0 < cut <= min(len(turns), len(chain)):
+            return ""
+        scope = _scope(summarizer, services)
+        if self.store.failing(scope, chain) == "backoff":
+            return "backoff"
+        conversation = conversation_key(scope, chain)
+        if runner.busy(conversation):
+            return "busy"
+        aged = [list(turn) for turn in turns[:cut]]  # the job outlives the request: it keeps what it summarises
+        links = list(chain[:cut])
+        store = self.store
+
+        async def make() -> tuple[CachedSummary, bool] | None:
+            # looked up when its turn comes: a longer summary may be cached by then (nothing to do), or a
+            # newer prefix one to build on (incrementally)
+            found = await store.lookup(scope, links)
+            if found is not None and found.covered_turns >= cut:
+                return None
+            return await store.obtain(scope, links, cut, aged, found, keeping_values(summarize, aged, services),
+                                      request_id=services.request_id, model=services.model)
+
+        return runner.submit(summary_key(scope, links[cut - 1]), conversation, services.tenant, services.model, make)
+
+    def making(self, summarizer: Summarizer, services: Services, chain: Sequence[str]) -> int:
+        return self.store.making(_scope(summarizer, services), chain)
+
+    def failing(self, summarizer: Summarizer, services: Services, chain: Sequence[str]) -> str | None:
+        return self.store.failing(_scope(summarizer, services), chain)
+
+    def used(self, summarizer: Summarizer, services: Services, summary: CachedSummary) -> None:
+        if self.runner is not None and not services.dry_run:
+            self.runner.used(summary_key(_scope(summarizer, services), summary.chain))
 
 
 def keeping_values(summarize: SummarizeFn, covered: Sequence[Sequence[Item]], services: Services) -> SummarizeFn:

@@ -58,6 +58,11 @@ def summary_key(scope: SummaryScope, link: str) -> str:
     return f"sum:{hashlib.sha256(raw).hexdigest()}"
 
 
+def conversation_key(scope: SummaryScope, chain: Sequence[str]) -> str:
+    """A conversation's identity, for back-off and background work: its first turn, in its scope."""
+    return summary_key(scope, "conversation:" + chain[0])
+
+
 @dataclass
 class _Flight:
     """One summary being made in this process; the first request to get a fresh result reports it created."""
@@ -173,6 +178,26 @@ class SummaryService:
                 break
         return local
 
+    def making(self, scope: SummaryScope, chain: Sequence[str]) -> int:
+        """How many turns the longest summary of this history being made in this process now covers (0: none)."""
+        if not self._flights:
+            return 0
+        for k in range(len(chain), 0, -1):
+            if summary_key(scope, chain[k - 1]) in self._flights:
+                return k
+        return 0
+
+    def failing(self, scope: SummaryScope, chain: Sequence[str]) -> str | None:
+        """Whether this conversation's last summary failed: ``backoff`` (backing off now), ``failed`` (since
+        then no summary of it succeeded), or None."""
+        if not chain:
+            return None
+        conversation = conversation_key(scope, chain)
+        if conversation not in self._failures:
+            return None
+        until = self._backoff_until(conversation)
+        return "backoff" if until is not None and self.clock() < until else "failed"
+
     async def obtain(
         self,
         scope: SummaryScope,
@@ -184,7 +209,7 @@ class SummaryService:
         request_id: str = "",
         model: str = "",
     ) -> tuple[CachedSummary, bool]:
-        conversation = summary_key(scope, "conversation:" + chain[0])
+        conversation = conversation_key(scope, chain)
         until = self._backoff_until(conversation)
         if until is not None and self.clock() < until:
             raise SummaryUnavailable(f"summariser backing off for {until - self.clock():.0f}s after a failure",

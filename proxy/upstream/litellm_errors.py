@@ -7,7 +7,9 @@ exceptions it was raised from say what happened. A timeout anywhere among them i
 answer of the provider's (litellm saw its headers) is relayed with the provider's status,
 its error in OpenAI's shape and the headers ``read_error`` keeps (``Retry-After``, rate
 limits). The operator's key is blanked out of every message, and a refusal of it is the
-gateway's fault (502 ``upstream_auth_failed``). Anything else is a 502.
+gateway's fault (502 ``upstream_auth_failed``). litellm's ``ContextWindowExceededError`` keeps its status and
+gets the code ``context_length_exceeded``, so the proxy recovers from it (``proxy.serve.overflow``) whatever
+the provider's words. Anything else is a 502.
 """
 
 from __future__ import annotations
@@ -61,7 +63,11 @@ def upstream_error(exc: BaseException, upstream: UpstreamSettings | None) -> Ctx
             log.error("the upstream rejected the proxy's configured API key (HTTP %d, through litellm)", status)
             return UpstreamError("The upstream rejected the proxy's credentials; the proxy's operator must fix "
                                  "its configuration.", code="upstream_auth_failed")
-        return UpstreamStatus(status, _error_body(causes, status, secret), dict(provider_headers(raw_headers)))
+        body = _error_body(causes, status, secret)
+        error = body.get("error")
+        if any(_named(e, "ContextWindowExceededError") for e in causes) and isinstance(error, dict):
+            error["code"] = "context_length_exceeded"  # litellm knows it is one, whatever the provider's words
+        return UpstreamStatus(status, body, dict(provider_headers(raw_headers)))
     log.warning("litellm route failed: %s", _redact(_plain(f"{type(exc).__name__}: {exc}"), secret))
     return UpstreamError(f"The upstream could not be called ({type(exc).__name__}).")
 

@@ -21,10 +21,29 @@ from proxy.core.budget import (
 
 def budget(window: int = 128_000, *, request: int | None = None, model_out: int | None = None,
            trimmer: TrimmerParams | None = None, cap: int | None = None, hysteresis: float = 0.1,
-           threshold: int = 0, calibration: float = 1.0) -> Budget:
+           threshold: int = 0, calibration: float = 1.0, provider: int | None = None) -> Budget:
     return compute_budget(window=window, request_max_tokens=request, model_max_output=model_out,
                           trimmer=trimmer or TrimmerParams(), tenant_cap=cap, hysteresis_ratio=hysteresis,
-                          summary_threshold=threshold, calibration=calibration)
+                          summary_threshold=threshold, calibration=calibration, provider_window=provider)
+
+
+# --------------------------------------------------------------------------- the provider's real window
+
+
+def test_the_providers_window_replaces_a_larger_configured_one() -> None:
+    """Reserve, margin and B all come from the window the provider refused above, and a refusal says so."""
+    b = budget(120_000, model_out=16_384, provider=12_000)
+    assert (b.window, b.reserve, b.margin, b.hard_budget, b.limited_by) == (12_000, 3_000, 1_200, 7_800, "provider")
+    assert why(b).startswith("the provider's window 12000 - completion reserve 3000")
+    assert budget(120_000, provider=200_000) == budget(120_000)  # never widened
+    assert budget(120_000, provider=None) == budget(120_000)
+
+
+def test_the_providers_window_caps_an_explicit_budget_too() -> None:
+    explicit = TrimmerParams(max_tokens=50_000)
+    assert budget(120_000, trimmer=explicit, provider=12_000).hard_budget == 12_000 - 3_000 - 1_200
+    assert budget(120_000, trimmer=explicit, provider=100_000).hard_budget == 50_000  # the smaller one holds
+    assert budget(120_000, trimmer=explicit, provider=12_000, cap=5_000).limited_by == "cap"
 
 
 # --------------------------------------------------------------------------- the completion reserve

@@ -96,7 +96,7 @@ async def test_observe_forwards_the_clients_bytes_and_reports_what_enforce_would
     assert status == 200, answer[:300]
     forwarded = last(upstream, w)
     assert forwarded.raw != raw and upstream.summaries  # managed: a summary was made for it
-    assert headers["x-ctxproxy-mode"] == "enforce" and headers["x-ctxproxy-summary"] == "created"
+    assert headers["x-ctxproxy-mode"] == "enforce" and headers["x-ctxproxy-summary"] == "waited"
     assert w.recount(forwarded.body) == int(headers["x-ctxproxy-tokens-out"]) <= would  # observe counted it at most
 
     text = await scrape(proxy, ADMIN)

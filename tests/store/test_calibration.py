@@ -1,8 +1,10 @@
-"""The calibration store: samples, the windowed median, family defaults, tenants, refusals, sharing, modes."""
+"""The calibration store: samples, the envelope of recent ratios, family defaults, tenants, refusals, learned
+windows, sharing, modes."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import pytest
@@ -12,20 +14,24 @@ from proxy.settings import load_config
 from proxy.store.cache import SafeCache
 from proxy.store.calibration import (
     DEADBAND,
+    HOLD,
     MAX_FACTOR,
     MIN_FACTOR,
     MIN_SAMPLE_TOKENS,
     MIN_SAMPLES,
     POOLED,
+    STEP,
     WINDOW,
     CalibrationStore,
     ConfiguredCalibration,
     cache_key,
+    envelope,
     family_default,
     hidden_input,
     publish,
     refusal_sample,
     sample_of,
+    spread,
 )
 from proxy.store.memory import MemoryCache
 
@@ -113,32 +119,69 @@ def test_hidden_input() -> None:
     assert hidden_input({"tools": "garbage"}) is None
 
 
-async def test_default_until_enough_samples_then_the_median() -> None:
+async def test_a_higher_ratio_tightens_at_once() -> None:
+    """A provider that counts more than the default says tightens the very next request's budget: no waiting for
+    a majority of samples (a payload counted higher than the proxy counted it is the one that overflows)."""
     s = store()
     assert s.factor(T, UP, MODEL) == 1.20  # the family default before any answer
-    feed(s, [1.3] * (MIN_SAMPLES - 1))
-    assert s.get(T, UP, MODEL).source == "default"
     feed(s, [1.3])
+    assert (s.factor(T, UP, MODEL), s.get(T, UP, MODEL).source) == (1.3, "learned")
+    feed(s, [1.3] * (MIN_SAMPLES - 1))
     got = s.get(T, UP, MODEL)
     assert (got.factor, got.source, got.samples) == (1.3, "learned", MIN_SAMPLES)
-    assert s.factor(T, UP, MODEL) == 1.3
+    feed(s, [1.45])  # a new high, however late: at once
+    assert s.factor(T, UP, MODEL) == 1.45
     await s.flush()
 
 
-async def test_outliers_do_not_move_it_and_a_real_change_takes_over() -> None:
+async def test_a_lower_ratio_loosens_only_slowly_and_only_after_several_samples() -> None:
+    """Tool-heavy requests that the provider counts at half the proxy's count must not widen the budget of the
+    text-heavy requests after them at once: the factor stays until HOLD consistent samples, then falls by at most
+    10 % every HOLD samples, and never below what the samples show."""
     s = store()
-    feed(s, [1.3] * 20)
-    feed(s, [2.5, 0.6, 2.9])  # odd requests (clamped): the median does not move
-    assert s.factor(T, UP, MODEL) == 1.3
-    feed(s, [1.1] * (WINDOW // 2 + 1))  # a new tokenizer behind the same name
+    factors = []
+    for _ in range(30):
+        feed(s, [0.55])
+        factors.append(s.factor(T, UP, MODEL))
+    assert factors[:HOLD - 1] == [1.20] * (HOLD - 1)  # the default holds until HOLD samples agree
+    steps = [b / a for a, b in itertools.pairwise(factors) if b != a]
+    assert steps and all(step >= STEP - 0.01 for step in steps)  # never more than 10 % at once
+    assert factors == sorted(factors, reverse=True) and factors[-1] == 0.55  # down to the evidence, not below
+    assert sum(1 for f in factors if f > 0.7) >= 15  # it took the evidence of 15 requests to get below 0.7
+    feed(s, [1.1])  # the conversation turns text-heavy: the next budget uses it at once
     assert s.factor(T, UP, MODEL) == 1.1
     await s.flush()
 
 
-def test_dead_band_and_rounding() -> None:
-    assert publish(1.3049, None) == 1.3
-    assert publish(1.31, 1.3) == 1.3  # inside the dead band: no jitter in B
-    assert publish(1.3 + DEADBAND, 1.3) == pytest.approx(1.32)
+def test_the_envelope() -> None:
+    assert envelope([], 1.2) == 1.2
+    assert envelope([0.5, 0.5], 1.2) == 1.2  # the default is the oldest sample
+    assert envelope([0.5] * HOLD, 1.2) == pytest.approx(1.2 * STEP)
+    assert envelope([1.6] + [1.0] * (HOLD - 1), 1.0) == 1.6  # a high ratio holds for HOLD samples
+    assert envelope([1.6] + [1.0] * HOLD, 1.0) == pytest.approx(1.6 * STEP)  # then steps down
+    assert envelope([1.6] + [1.0] * 30, 1.0) == 1.0  # never below the recent ratios
+    assert spread([1.0, 1.3, 1.1]) == 0.3 and spread([1.2]) is None
+
+
+async def test_an_odd_high_ratio_narrows_the_budget_for_a_while_then_the_ratios_take_over() -> None:
+    """The price of a conservative bound: one request the provider counted much higher (an image it prices
+    differently) narrows the budget at once; it decays back to what the following requests show."""
+    s = store()
+    feed(s, [1.3] * 20)
+    feed(s, [2.5])  # clamped to 2.0
+    assert s.factor(T, UP, MODEL) == MAX_FACTOR
+    feed(s, [1.3] * 20)
+    assert s.factor(T, UP, MODEL) == 1.3
+    feed(s, [1.1] * WINDOW)  # a new tokenizer behind the same name
+    assert s.factor(T, UP, MODEL) == 1.1
+    await s.flush()
+
+
+def test_rounding_and_the_dead_band_for_loosening() -> None:
+    assert publish(1.3049, None) == 1.31  # rounded up: a bound
+    assert publish(1.301, 1.3) == 1.31  # any rise tightens at once
+    assert publish(1.29, 1.3) == 1.3  # a small fall does not move it: no jitter in B
+    assert publish(1.3 - DEADBAND, 1.3) == pytest.approx(1.28)
     assert publish(9.0, None) == MAX_FACTOR
     assert publish(0.1, None) == MIN_FACTOR
 
@@ -257,7 +300,7 @@ async def test_one_tenants_samples_never_loosen_another_tenants_factor() -> None
     """A tenant whose traffic the proxy overcounts (ratio at the 0.5 clamp) learns 0.5 for itself; the others
     keep the family default: a factor below the default only ever comes from a tenant's own samples."""
     s = store()
-    feed(s, [0.5] * 5, tenant="a")
+    feed(s, [0.5] * WINDOW, tenant="a")
     a, b = s.get("a", UP, MODEL), s.get("b", UP, MODEL)
     assert (a.factor, a.source) == (0.5, "learned")
     assert (b.factor, b.source, b.shared) == (1.20, "default", 0.5)
@@ -320,17 +363,51 @@ def test_what_a_refusal_teaches() -> None:
 
 async def test_a_refusal_lifts_the_factor_at_once() -> None:
     """A tenant whose learned factor let a payload overflow the window gets a factor of at least the refusal's
-    bound from the next request on: the samples below it go, and the refusal weighs MIN_SAMPLES samples."""
+    bound from the next request on, and so does every tenant that has no factor of its own."""
     s = store()
-    feed(s, [0.5] * 10, tenant="a")
+    feed(s, [0.5] * WINDOW, tenant="a")
     assert s.factor("a", UP, MODEL) == 0.5
     assert s.refused("a", UP, MODEL, None, 8000, 5500).result == "refused"
     assert s.factor("a", UP, MODEL) >= 8000 / 5500
-    assert s.get("a", UP, MODEL).samples == MIN_SAMPLES
     assert s.factor("b", UP, MODEL) >= 8000 / 5500  # the pool learned it too: it tightens the others
-    feed(s, [1.3] * 3, tenant="a")  # ordinary samples after it count as before
-    assert s.get("a", UP, MODEL).samples == MIN_SAMPLES + 3
+    feed(s, [0.5] * (HOLD - 1), tenant="a")  # lower samples after it do not undo it at once
+    assert s.factor("a", UP, MODEL) >= 8000 / 5500
     await s.flush()
+
+
+async def test_a_learned_window_narrows_the_route_is_shared_and_kept_with_its_configured_window() -> None:
+    cache, clock = MemoryCache(), Clock()
+    a = store(cache, clock=clock)
+    assert a.window(UP, MODEL, 120_000) is None
+    assert a.learn_window(UP, MODEL, 12_000, 120_000, "stated") == 12_000
+    assert a.learn_window(UP, MODEL, 15_000, 120_000, "stated") == 12_000  # a wider one does not widen it
+    assert a.window(UP, MODEL, 120_000) == 12_000
+    assert a.window(UP, MODEL, 8_000) is None  # the operator configured another window: theirs holds
+    await a.flush()
+    b = store(cache, clock=clock)  # another replica, or a restart
+    await b.load("other-tenant", UP, MODEL)
+    assert b.window(UP, MODEL, 120_000) == 12_000
+    record = await cache.get(cache_key(POOLED, UP, MODEL))
+    assert record is not None and record["window"]["limit"] == 12_000 and record["window"]["source"] == "stated"
+    clock.now += 8 * 24 * 3600  # trusted for a week: then the configured window is tried again
+    assert b.window(UP, MODEL, 120_000) is None
+
+
+@pytest.mark.parametrize("window", [
+    {"limit": "12000", "configured": 120_000, "source": "stated", "at": 1.0},
+    {"limit": 12_000, "configured": True, "source": "stated", "at": 1.0},
+    {"limit": 12_000, "configured": 120_000, "source": "guessed", "at": 1.0},
+    {"limit": 12_000, "configured": 120_000, "source": "stated", "at": float("nan")},
+    {"limit": -1, "configured": 120_000, "source": "stated", "at": 1.0},
+    "12000",
+])
+async def test_a_corrupt_learned_window_is_ignored(window: Any) -> None:
+    cache = MemoryCache()
+    await cache.set(cache_key(POOLED, UP, MODEL), {"upstream": UP, "model": MODEL, "factor": 1.2, "samples": [],
+                                                   "window": window})
+    s = store(cache)
+    await s.load(T, UP, MODEL)
+    assert s.window(UP, MODEL, 120_000) is None
 
 
 async def test_a_sample_that_arrives_while_the_record_is_being_written_is_written_too() -> None:

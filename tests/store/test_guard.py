@@ -248,7 +248,7 @@ async def test_a_stalled_redis_is_bypassed_and_summaries_are_made_once(
         assert (await post(s, proxy.url, conversation(3)))[0] == 200  # warm: tokenizers, calibration, ledger
         with redis.paused():
             statuses = [(await timed_post(s, proxy, n))[0] for n in range(30, 35)]
-            assert statuses == ["created"] + ["reused"] * 4  # this process's copy of its summary
+            assert statuses == ["waited"] + ["reused"] * 4  # this process's copy of its summary
             assert len(upstream.summaries) == 1
             async with s.get(proxy.url + "/readyz") as r:
                 assert r.status == 503 and (await r.json())["cache"] == "unavailable"
@@ -262,7 +262,7 @@ async def test_a_stalled_redis_is_bypassed_and_summaries_are_made_once(
         other = conversation(40)
         other[1]["content"] += " (another trip)"
         status, headers, _ = await post(s, proxy.url, other)
-        assert (status, headers["x-ctxproxy-summary"]) == (200, "created")
+        assert (status, headers["x-ctxproxy-summary"]) == (200, "waited")
     client = aioredis.Redis.from_url(redis.url)
     try:  # the summary made after the stall went to Redis
         assert len([k async for k in client.scan_iter(match="ctxproxy:sum:*")]) >= 1

@@ -211,7 +211,7 @@ async def test_an_output_masked_then_summarised_is_a_summarised_refetch(
     w = WIRES[wire]
     first = session(6, chat=700)  # long questions: masking the outputs alone does not fit
     headers = await send(proxy, w, w.body(first, w.model(8_000), False))
-    assert headers["x-ctxproxy-summary"] == "created"
+    assert headers["x-ctxproxy-summary"] == "waited"
     await send(proxy, w, w.body(repeat_first(first), w.model(8_000), False))
     text = await scrape(proxy)
     assert metric_total(text, "ctxproxy_tokens_removed_total", how="masked") > 0

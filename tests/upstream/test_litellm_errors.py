@@ -76,3 +76,15 @@ def test_a_results_provider_headers_are_read_from_litellms_hidden_params() -> No
 
     assert dict(answer_headers(Result())) == {"x-ratelimit-remaining-requests": "9"}
     assert dict(answer_headers(object())) == {}
+
+
+def test_a_context_window_refusal_is_one_whatever_the_providers_words() -> None:
+    """Bedrock says "Input is too long for requested model"; litellm knows it is a context-window refusal."""
+    from proxy.core.refusal import length_refusal
+
+    exc = litellm.ContextWindowExceededError("Input is too long for requested model.", model="m",
+                                             llm_provider="bedrock")
+    err = upstream_error(exc, UPSTREAM)
+    assert isinstance(err, UpstreamStatus) and err.status == 400
+    assert err.body["error"]["code"] == "context_length_exceeded"
+    assert length_refusal(err.status, err.body) is not None

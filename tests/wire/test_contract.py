@@ -226,7 +226,7 @@ async def test_the_toy_wire_is_managed_and_its_nested_cap_applies(upstream: Fake
         "type": "summarising", "params": {"keep_turns": 2}}), wires=ALL)
     body: dict[str, Any] = {"turns": turns(12, 150), "options": {"max_tokens": 200}}
     status, headers, _ = await post(proxy.url + "/v1/toy/tiny/chat", body, **{"x-toy-key": "sk-toy"})
-    assert status == 200 and headers["x-ctxproxy-summary"] == "created"
+    assert status == 200 and headers["x-ctxproxy-summary"] == "waited"
     assert int(headers["x-ctxproxy-tokens-out"]) < int(headers["x-ctxproxy-tokens-in"])
     sent = json.loads(upstream.other[-1].raw)
     assert len(sent["turns"]) < len(body["turns"]) and sent["turns"][-1] == body["turns"][-1]

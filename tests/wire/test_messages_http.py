@@ -365,7 +365,7 @@ async def test_the_system_prompt_and_tools_keep_their_cache_marks_when_history_i
     async with client(proxy) as c:
         raw = await c.messages.with_raw_response.create(model=CLAUDE, max_tokens=64, system=system,  # type: ignore[arg-type]
                                                         tools=tools, messages=messages)  # type: ignore[arg-type]
-    assert raw.headers["x-ctxproxy-summary"] == "created"
+    assert raw.headers["x-ctxproxy-summary"] == "waited"
     sent = upstream.messages[-1].body
     assert sent["system"] == system and sent["tools"] == tools
     assert sent["messages"][0]["content"][0]["text"].startswith("[Conversation summary")

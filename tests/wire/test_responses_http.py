@@ -113,7 +113,7 @@ async def test_over_budget_the_history_is_summarised_paired_and_within_budget(
     tools = [{"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}]
     async with client(proxy) as c:
         raw = await c.responses.with_raw_response.create(model=SMALL, input=items, tools=tools)  # type: ignore[arg-type]
-        assert raw.headers["x-ctxproxy-summary"] == "created"
+        assert raw.headers["x-ctxproxy-summary"] == "waited"
         assert raw.parse().output_text == REPLY
         made = len(upstream.summaries)  # (in chunks: the summariser is the 8k model itself)
         assert made >= 1
@@ -156,7 +156,7 @@ async def test_hostile_inputs(upstream: FakeUpstream, start_proxy: StartProxy) -
     proxy = await start(upstream, start_proxy)
     many = [{"role": "user", "content": f"m{i}"} for i in range(4000)]
     status, headers, _ = await post(proxy, {"model": SMALL, "input": many}, path="/v1/responses")
-    assert status == 200 and headers["x-ctxproxy-summary"] in ("created", "reused")
+    assert status == 200 and headers["x-ctxproxy-summary"] in ("waited", "reused")
     assert recount(upstream.responses[-1].body) <= HARD_BUDGET
     odd = [{"role": "user", "content": "go"},
            {"type": "function_call", "call_id": "ü-🚀-東", "name": "f", "arguments": "{}"},
