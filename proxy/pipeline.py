@@ -354,9 +354,10 @@ def _plan(
         changed = bool(repairs) or bool(changes)
         out = wire.render(body, repaired, changes) if changed else body
         done = Assembly(out, repaired, changed, report, received, wire.field, changes)
-        point = None if services.dry_run or not turns else policy.manager.look_ahead_point(budget)
+        point = None if services.dry_run or not bands.history else policy.manager.look_ahead_point(budget)
         if point is None or total < point:
             return done
+        turns = split_turns(bands.history)  # (only here: a request forwarded as sent needs no turns)
         return _Ahead(done, _view(wire, counter, services, budget, bands, turns, fixed, offload))
 
     turns = split_turns(bands.history)
