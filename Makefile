@@ -51,13 +51,16 @@ typecheck: $(VENV)/.installed-dev
 	$(VENV)/bin/mypy
 
 # The side-by-side overhead benchmark from a clone (bench/README.md): direct vs ctxproxy under and over
-# budget, plus LiteLLM when LITELLM_VENV names a venv with litellm[proxy]. Needs wrk.
+# budget, plus LiteLLM when LITELLM_VENV names a venv with litellm[proxy], and context-guardian when CG_VENV
+# names one with it. Needs wrk.
 # e.g. make bench BENCH_ARGS="--rounds 1 --duration 2s --warmup 1s"   (results in $(BENCH_OUT))
+# CG_VENV: a venv with context-guardian from PyPI, measured in the same run too (bench/README.md says how to make both).
 LITELLM_VENV ?=
+CG_VENV ?=
 BENCH_ARGS ?=
 BENCH_OUT ?= bench/results/latest
 bench: $(VENV)/.installed
-	BENCH_OUT=$(BENCH_OUT) LITELLM_VENV=$(LITELLM_VENV) bench/compare.sh $(BENCH_ARGS)
+	BENCH_OUT=$(BENCH_OUT) LITELLM_VENV=$(LITELLM_VENV) CG_VENV=$(CG_VENV) bench/compare.sh $(BENCH_ARGS)
 
 
 # The slow checks: schemathesis, long fuzzing, and tests/check/ (the container built and run under podman,

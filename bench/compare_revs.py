@@ -9,7 +9,7 @@ proxy's CPU time per request and of what it adds to p50 over the direct path, pe
 number of connections. Both revisions run on this checkout's ``.venv`` (same dependencies).
 
 usage: .venv/bin/python bench/compare_revs.py REV_A REV_B [--config under_budget.yaml] [--reps 3]
-       [--duration 10s] [--conns 1,32] [--out DIR]
+       [--duration 10s] [--conns 1,32] [--out FILE] [--proxy-port 14000] [--upstream-port 18001]
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def measure(src: Path, label: str, config: str, args: argparse.Namespace, work: 
     out = work / f"{label}.json"
     subprocess.run([sys.executable, str(HERE / "compare.py"), "--label", label, "--proxy-cmd", serve,
                     "--rounds", "1", "--duration", args.duration, "--warmup", args.warmup,
-                    "--conns", args.conns, "--log-dir", str(work / "logs"), "--json-out", str(out)],
+                    "--conns", args.conns, "--log-dir", str(work / "logs"), "--json-out", str(out),
+                    "--proxy-port", str(args.proxy_port), "--upstream-port", str(args.upstream_port)],
                    check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -61,6 +62,8 @@ def main() -> int:
     ap.add_argument("--warmup", default="2s")
     ap.add_argument("--conns", default="1,32")
     ap.add_argument("--out", help="write the raw measurements here (JSON)")
+    ap.add_argument("--proxy-port", type=int, default=14000)
+    ap.add_argument("--upstream-port", type=int, default=18001)
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="ctxproxy-revs-") as tmp:

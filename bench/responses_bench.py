@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
-"""Per-request CPU of a Responses request next to the same conversation as Chat Completions, in one run.
+"""Per-request CPU of a Responses and a Messages request next to the same conversation as Chat Completions.
 
 The benchmark payloads (Chat Completions) are converted to Responses input items
 (messages, ``function_call`` / ``function_call_output`` by call id, the tools in the
-Responses shape); each request is what the managed handler does on the CPU: parse the
-JSON body, run the pipeline (``Runtime.assemble``), serialise the body to forward when it
-changed. The two wires alternate request by request (ABAB), so both see the same machine
-state. cold = empty token-count and summary caches; warm = the same conversation plus one
-new turn after the previous request. Medians of --runs runs, CPU time (process) per request.
+Responses shape) and to Anthropic Messages (a top-level system, ``tool_use`` blocks, one
+user message per run of ``tool_result`` blocks, the tools in Anthropic's shape); each request is what the
+managed handler does on the CPU: parse the JSON body, run the pipeline (``Runtime.assemble``), serialise the
+body to forward when it changed. The wires alternate run by run (ABCABC), so all see the same machine state.
+cold = empty token-count and summary caches; warm = the previous request plus one new turn (a growing
+conversation). Medians of --runs runs, CPU time (process) per request.
 
-    .venv/bin/python bench/responses_bench.py [--runs 7] [--json-out FILE]
+    .venv/bin/python bench/responses_bench.py [--runs 7] [--json-out FILE] [--profile N]
+
+``--profile N`` runs N warm requests of each wire (agent_long, under and over budget) under cProfile
+instead, and prints the top entries by own time.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from bench.pipeline_bench import MANAGERS, config, make_runtime, read_payload  #
 from proxy.core.tokens import Tokenizers, use_bundled_encodings  # noqa: E402
 from proxy.runtime import Runtime  # noqa: E402
 from proxy.wire.chat import WIRE as CHAT  # noqa: E402
+from proxy.wire.messages import WIRE as MESSAGES  # noqa: E402
 from proxy.wire.responses import WIRE as RESPONSES  # noqa: E402
+
+WIRES = {"chat": CHAT, "responses": RESPONSES, "messages": MESSAGES}
 
 Message = dict[str, Any]
 
@@ -60,6 +67,21 @@ def to_responses(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def to_messages(body: dict[str, Any]) -> dict[str, Any]:
+    """The same conversation on the Anthropic Messages wire."""
+    from bench.retention_wires import FORMS
+
+    out, _elements, _origins = FORMS["messages"].request(body["model"], body["messages"])
+    tools = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
+              "input_schema": t["function"].get("parameters", {"type": "object"})} for t in body.get("tools") or []]
+    if tools:
+        out["tools"] = tools
+    return out
+
+
+CONVERT = {"chat": lambda b: b, "responses": to_responses, "messages": to_messages}
+
+
 def grown_chat(body: dict[str, Any], i: int) -> dict[str, Any]:
     from bench.pipeline_bench import grown
 
@@ -78,35 +100,62 @@ async def one(runtime: Runtime, wire: Any, raw: bytes) -> tuple[float, float, in
 
 async def run_case(name: str, manager: Any, budget: int, runs: int, tokenizers: Tokenizers) -> list[dict[str, Any]]:
     chat_body = read_payload(name)
-    bodies = {"chat": [chat_body] + [grown_chat(chat_body, i) for i in range(3)]}
-    bodies["responses"] = [to_responses(b) for b in bodies["chat"]]
-    raws = {w: [orjson.dumps(b) for b in bs] for w, bs in bodies.items()}
-    wires = {"chat": CHAT, "responses": RESPONSES}
-    cold: dict[str, list[float]] = {"chat": [], "responses": []}
-    warm: dict[str, list[float]] = {"chat": [], "responses": []}
+    chats = [chat_body]
+    for i in range(3):  # a growing conversation: each request is the previous one plus a turn
+        chats.append(grown_chat(chats[-1], i))
+    raws = {w: [orjson.dumps(convert(b)) for b in chats] for w, convert in CONVERT.items()}
+    cold: dict[str, list[float]] = {w: [] for w in WIRES}
+    warm: dict[str, list[float]] = {w: [] for w in WIRES}
     tokens: dict[str, int] = {}
     for _ in range(runs):
-        for w in ("chat", "responses"):  # ABAB: each wire on a fresh runtime and empty caches
+        for w in WIRES:  # ABCABC: each wire on a fresh runtime and empty caches
             tokenizers.get("o200k_base").clear()
             runtime = make_runtime(config(manager, budget), tokenizers)
-            cpu, _wall, _n = await one(runtime, wires[w], raws[w][0])
+            cpu, _wall, _n = await one(runtime, WIRES[w], raws[w][0])
             cold[w].append(cpu)
             for raw in raws[w][1:]:
-                cpu, _wall, tokens[w] = await one(runtime, wires[w], raw)
+                cpu, _wall, tokens[w] = await one(runtime, WIRES[w], raw)
                 warm[w].append(cpu)
     return [{"payload": name, "manager": manager["type"], "budget": budget, "wire": w,
              "cold_ms": statistics.median(cold[w]) * 1e3, "warm_ms": statistics.median(warm[w]) * 1e3,
-             "tokens_out": tokens[w], "bytes": len(raws[w][-1])} for w in ("chat", "responses")]
+             "tokens_out": tokens[w], "bytes": len(raws[w][-1])} for w in WIRES]
+
+
+async def profile(requests: int, tokenizers: Tokenizers) -> None:
+    """cProfile of ``requests`` warm requests per wire and case: the top entries by own time."""
+    import cProfile
+    import pstats
+
+    chat_body = read_payload("agent_long.json")
+    for budget in (200_000, 16_000):
+        for w, convert in CONVERT.items():
+            runtime = make_runtime(config(MANAGERS["summarising"], budget), tokenizers)
+            chats = [chat_body]
+            for i in range(requests):
+                chats.append(grown_chat(chats[-1], i))
+            raws = [orjson.dumps(convert(chat)) for chat in chats]
+            await one(runtime, WIRES[w], raws[0])
+            prof = cProfile.Profile()
+            prof.enable()
+            for raw in raws[1:]:
+                await one(runtime, WIRES[w], raw)
+            prof.disable()
+            print(f"\n## agent_long, budget {budget // 1000}k, {w}: {requests} warm requests (+1 turn each)")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--json-out")
+    ap.add_argument("--profile", type=int, default=0)
     a = ap.parse_args()
     use_bundled_encodings()
     tokenizers = Tokenizers()
     tokenizers.get("o200k_base")
+    if a.profile:
+        await profile(a.profile, tokenizers)
+        return
     rows: list[dict[str, Any]] = []
     cases = [("agent_long.json", 200_000, MANAGERS["summarising"]),  # under budget: forwarded as sent
              ("agent_long.json", 16_000, MANAGERS["summarising"]),  # over budget: summarised, then reused

@@ -50,7 +50,8 @@ def placeholder(tool: str, call_id: str, tokens: int) -> str:
 
 def _short(text: str, limit: int) -> str:
     """``text`` without unprintable characters, cut to ``limit`` characters (an ellipsis marks the cut)."""
-    text = "".join(ch for ch in text if ch.isprintable())
+    if not text.isprintable():  # (the common case, every character printable, is one C call)
+        text = "".join(ch for ch in text if ch.isprintable())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -164,8 +165,17 @@ def _mask_one(result: _Result, mask: Callable[[Item, str], Item | None],
     item = result.item
     if item.pinned or result.index == 0:  # a turn is kept from its first item: that one stays the client's
         return 0
-    tool = _tool_name(result, names)
-    copy = mask(item, placeholder(tool, item.result_id or "", item.tokens))
+    call = result.call
+    call_key = 0 if call is None else call.key
+    known = item.masked
+    if known is not None and known[0] == call_key and (call is None or call_key != 0):
+        # the same result answering the same call: a request that resumed the conversation (proxy.core.warm) masks
+        # it as the earlier one did (the placeholder is a function of the result, its count and the call alone)
+        _, tool, copy = known
+    else:
+        tool = _tool_name(result, names)
+        copy = mask(item, placeholder(tool, item.result_id or "", item.tokens))
+        item.masked = (call_key, tool, copy)
     if copy is None or copy.tokens >= item.tokens:
         return 0
     copy.group = item.group
@@ -174,7 +184,7 @@ def _mask_one(result: _Result, mask: Callable[[Item, str], Item | None],
 
 
 def _tool_name(result: _Result, names: dict[int, dict[str, str]]) -> str:
-    """The name of the tool whose output this is, from the call it answers (its wire-neutral atoms).
+    """The name of the tool whose output this is, from the call it answers (``Item.calls``: its call atoms).
 
     A message may hold thousands of parallel calls: its atoms are read once (``names``), not once per result.
     """
@@ -183,7 +193,7 @@ def _tool_name(result: _Result, names: dict[int, dict[str, str]]) -> str:
         return ""
     known = names.get(id(call))
     if known is None:
-        pairs = [(atom[1], atom[2]) for atom in call.atoms() if atom[0] == "call" and len(atom) > 2]
+        pairs = call.calls()
         known = {call_id: name for call_id, name in reversed(pairs)}  # the first of a repeated id wins
         if len(pairs) == 1:
             known[""] = pairs[0][1]  # a single call names any result that answers it

@@ -21,12 +21,13 @@ import dataclasses
 import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from plugins.base import HistoryResult, HistoryView, Services, stable_cut
 from proxy.core.bands import Bands, assign_groups, split_bands, split_turns, tool_groups
 from proxy.core.budget import Budget, compute_budget, why
-from proxy.core.conversation import Conversation, WireAdapter
+from proxy.core.conversation import Resume, WireAdapter
 from proxy.core.errors import (
     BadRequest,
     ContextLengthExceeded,
@@ -212,8 +213,12 @@ class Prepared:
     unmanaged: str | None = None
 
 
-def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter) -> Prepared:
-    conversation: Conversation = wire.parse(body, counter)
+def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter, tenant: str | None = None) -> Prepared:
+    """Parse, repair and group ``body``; with ``tenant``, a wire that can resume a known conversation parses only
+    what it appends (``proxy.core.warm``: the same result, for less)."""
+    resume: Resume | None = getattr(wire, "resume", None) if tenant is not None else None  # (not isinstance: slow)
+    conversation = resume(body, counter, tenant) if resume is not None and tenant is not None \
+        else wire.parse(body, counter)
     items = conversation.items
     if conversation.paired or conversation.unmanaged is not None:
         repaired, repairs = items, Counter[str]()
@@ -230,7 +235,8 @@ def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter) -> P
         raise PayloadError(f"nothing is left of '{wire.field}' after the pairing repair ("
                            + ", ".join(f"{k}={v}" for k, v in sorted(repairs.items())) + ")",
                            param=wire.field, code="empty_after_repair")
-    assign_groups(repaired, wire.merge_call_runs)
+    # the items a wire resumed from an earlier request carry their group numbers already
+    assign_groups(repaired, wire.merge_call_runs, conversation.grouped if repaired is items else 0)
     return Prepared(items, repaired, repairs, conversation.fixed_tokens, conversation.notes, conversation.unmanaged)
 
 
@@ -297,7 +303,11 @@ class _Plan:
 
 
 def _tokens(items: list[Item]) -> int:
-    return sum(item.tokens for item in items)
+    return sum(map(TOKENS, items))
+
+
+TOKENS = attrgetter("tokens")
+ROLE = attrgetter("role")
 
 
 def new_report(wire: WireAdapter, route: ModelRoute, policy: Policy, calibration: float,
@@ -313,7 +323,7 @@ def _plan(
     """Parse, repair, budget and bands; the finished Assembly when nothing needs managing."""
     provider_window = report.provider_window
     if prepared is None:
-        prepared = prepare(body, wire, counter)
+        prepared = prepare(body, wire, counter, policy.tenant)
     received, repaired, repairs, fixed = prepared.received, prepared.repaired, prepared.repairs, prepared.fixed
     report.warnings.extend(prepared.notes)
 
@@ -337,19 +347,21 @@ def _plan(
     report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
 
     bands = split_bands(repaired)
-    turns = split_turns(bands.history)
-    report.turns_total = report.turns_kept = sum(1 for t in turns if t and t[0].starts_turn)
+    # a turn starts at each user item of the history (items before the first one are a preamble, not a turn)
+    report.turns_total = report.turns_kept = list(map(ROLE, bands.history)).count(USER)
     if total <= budget.threshold:
         report.tokens_after = total
         _fits(total, budget, wire)
         changed = bool(repairs) or bool(changes)
         out = wire.render(body, repaired, changes) if changed else body
         done = Assembly(out, repaired, changed, report, received, wire.field, changes)
-        point = None if services.dry_run or not turns else policy.manager.look_ahead_point(budget)
+        point = None if services.dry_run or not bands.history else policy.manager.look_ahead_point(budget)
         if point is None or total < point:
             return done
+        turns = split_turns(bands.history)  # (only here: a request forwarded as sent needs no turns)
         return _Ahead(done, _view(wire, counter, services, budget, bands, turns, fixed, offload))
 
+    turns = split_turns(bands.history)
     live = WorkingMemory(bands.working_memory)
     view = _view(wire, counter, services, budget, bands, turns, fixed, offload)
     # what can never be dropped: refuse now, before a summariser is called (and billed) for nothing
@@ -683,7 +695,7 @@ async def observe(
     received: list[Item] = []
     sent = 0
     try:
-        prepared = await run_step(offload, prepare, body, wire, counter)
+        prepared = await run_step(offload, prepare, body, wire, counter, policy.tenant)
         received, sent = prepared.received, prepared.fixed + _tokens(prepared.received)
         would = await assemble(body, wire=wire, route=route, policy=policy, counter=counter, services=services,
                                offload=offload, calibration=calibration, report=report, prepared=prepared)

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 from typing import Any
 
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.core.errors import ContextLengthExceeded
+from proxy.core.errors import ContextLengthExceeded, CtxProxyError
 from proxy.core.modelinfo import ModelMap
 from proxy.core.tokens import TokenCounter
 from proxy.pipeline import Assembly, assemble
@@ -199,3 +201,53 @@ def test_forwarded_history_is_the_last_whole_turns(manager: str, messages: list[
     forwarded = _history(a.messages)
     suffixes = [[m for t in turns[k:] for m in t] for k in range(len(turns) + 1)]
     assert forwarded in suffixes, f"the forwarded history is not whole turns: {[m.get('role') for m in forwarded]}"
+
+
+def _forwarded(setup: Setup, messages: list[dict[str, Any]], counter: TokenCounter, tenant: str) -> Any:
+    """What the pipeline makes of ``messages`` with ``counter`` for ``tenant``: the forwarded bytes and the report,
+    or the refusal."""
+    policy = dataclasses.replace(setup.policy, tenant=tenant)
+
+    async def go() -> Assembly:
+        engine = FakeEngine() if setup.fake_engine else None
+        svc = services(counter, engine=engine, summaries=summary_service() if engine else None)
+        return await assemble({"model": MODEL, "messages": messages}, wire=CHAT, route=setup.route, policy=policy,
+                              counter=counter, services=svc)
+
+    try:
+        a = asyncio.run(go())
+    except CtxProxyError as exc:
+        return ("refused", type(exc).__name__, exc.message)
+    report = a.report.as_dict()
+    report.pop("summary_wait", None)  # how long the request waited for a summary: a time, not a decision
+    return orjson.dumps(a.body), a.changed, report
+
+
+@pytest.mark.parametrize("manager", sorted(ALL_MANAGERS))
+@PROPERTY
+@given(first=conversations(), more=conversations(max_turns=2), budget=st.sampled_from(BUDGETS),
+       edit=st.sampled_from(("append", "same", "edit_middle", "truncate", "reorder")), data=st.data())
+def test_a_warm_request_forwards_what_a_cold_one_does(
+    manager: str, first: list[dict[str, Any]], more: list[dict[str, Any]], budget: int, edit: str,
+    data: st.DataObject,
+) -> None:
+    """A request whose conversation the tenant sent before (its prefix parsed then, ``proxy.core.warm``) forwards the
+    same bytes with the same report as the same request on a fresh process, whatever the client did in between:
+    appended turns, resent it, edited the middle, truncated it or reordered it."""
+    setup = SETUPS[(manager, budget)]
+    later = copy.deepcopy(first)
+    if edit == "append":
+        later += more
+    elif edit == "edit_middle" and later:
+        i = data.draw(st.integers(0, len(later) - 1))
+        later[i] = {**later[i], "name": "edited"}
+        later += more
+    elif edit == "truncate" and later:
+        later = later[: data.draw(st.integers(0, len(later) - 1))]
+    elif edit == "reorder" and len(later) > 1:
+        i, j = data.draw(st.integers(0, len(later) - 1)), data.draw(st.integers(0, len(later) - 1))
+        later[i], later[j] = later[j], later[i]
+    warm = TokenCounter("o200k_base")
+    _forwarded(setup, copy.deepcopy(first), warm, "t")
+    assert _forwarded(setup, copy.deepcopy(later), warm, "t") == \
+        _forwarded(setup, copy.deepcopy(later), TokenCounter("o200k_base"), "t")

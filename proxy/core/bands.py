@@ -62,12 +62,25 @@ def split_turns(history: list[Item]) -> list[list[Item]]:
     return turns
 
 
-def assign_groups(items: list[Item], merge_call_runs: bool) -> None:
-    """Number the atomic groups of a paired list: a call item (or a run of them) with its results."""
+def assign_groups(items: list[Item], merge_call_runs: bool, start: int = 0) -> None:
+    """Number the atomic groups of a paired list: a call item (or a run of them) with its results.
+
+    ``start``: the items before it are numbered already (a group number depends on the items before it
+    alone); the numbering resumes from the first item of the group ``start - 1`` belongs to, where the
+    state below is what it was when that group began.
+    """
     group = 0
     open_call = False  # the current group is a call group still taking results (or further calls)
     previous_was_call = False
-    for item in items:
+    first = 0
+    if start > 0:
+        group = items[start - 1].group
+        first = start - 1
+        while first > 0 and items[first - 1].group == group:
+            first -= 1
+        group -= 1  # the group's first item starts it again, below
+    for i in range(first, len(items)):
+        item = items[i]
         if item.result_id is not None and open_call:
             previous_was_call = False
         elif item.call_ids and merge_call_runs and previous_was_call:

@@ -11,7 +11,7 @@ masking), where the model and the output limits are. The server asks more of a w
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,7 +30,8 @@ class Conversation:
     ``unmanaged``: why this history must not be managed (the provider holds part of it:
     ``UNMANAGED_REASONS``); the body is then forwarded as sent, output caps and model rules
     aside. ``repairs``: repairs the wire already made while parsing, by kind (they count
-    like the pairing pass's).
+    like the pairing pass's). ``grouped``: how many leading items a wire resumed from an earlier
+    request of the conversation (``proxy.core.warm``): numbered into tool groups already.
     """
 
     items: list[Item]
@@ -39,6 +40,7 @@ class Conversation:
     notes: list[str] = field(default_factory=list)
     unmanaged: str | None = None
     repairs: Counter[str] = field(default_factory=Counter)
+    grouped: int = 0  # the first items were resumed from an earlier request: they carry their group numbers
 
 
 # why a history is left unmanaged (a bounded metric label)
@@ -89,3 +91,10 @@ class WireAdapter(Protocol):
 
     def model_changes(self, body: dict[str, Any], upstream_model: str) -> dict[str, Any]:
         """The changes that send ``upstream_model`` in the body (none when the model is in the path)."""
+
+
+
+# A wire that can parse a request of a known conversation from where its previous request ended
+# (``proxy.core.warm``) has ``resume(body, counter, tenant)``: ``parse``, with the items of the longest prefix
+# ``tenant`` sent before reused, and the same result.
+Resume = Callable[[dict[str, Any], TokenCounter, str], Conversation]

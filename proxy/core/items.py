@@ -39,9 +39,10 @@ class Item:
     input item); items a wire splits out of one element share it. ``pinned``: never dropped
     or summarised away. ``key``/``tokens``: content key and token count, set by the wire.
     ``group``: items with the same group are one atomic tool group (set after pairing repair).
+    ``masked``: observation masking's copy of a result, remembered with the item.
     """
 
-    __slots__ = ("call_ids", "group", "key", "pinned", "raw", "result_id", "role", "source", "tokens")
+    __slots__ = ("call_ids", "group", "key", "masked", "pinned", "raw", "result_id", "role", "source", "tokens")
 
     def __init__(
         self,
@@ -63,6 +64,9 @@ class Item:
         self.key = key
         self.tokens = tokens
         self.group = NO_GROUP
+        # observation masking's copy of this result, kept for the next request that resumes the conversation
+        # (``plugins.masking``): (the call's content key, the tool's name, the copy)
+        self.masked: tuple[int, str, Item | None] | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.role}, calls={self.call_ids}, result={self.result_id}, src={self.source})"
@@ -87,6 +91,14 @@ class Item:
         same atoms on every wire, so summary cache keys do not depend on the wire it came on.
         """
         return iter(())
+
+    def calls(self) -> list[tuple[str, str]]:
+        """``(id, name)`` of every call the item makes, as its ``("call", …)`` atoms give them.
+
+        A wire overrides it with a direct read of its JSON where the atoms would re-encode every call's
+        arguments for nothing (observation masking asks for the tool's name of every result it masks).
+        """
+        return [(atom[1], atom[2]) for atom in self.atoms() if atom[0] == "call" and len(atom) > 2]
 
 
 class ItemFactory(Protocol):

@@ -19,6 +19,7 @@ from xxhash import xxh3_128_intdigest
 
 from proxy.core.errors import PayloadError
 from proxy.core.modelinfo import offline_environment
+from proxy.core.warm import Conversations
 
 REPLY_PRIMING = 3
 # keys looked up per hold of a counter's lock: a worker thread counting a large body lets a small request on
@@ -73,6 +74,15 @@ def content_key(raw: Any) -> int:
     return xxh3_128_intdigest(data)
 
 
+def content_keys(raws: list[Any], salt: int = 0) -> list[int]:
+    """``content_key(raw) ^ salt`` of every element of ``raws``, in one pass (the same keys)."""
+    dumps, digest = orjson.dumps, xxh3_128_intdigest
+    try:
+        return [digest(dumps(raw)) ^ salt for raw in raws]
+    except TypeError:  # an element orjson cannot write: content_key says what that means
+        return [content_key(raw) ^ salt for raw in raws]
+
+
 class TokenCounter:
     """Counts tokens for one encoding, caching per-item counts by content key (bounded LRU)."""
 
@@ -87,6 +97,8 @@ class TokenCounter:
         self._cache_size = cache_size
         self._small: dict[str, int] = {}
         self._lock = threading.Lock()
+        # what earlier requests of each conversation parsed, per tenant (its items hold counts of this encoding)
+        self.conversations = Conversations(max(1, cache_size // 2))
 
     def clear(self) -> None:
         """Forget every cached count and digest (benchmarks use it to measure a cold request)."""
@@ -94,6 +106,7 @@ class TokenCounter:
             self._cache.clear()
             self._digests.clear()
             self._small.clear()
+        self.conversations.clear()
 
     def text(self, text: str) -> int:
         if len(text) <= 16:

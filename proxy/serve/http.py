@@ -152,7 +152,7 @@ def parse_body(raw: bytes, fields: frozenset[str] = WIRES.interpreted_fields) ->
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidJSON(f"The request body is not valid JSON: {exc}") from None
-    if LONG_DIGITS.search(raw):
+    if long_digits(raw):
         body = _exact(raw, body)
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object", code="invalid_body")
@@ -195,6 +195,15 @@ def check_repeated_fields(raw: bytes, body: dict[str, Any]) -> None:
 # orjson reads an integer beyond 64 bits as a float (12345678901234567890123 -> 1.2345678901234568e+22): a
 # body with a run of 20 digits is read again by the standard decoder, which keeps such integers exact.
 LONG_DIGITS = re.compile(rb"[0-9]{20}")
+# the same search without the regular expression, which takes about 8 ns a byte (2 ms for a 254 kB agent body):
+# every digit becomes "0" and every other byte ".", then one substring search for twenty zeros
+_DIGITS_ONLY = bytes(0x30 if 0x30 <= b <= 0x39 else 0x2E for b in range(256))
+_RUN = b"0" * 20
+
+
+def long_digits(raw: bytes) -> bool:
+    """Whether ``raw`` holds a run of 20 ASCII digits (``LONG_DIGITS``), at about a byte copy's cost."""
+    return _RUN in raw.translate(_DIGITS_ONLY)
 
 
 def _exact(raw: bytes, body: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proxy.core.bands import Bands, assign_groups, split_bands, split_turns, tool_groups
 from proxy.core.items import ASSISTANT, NO_GROUP, OTHER, SYSTEM, TOOL, USER, Item
@@ -119,3 +121,17 @@ def test_tool_groups_of_a_sublist_with_the_same_group_number_apart() -> None:
     # a sublist (what remains after a trim) keeps items' numbers; adjacent equal numbers form one group
     kept = [xs[0], xs[1], xs[3], xs[4]]
     assert [sources(g) for g in tool_groups(kept)] == [[0, 1], [3, 4]]
+
+
+@given(st.lists(st.sampled_from(["s", "u", "a", "c1", "c1,2", "c3", "t1", "t2", "t3", "o"]), max_size=14),
+       st.booleans(), st.data())
+def test_numbering_from_a_start_gives_the_numbers_of_the_whole_list(tokens: list[str], merge: bool,
+                                                                     data: st.DataObject) -> None:
+    """A resumed conversation numbers only what it appended: the groups are those of numbering the whole list."""
+    whole = items(" ".join(tokens))
+    assign_groups(whole, merge)
+    start = data.draw(st.integers(0, len(tokens)))
+    resumed = items(" ".join(tokens))
+    assign_groups(resumed[:start], merge)
+    assign_groups(resumed, merge, start)
+    assert [i.group for i in resumed] == [i.group for i in whole]

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.core import media
@@ -25,7 +25,7 @@ from proxy.wire.chat.items import LEGACY, count_message
 from tests import media_files as mf
 from tests.conftest import StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
-from tests.helpers import assistant, call, legacy_call, legacy_result, system, tool, user
+from tests.helpers import assistant, call, conversations, legacy_call, legacy_result, system, tool, user
 from tests.outside import chat_body, post, text_of
 from tests.wire.chat_helpers import check_messages, count, items_of, repair_messages, scan
 
@@ -557,3 +557,66 @@ async def test_ids_in_the_legacy_namespace_are_refused(upstream: FakeUpstream, s
         assert status == 400, body
         assert error_of(body)["code"] == "invalid_tool_call"
     assert upstream.chat == []
+
+
+# --------------------------------------------------------------------------- resume (a warm request)
+
+RESUME_EDITS = ("append", "same", "edit_middle", "truncate", "reorder", "other_tenant")
+
+
+def _parsed(conversation: Any, messages: list[Message]) -> Any:
+    """Everything a parse gives, with each item's JSON compared by identity to the request's own message."""
+    return ([(type(i).__name__, i.role, i.call_ids, i.result_id, i.source, i.pinned, i.key, i.tokens,
+              i.raw is messages[i.source]) for i in conversation.items],
+            conversation.fixed_tokens, conversation.paired, dict(conversation.repairs), conversation.notes)
+
+
+def _outcome(parse: Any, messages: list[Message]) -> Any:
+    try:
+        return _parsed(parse({"model": "gpt-4o-mini", "messages": messages}), messages)
+    except PayloadError as exc:
+        return ("refused", exc.message, exc.param)
+
+
+@settings(max_examples=200, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(conversations(), conversations(max_turns=2), st.sampled_from(RESUME_EDITS), st.data())
+def test_resume_gives_what_parse_gives_after_any_edit(first: list[Message], more: list[Message], edit: str,
+                                                      data: st.DataObject) -> None:
+    """A request of a conversation its tenant sent before is parsed from where that one ended: whatever the client
+    did in between (appended, resent, edited the middle, truncated, reordered, or another tenant sent it), the
+    items, counts, pairing and the identity of every item's JSON with the request's own are what a full parse gives."""
+    counter = TokenCounter("o200k_base")
+    earlier = copy.deepcopy(first)
+    later = copy.deepcopy(first)
+    if edit == "append":
+        later += copy.deepcopy(more)
+    elif edit == "edit_middle" and later:
+        i = data.draw(st.integers(0, len(later) - 1))
+        later[i] = {**later[i], "name": "edited"}
+        later += copy.deepcopy(more)
+    elif edit == "truncate" and later:
+        later = later[: data.draw(st.integers(0, len(later) - 1))]
+    elif edit == "reorder" and len(later) > 1:
+        i, j = data.draw(st.integers(0, len(later) - 1)), data.draw(st.integers(0, len(later) - 1))
+        later[i], later[j] = later[j], later[i]
+    _outcome(lambda body: WIRE.resume(body, counter, "t"), earlier)
+    tenant = "u" if edit == "other_tenant" else "t"
+    warm = _outcome(lambda body: WIRE.resume(body, counter, tenant), later)
+    cold = _outcome(lambda body: WIRE.parse(body, TokenCounter("o200k_base")), later)
+    assert warm == cold
+
+
+def test_resume_parses_only_what_a_growing_conversation_appends(counter: TokenCounter) -> None:
+    """The items of the known prefix are the earlier request's (not built, scanned or counted again), each with this
+    request's JSON; only the appended messages get new items."""
+    base = [system(), user("Read the file."), call(("c1", "read_file")), tool("c1", "contents " * 50)]
+    grown = [*copy.deepcopy(base), assistant("Done."), user("Next."), call(("c2", "read_file")), tool("c2")]
+    first = WIRE.resume({"model": "m", "messages": copy.deepcopy(base)}, counter, "t")
+    second = WIRE.resume({"model": "m", "messages": grown}, counter, "t")
+    assert all(a is b for a, b in zip(second.items[:4], first.items))
+    assert all(item.raw is message for item, message in zip(second.items, grown))
+    assert not any(item is old for item in second.items[4:] for old in first.items)
+    assert _parsed(second, grown) == _parsed(WIRE.parse({"model": "m", "messages": grown}, counter), grown)
+    third = WIRE.resume({"model": "m", "messages": copy.deepcopy(grown)}, counter, "other")
+    assert not any(a is b for a, b in zip(third.items, second.items))  # another tenant: its own parse

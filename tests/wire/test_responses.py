@@ -653,3 +653,69 @@ def test_a_screenshot_and_a_generated_image_count_by_their_size() -> None:
     by_kind = {i.raw.get("type") if isinstance(i.raw, dict) else "pair": i.tokens for i in conversation.items}
     assert by_kind["computer_call_output"] == 3 + 255  # one tile
     assert by_kind["image_generation_call"] == 3 + 255
+
+
+def _parsed(conversation: Any, elements: list[Any]) -> Any:
+    """Everything a parse gives, with each item's JSON compared to the request's own elements."""
+    def own(item: Any) -> bool:
+        raw = item.raw
+        if isinstance(raw, list):
+            return all(a is b for a, b in zip(raw, elements[item.source - len(raw) + 1:item.source + 1]))
+        return raw is elements[item.source]
+    return ([(i.role, i.call_ids, i.result_id, i.source, i.pinned, i.key, i.tokens, own(i), orjson.dumps(i.raw))
+             for i in conversation.items], conversation.fixed_tokens, conversation.paired,
+            dict(conversation.repairs), conversation.notes, conversation.unmanaged)
+
+
+def _outcome(parse: Any, elements: list[Any]) -> Any:
+    try:
+        return _parsed(parse(body_of(elements, instructions="Be brief.")), elements)
+    except PayloadError as exc:
+        return ("refused", exc.message, exc.param)
+
+
+@PROPERTY
+@given(first=conversations(), more=conversations(), edit=st.sampled_from(
+    ("append", "same", "edit_middle", "truncate", "reorder", "compaction", "other_tenant")), data=st.data())
+def test_resume_gives_what_parse_gives_after_any_edit(first: list[Any], more: list[Any], edit: str,
+                                                      data: st.DataObject) -> None:
+    """A request of a conversation its tenant sent before is parsed from where that one ended: whatever the client
+    did in between (appended items, resent, edited the middle, truncated, reordered, compacted, or another tenant
+    sent it), the items, counts, pinning, pairing and every item's JSON are what a full parse gives."""
+    counter = TokenCounter("o200k_base")
+    later = copy.deepcopy(first)
+    if edit == "append":
+        later += more
+    elif edit == "edit_middle" and later:
+        i = data.draw(st.integers(0, len(later) - 1))
+        later[i] = {**later[i], "id": "edited"} if isinstance(later[i], dict) else later[i]
+        later += more
+    elif edit == "truncate" and later:
+        later = later[: data.draw(st.integers(0, len(later) - 1))]
+    elif edit == "reorder" and len(later) > 1:
+        i, j = data.draw(st.integers(0, len(later) - 1)), data.draw(st.integers(0, len(later) - 1))
+        later[i], later[j] = later[j], later[i]
+    elif edit == "compaction":
+        later += [{"type": "compaction", "id": "cmp_2", "encrypted_content": "x"}, *more]
+    _outcome(lambda body: RESPONSES.resume(body, counter, "t"), copy.deepcopy(first))
+    tenant = "u" if edit == "other_tenant" else "t"
+    warm = _outcome(lambda body: RESPONSES.resume(body, counter, tenant), later)
+    assert warm == _outcome(lambda body: RESPONSES.parse(body, TokenCounter("o200k_base")), later)
+
+
+def test_resume_parses_only_what_a_growing_conversation_appends() -> None:
+    """The items of the known prefix are the earlier request's, each given this request's JSON (with the reasoning
+    that travels with it); only the appended items are new."""
+    counter = TokenCounter("o200k_base")
+    base = [{"role": "user", "content": "Read the file."},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "abc"},
+            {"type": "function_call", "call_id": "c1", "name": "read_file", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "contents " * 40}]
+    grown = [*copy.deepcopy(base), {"role": "user", "content": "Next."},
+             {"type": "function_call", "call_id": "c2", "name": "read_file", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c2", "output": "more"}]
+    first = RESPONSES.resume(body_of(copy.deepcopy(base)), counter, "t")
+    second = RESPONSES.resume(body_of(grown), counter, "t")
+    assert all(a is b for a, b in zip(second.items[:3], first.items))
+    assert second.items[1].raw[0] is grown[1] and second.items[1].raw[1] is grown[2]
+    assert _parsed(second, grown) == _parsed(RESPONSES.parse(body_of(grown), TokenCounter("o200k_base")), grown)

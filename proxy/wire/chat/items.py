@@ -210,15 +210,36 @@ class ChatItem(Item):
             yield ("call", LEGACY + name, name, canonical_arguments(legacy.get("arguments")))
 
 
-def build_items(messages: list[Message], keys: list[int], counts: list[int]) -> list[Item]:
-    """Every message as an item (a malformed one, which the shape check refuses anyway, as a plain item).
+    def calls(self) -> list[tuple[str, str]]:
+        # the ids and names of ``atoms``' call atoms, without canonicalising their arguments
+        if self.role == TOOL:
+            return []
+        m: Message = self.raw
+        out: list[tuple[str, str]] = []
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            for call in calls:
+                if isinstance(call, dict):
+                    cid, name, _ = _call_parts(call)
+                    out.append((cid, str(name)))
+        legacy = m.get("function_call")
+        if isinstance(legacy, dict):
+            name = str(legacy.get("name"))
+            out.append((LEGACY + name, name))
+        return out
+
+
+def build_items(messages: list[Message], keys: list[int], counts: list[int], start: int = 0) -> list[Item]:
+    """Every message from ``start`` on as an item (a malformed one, which the shape check refuses anyway, as a
+    plain item); ``keys`` and ``counts`` are those of ``messages[start:]``.
 
     One loop with positional arguments: this runs for every message of every request.
     """
     out: list[Item] = []
     append = out.append
     roles = ROLES
-    for i, message in enumerate(messages):
+    for i in range(start, len(messages)):
+        message = messages[i]
         role = message.get("role")
         neutral = roles.get(role, OTHER) if type(role) is str else OTHER
         if neutral is ASSISTANT:
@@ -238,7 +259,7 @@ def build_items(messages: list[Message], keys: list[int], counts: list[int]) -> 
                 item = ChatItem(message, TOOL, (), rid if role == "tool" else LEGACY + rid, i)
         else:
             item = ChatItem(message, neutral, (), None, i)
-        item.key = keys[i]
-        item.tokens = counts[i]
+        item.key = keys[i - start]
+        item.tokens = counts[i - start]
         append(item)
     return out

@@ -24,19 +24,23 @@ def check_shape(messages: Any) -> None:
         _check_one(message, i)
 
 
-def fast_scan(messages: Any) -> bool | None:
+def fast_scan(messages: Any, start: int = 0) -> bool | None:
     """Raise PayloadError for a malformed message; return whether pairing is valid, or None when legacy
     ``function_call`` messages leave it to the check on items.
 
     This runs on every request, so the common case (string contents, well-formed tool calls)
-    costs a few dict lookups per message; anything unusual gets the precise checks.
+    costs a few dict lookups per message; anything unusual gets the precise checks. ``start``: the
+    messages before it were scanned before (an earlier request of the conversation), found well formed
+    and paired with no call left waiting (``proxy.core.warm``); only the messages from ``start`` on are
+    scanned, and the answer is the one the whole list would get.
     """
     if type(messages) is not list or not messages:
         check_shape(messages)
     pending: set[str] | None = None
     valid = True
     legacy = False
-    for i, m in enumerate(messages):
+    for i in range(start, len(messages)):
+        m = messages[i]
         if type(m) is not dict:
             check_shape(messages)
         role = m.get("role")

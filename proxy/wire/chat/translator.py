@@ -14,11 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from proxy.core.bands import assign_groups
 from proxy.core.conversation import Conversation
 from proxy.core.errors import CtxProxyError
 from proxy.core.items import ASSISTANT, SYSTEM, TOOL, Item
 from proxy.core.pairing import PLACEHOLDER, is_paired
-from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, output_schema
+from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, content_keys, output_schema
 from proxy.core.usage import UsageForm
 from proxy.wire.chat.errors import error_body
 from proxy.wire.chat.items import LEGACY, SALT, ChatItem, Message, build_items, count_message
@@ -62,16 +63,38 @@ class ChatWire:
 
     def parse(self, body: dict[str, Any], counter: TokenCounter) -> Conversation:
         messages = body.get("messages")
-        paired = fast_scan(messages)
+        scanned = fast_scan(messages)
         assert isinstance(messages, list)
-        keys = [content_key(m) ^ SALT for m in messages]
+        keys = content_keys(messages, SALT)
         items = build_items(messages, keys, counter.many(keys, messages, count_message))
-        if paired is None:
-            paired = is_paired(items)
-        fixed = (REPLY_PRIMING + counter.tools(body.get("tools"))
-                 + counter.tools(body.get("functions"), "functions")
-                 + counter.tools(output_schema(body.get("response_format")), "response_format"))
-        return Conversation(items, fixed, paired)
+        return Conversation(items, _fixed(body, counter), is_paired(items) if scanned is None else scanned)
+
+    def resume(self, body: dict[str, Any], counter: TokenCounter, tenant: str) -> Conversation:
+        """``parse``, reusing the items of the longest prefix of ``messages`` that ``tenant`` sent before in this
+        conversation (``proxy.core.warm``): only the messages after it are scanned, keyed, counted and grouped."""
+        messages = body.get("messages")
+        if type(messages) is not list or len(messages) < 2:
+            return self.parse(body, counter)
+        keys = content_keys(messages, SALT)
+        memory = counter.conversations
+        known = memory.find(tenant, self.name, keys)
+        start = len(known.keys) if known is not None else 0
+        scanned = fast_scan(messages, start)  # a known prefix was well formed and paired, no call waiting
+        if not scanned:
+            # legacy function calls (the check on items decides) or a pairing to repair: items of this request's
+            # own, so that the repair never touches a remembered item; nothing is remembered
+            items = build_items(messages, keys, counter.many(keys, messages, count_message))
+            return Conversation(items, _fixed(body, counter), is_paired(items) if scanned is None else False)
+        tail = build_items(messages, keys[start:], counter.many(keys[start:], messages[start:], count_message), start)
+        if known is not None:
+            for item, message in zip(known.items, messages):  # each its own element's JSON (the same bytes)
+                item.raw = message
+            items = known.items + tail
+        else:
+            items = tail
+        assign_groups(items, self.merge_call_runs, start)  # numbered before anyone else may resume from them
+        memory.keep(tenant, self.name, keys, items[:])  # a copy: the request may change its own list
+        return Conversation(items, _fixed(body, counter), True, grouped=len(items))
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
         out = dict(body)
@@ -132,6 +155,13 @@ class ChatWire:
 
 
 WIRE = ChatWire()
+
+
+def _fixed(body: dict[str, Any], counter: TokenCounter) -> int:
+    """What a request counts outside its messages: reply priming and the schemas the provider puts in the prompt."""
+    return (REPLY_PRIMING + counter.tools(body.get("tools"))
+            + counter.tools(body.get("functions"), "functions")
+            + counter.tools(output_schema(body.get("response_format")), "response_format"))
 
 
 def mask_result(item: Item, text: str) -> Item | None:

@@ -207,3 +207,13 @@ class AnthropicItem(Item):
                 if isinstance(block, dict) and block.get("type") == "tool_use":
                     yield ("call", str(block.get("id", "")), str(block.get("name")),
                            canonical_arguments(block.get("input")))
+
+    def calls(self) -> list[tuple[str, str]]:
+        # the ids and names of ``atoms``' call atoms, without canonicalising their inputs
+        if self.role == TOOL:
+            return []
+        content = self.content()
+        if not isinstance(content, list):
+            return []
+        return [(str(block.get("id", "")), str(block.get("name"))) for block in content
+                if isinstance(block, dict) and block.get("type") == "tool_use"]

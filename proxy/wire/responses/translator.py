@@ -25,11 +25,12 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from proxy.core.bands import assign_groups
 from proxy.core.conversation import Conversation
 from proxy.core.errors import CtxProxyError, PayloadError
 from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
 from proxy.core.pairing import PLACEHOLDER, REASONING_DROPPED
-from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, output_schema
+from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, content_keys, output_schema
 from proxy.core.usage import UsageForm
 from proxy.wire.protocol import STANDARD_KEY_HEADERS, model_field_changes, top_level_limits
 from proxy.wire.responses.errors import error_body
@@ -110,15 +111,44 @@ class ResponsesWire:
         counts = counter.many(keys, [item.raw for item in items], count_raw)
         for item, key, n in zip(items, keys, counts):
             item.key, item.tokens = key, n
-        options = body.get("text")
-        fixed = REPLY_PRIMING + counter.tools(body.get("tools")) + counter.tools(
-            output_schema(options.get("format") if isinstance(options, dict) else None), "text.format")
-        if instructions:
-            fixed += ITEM_TOKENS + counter.text(instructions)
+        fixed = _fixed(body, counter)
         if unmanaged is not None:
             return Conversation(items, fixed, True, notes, unmanaged=unmanaged)
         repairs: Counter[str] = Counter({REASONING_DROPPED: dropped}) if dropped else Counter()
         return Conversation(items, fixed, paired, notes, repairs=repairs)
+
+    def resume(self, body: dict[str, Any], counter: TokenCounter, tenant: str) -> Conversation:
+        """``parse``, reusing the items of the longest prefix of ``input`` that ``tenant`` sent before in this
+        conversation (``proxy.core.warm``): only the elements after it are checked, keyed, counted and grouped."""
+        value = body.get("input")
+        instructions = body.get("instructions")
+        if type(value) is not list or len(value) < 2 or provider_state(body) is not None \
+                or not (instructions is None or isinstance(instructions, str)):
+            return self.parse(body, counter)
+        keys = content_keys(value, SALT)  # an element's key is its item's when no reasoning is attached to it
+        memory = counter.conversations
+        known = memory.find(tenant, self.name, keys)
+        start = len(known.keys) if known is not None else 0
+        if known is not None and any(type(e) is dict and (e.get("type") == "compaction" or is_compact_summary(e))
+                                     for e in value[start:]):
+            return self.parse(body, counter)  # a later compaction unpins the earlier one: items of its own
+        tail, dropped, references, paired = build_items(value, start=start)
+        if not paired or dropped or references:  # a repair, an unmanaged history: items of its own, none kept
+            return self.parse(body, counter)
+        tail_keys = [keys[item.source] if type(item.raw) is dict else content_key(item.raw) ^ SALT for item in tail]
+        for item, key, n in zip(tail, tail_keys, counter.many(tail_keys, [item.raw for item in tail], count_raw)):
+            item.key, item.tokens = key, n
+        if known is not None:
+            for item in known.items:  # each its own elements' JSON (the same bytes)
+                raw = item.raw
+                item.raw = value[item.source] if type(raw) is not list \
+                    else value[item.source - len(raw) + 1:item.source + 1]
+            items = known.items + tail
+        else:
+            items = tail
+        assign_groups(items, self.merge_call_runs, len(known.items) if known is not None else 0)
+        memory.keep(tenant, self.name, keys, items[:])  # a copy: the request may change its own list
+        return Conversation(items, _fixed(body, counter), True, grouped=len(items))
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
         out = dict(body)
@@ -227,13 +257,26 @@ def provider_state(body: dict[str, Any]) -> str | None:
     return None
 
 
-def build_items(value: Any, *, keep_trailing: bool = False) -> tuple[list[Item], int, int, bool]:
+def _fixed(body: dict[str, Any], counter: TokenCounter) -> int:
+    """What a request counts outside its input items: reply priming, tool and output schemas, instructions."""
+    options = body.get("text")
+    fixed = REPLY_PRIMING + counter.tools(body.get("tools")) + counter.tools(
+        output_schema(options.get("format") if isinstance(options, dict) else None), "text.format")
+    instructions = body.get("instructions")
+    if instructions:
+        fixed += ITEM_TOKENS + counter.text(instructions)
+    return fixed
+
+
+def build_items(value: Any, *, keep_trailing: bool = False, start: int = 0) -> tuple[list[Item], int, int, bool]:
     """Neutral items of ``input``, checked: (items, trailing reasoning items dropped, item references, paired).
 
     A string is one user message. Reasoning items join the item after them; the last
     ``compaction`` (or ctxproxy compaction summary) and items that change later items'
     meaning are pinned. ``paired`` is the pairing check's verdict, found in the same pass
     (``proxy.core.pairing.check`` with merged call runs), so a valid request costs one scan.
+    ``start``: only the elements from it on, after a prefix that was paired with no call open and no
+    reasoning waiting (``proxy.core.warm``); ``paired`` then holds for the whole list.
     """
     if isinstance(value, str):
         return [ResponsesItem(value, USER, source=0)], 0, 0, True
@@ -247,7 +290,8 @@ def build_items(value: Any, *, keep_trailing: bool = False) -> tuple[list[Item],
     paired = True
     calls: tuple[str, ...]
     result: str | None
-    for i, element in enumerate(elements):
+    for i in range(start, len(elements)):
+        element = elements[i]
         # the common items take a few dict lookups; anything unusual gets the precise checks
         # (``id[:1] > RESERVED``: a non-empty id that does not start with NUL, which check_element refuses)
         kind = element.get("type") if type(element) is dict else None

@@ -139,6 +139,21 @@ async def test_over_the_threshold_older_outputs_are_masked_and_everything_else_k
     assert match.groups() == ("get_reservation_details", "call_000", f"{count_message(COUNTER, msgs[3]):,}")
 
 
+async def test_a_growing_conversation_masks_each_result_once() -> None:
+    """A request that resumes its conversation (proxy.core.warm) reuses the masked copies the earlier one made for
+    the same results, and forwards what a request on a fresh counter forwards."""
+    pipe = Pipe({"type": "observation-masking", "params": {"keep_recent": 3, "mask_step": 1}})
+    first = await pipe(support_chat(20))
+    grown = [*support_chat(20), assistant("R00000, on the first day."), user("And the second?")]
+    second = await pipe(copy.deepcopy(grown))
+    before = {item.result_id: item for item in first.items if is_masked(item.raw)}
+    again = [item for item in second.items if item.result_id in before and is_masked(item.raw)]
+    assert again and all(item is before[item.result_id] for item in again)
+    cold = await assemble({"model": MODEL, "messages": copy.deepcopy(grown)}, wire=CHAT, route=pipe.route,
+                          policy=pipe.policy, counter=TokenCounter("o200k_base"), services=pipe.services)
+    assert json.dumps(second.messages) == json.dumps(cold.messages) and second.report == cold.report
+
+
 async def test_masking_stops_at_the_first_grid_line_under_the_threshold() -> None:
     """With mask_step 1 and no hysteresis (a step of one token) every result is a grid line: the fewest outputs
     are masked, and one fewer would leave the request over T."""

@@ -1,0 +1,106 @@
+"""What the previous request of a conversation computed, so that a request which only appends turns parses those.
+
+Consecutive requests of one conversation (an agent loop, a chat) resend the whole history with a
+turn or a tool round appended. A wire that can resume (its ``resume``, ``proxy.core.conversation.Resume``:
+Chat Completions) remembers,
+per conversation, the content keys of the elements it parsed and their items (counted, checked,
+paired); the next request reuses those items for the prefix it shares and parses, checks and counts
+only the elements after it.
+
+A conversation is found by its tenant, its wire and the content keys of its first two elements, and
+a remembered one is used only when its whole sequence of content keys is a prefix of the request's.
+Content keys are xxh3-128 of each element's JSON as sent, key order included
+(``proxy.core.tokens.content_key``), so this is the check a hash chain over the raw elements makes,
+made element by element: a client that edits the middle, truncates, reorders or comes with another
+tenant's key finds nothing it may reuse and takes the full path.
+
+A reused item is given this request's JSON for its element (``raw``: the client's own object, as on
+the full path; equal byte for byte to the one it had, since their content keys are equal), and
+nothing else about it changes: the request builds a list of its own, and ``assign_groups`` gives the
+items the numbers they already have (a group number depends on the items before it alone). Two
+concurrent requests of one conversation may each forward the other's equal object for an element:
+the same bytes. Bounded: at most ``max_items`` items in all, least recently used conversations
+go first, and per conversation its last ``BRANCHES`` requests (a client that retried or branched).
+Thread-safe: a large body's parse runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from proxy.core.items import Item
+
+BRANCHES = 2  # requests remembered per conversation (its first two elements)
+
+
+@dataclass(frozen=True)
+class Known:
+    """One parsed request of a conversation: its elements' content keys and their items (never changed)."""
+
+    keys: list[int]
+    items: list[Item]
+
+
+class Conversations:
+    """Known conversations by tenant, wire and first two content keys: a bounded LRU, counted in items."""
+
+    def __init__(self, max_items: int = 50_000) -> None:
+        self._known: OrderedDict[tuple[str, str, int, int], list[Known]] = OrderedDict()
+        self._items = 0
+        self._max_items = max_items
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    @property
+    def items(self) -> int:
+        """Items remembered, in all."""
+        return self._items
+
+    def clear(self) -> None:
+        with self._lock:
+            self._known.clear()
+            self._items = 0
+
+    def find(self, tenant: str, wire: str, keys: list[int]) -> Known | None:
+        """The longest remembered request of this conversation whose keys are a prefix of ``keys``."""
+        if len(keys) < 2:
+            return None
+        with self._lock:
+            branches = self._known.get((tenant, wire, keys[0], keys[1]))
+            if branches is None:
+                return None
+            self._known.move_to_end((tenant, wire, keys[0], keys[1]))
+            best: Known | None = None
+            for known in branches:
+                n = len(known.keys)
+                if n <= len(keys) and (best is None or n > len(best.keys)) and keys[:n] == known.keys:
+                    best = known
+            return best
+
+    def keep(self, tenant: str, wire: str, keys: list[int], items: list[Item]) -> None:
+        """Remember a parsed request (``items`` must not change afterwards); it replaces the ones it extends."""
+        if len(keys) < 2 or len(items) > self._max_items:
+            return
+        entry = (tenant, wire, keys[0], keys[1])
+        known = Known(keys, items)
+        with self._lock:
+            branches = self._known.get(entry, [])
+            kept = [known]
+            for old in branches:
+                n = len(old.keys)
+                if n <= len(keys) and keys[:n] == old.keys:  # an earlier request of this branch: superseded
+                    self._items -= len(old.items)
+                elif len(kept) < BRANCHES:
+                    kept.append(old)
+                else:
+                    self._items -= len(old.items)
+            self._known[entry] = kept
+            self._known.move_to_end(entry)
+            self._items += len(items)
+            while self._items > self._max_items and self._known:
+                _, dropped = self._known.popitem(last=False)
+                self._items -= sum(len(k.items) for k in dropped)
