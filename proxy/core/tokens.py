@@ -83,6 +83,16 @@ def content_keys(raws: list[Any], salt: int = 0) -> list[int]:
         return [content_key(raw) ^ salt for raw in raws]
 
 
+def sized_content_keys(raws: list[Any], salt: int = 0) -> tuple[list[int], int]:
+    """``content_keys`` and the bytes of the elements' JSON in all (what remembering them holds, about)."""
+    dumps, digest = orjson.dumps, xxh3_128_intdigest
+    try:
+        data = [dumps(raw) for raw in raws]
+    except TypeError:  # an element orjson cannot write: content_key says what that means
+        return [content_key(raw) ^ salt for raw in raws], 0
+    return [digest(d) ^ salt for d in data], sum(map(len, data))
+
+
 class TokenCounter:
     """Counts tokens for one encoding, caching per-item counts by content key (bounded LRU)."""
 

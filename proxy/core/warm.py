@@ -19,8 +19,10 @@ the full path; equal byte for byte to the one it had, since their content keys a
 nothing else about it changes: the request builds a list of its own, and ``assign_groups`` gives the
 items the numbers they already have (a group number depends on the items before it alone). Two
 concurrent requests of one conversation may each forward the other's equal object for an element:
-the same bytes. Bounded: at most ``max_items`` items in all, least recently used conversations
-go first, and per conversation its last ``BRANCHES`` requests (a client that retried or branched).
+the same bytes. Bounded: at most ``max_items`` items and ``max_bytes`` bytes of the elements' JSON in all
+(a remembered request holds its client's objects: a few large bodies must not hold the memory that many
+items would), least recently used conversations go first, and per conversation its last ``BRANCHES``
+requests (a client that retried or branched); a request larger than a quarter of ``max_bytes`` is not kept.
 Thread-safe: a large body's parse runs in a worker thread.
 """
 
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from proxy.core.items import Item
 
 BRANCHES = 2  # requests remembered per conversation (its first two elements)
+MAX_BYTES = 32 * 1024 * 1024  # of the remembered requests' JSON, in all (their objects take a few times more)
 
 
 @dataclass(frozen=True)
@@ -41,15 +44,18 @@ class Known:
 
     keys: list[int]
     items: list[Item]
+    size: int  # bytes of its elements' JSON
 
 
 class Conversations:
     """Known conversations by tenant, wire and first two content keys: a bounded LRU, counted in items."""
 
-    def __init__(self, max_items: int = 50_000) -> None:
+    def __init__(self, max_items: int = 50_000, max_bytes: int = MAX_BYTES) -> None:
         self._known: OrderedDict[tuple[str, str, int, int], list[Known]] = OrderedDict()
         self._items = 0
+        self._bytes = 0
         self._max_items = max_items
+        self._max_bytes = max_bytes
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -60,10 +66,15 @@ class Conversations:
         """Items remembered, in all."""
         return self._items
 
+    @property
+    def size(self) -> int:
+        """Bytes of the remembered requests' JSON, in all."""
+        return self._bytes
+
     def clear(self) -> None:
         with self._lock:
             self._known.clear()
-            self._items = 0
+            self._items = self._bytes = 0
 
     def find(self, tenant: str, wire: str, keys: list[int]) -> Known | None:
         """The longest remembered request of this conversation whose keys are a prefix of ``keys``."""
@@ -81,26 +92,29 @@ class Conversations:
                     best = known
             return best
 
-    def keep(self, tenant: str, wire: str, keys: list[int], items: list[Item]) -> None:
-        """Remember a parsed request (``items`` must not change afterwards); it replaces the ones it extends."""
-        if len(keys) < 2 or len(items) > self._max_items:
+    def keep(self, tenant: str, wire: str, keys: list[int], items: list[Item], size: int) -> None:
+        """Remember a parsed request (``items`` must not change afterwards; ``size``: its elements' JSON, in
+        bytes); it replaces the ones it extends."""
+        if len(keys) < 2 or len(items) > self._max_items or size > self._max_bytes // 4:
             return
         entry = (tenant, wire, keys[0], keys[1])
-        known = Known(keys, items)
+        known = Known(keys, items, size)
         with self._lock:
             branches = self._known.get(entry, [])
             kept = [known]
             for old in branches:
                 n = len(old.keys)
-                if n <= len(keys) and keys[:n] == old.keys:  # an earlier request of this branch: superseded
-                    self._items -= len(old.items)
-                elif len(kept) < BRANCHES:
+                superseded = n <= len(keys) and keys[:n] == old.keys  # an earlier request of this branch
+                if not superseded and len(kept) < BRANCHES:
                     kept.append(old)
                 else:
                     self._items -= len(old.items)
+                    self._bytes -= old.size
             self._known[entry] = kept
             self._known.move_to_end(entry)
             self._items += len(items)
-            while self._items > self._max_items and self._known:
+            self._bytes += size
+            while (self._items > self._max_items or self._bytes > self._max_bytes) and self._known:
                 _, dropped = self._known.popitem(last=False)
                 self._items -= sum(len(k.items) for k in dropped)
+                self._bytes -= sum(k.size for k in dropped)

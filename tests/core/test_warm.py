@@ -24,7 +24,7 @@ def _items(n: int) -> list[Item]:
 def test_a_request_that_extends_a_known_one_finds_it() -> None:
     memory = Conversations()
     items = _items(3)
-    memory.keep("t", "chat", [1, 2, 3], items)
+    memory.keep("t", "chat", [1, 2, 3], items, 100)
     known = memory.find("t", "chat", [1, 2, 3, 4, 5])
     assert known is not None and known.keys == [1, 2, 3] and known.items is items
     assert memory.find("t", "chat", [1, 2, 3]) is known  # the same request again
@@ -33,7 +33,7 @@ def test_a_request_that_extends_a_known_one_finds_it() -> None:
 def test_an_edit_a_truncation_or_a_reorder_finds_nothing() -> None:
     """Only a prefix made of the very same elements may be reused: anything else takes the full path."""
     memory = Conversations()
-    memory.keep("t", "chat", [1, 2, 3, 4], _items(4))
+    memory.keep("t", "chat", [1, 2, 3, 4], _items(4), 100)
     assert memory.find("t", "chat", [1, 2, 9, 4, 5]) is None  # the middle edited
     assert memory.find("t", "chat", [1, 2, 3]) is None  # truncated
     assert memory.find("t", "chat", [1, 2, 4, 3, 5]) is None  # reordered
@@ -43,7 +43,7 @@ def test_an_edit_a_truncation_or_a_reorder_finds_nothing() -> None:
 def test_nothing_is_shared_across_tenants_or_wires() -> None:
     """Another tenant's identical conversation is not found: each tenant parses its own."""
     memory = Conversations()
-    memory.keep("a", "chat", [1, 2, 3], _items(3))
+    memory.keep("a", "chat", [1, 2, 3], _items(3), 100)
     assert memory.find("b", "chat", [1, 2, 3, 4]) is None
     assert memory.find("a", "responses", [1, 2, 3, 4]) is None
     assert memory.find("a", "chat", [1, 2, 3, 4]) is not None
@@ -51,11 +51,11 @@ def test_nothing_is_shared_across_tenants_or_wires() -> None:
 
 def test_a_grown_request_replaces_the_one_it_extends_and_branches_are_bounded() -> None:
     memory = Conversations()
-    memory.keep("t", "chat", [1, 2, 3], _items(3))
-    memory.keep("t", "chat", [1, 2, 3, 4], _items(4))
+    memory.keep("t", "chat", [1, 2, 3], _items(3), 100)
+    memory.keep("t", "chat", [1, 2, 3, 4], _items(4), 100)
     assert memory.items == 4  # the shorter one is superseded
     for tail in range(10, 10 + BRANCHES + 2):  # retries with other endings
-        memory.keep("t", "chat", [1, 2, 3, 4, tail], _items(5))
+        memory.keep("t", "chat", [1, 2, 3, 4, tail], _items(5), 100)
     assert memory.items == 5 * BRANCHES
     assert memory.find("t", "chat", [1, 2, 3, 4, 10 + BRANCHES + 1, 7]) is not None
     assert memory.find("t", "chat", [1, 2, 3, 4, 10, 7]) is None  # the oldest branch went
@@ -63,20 +63,34 @@ def test_a_grown_request_replaces_the_one_it_extends_and_branches_are_bounded() 
 
 def test_memory_is_bounded_in_items_least_recently_used_first() -> None:
     memory = Conversations(max_items=10)
-    memory.keep("t", "chat", [1, 1, 1, 1], _items(4))
-    memory.keep("t", "chat", [2, 2, 2, 2], _items(4))
+    memory.keep("t", "chat", [1, 1, 1, 1], _items(4), 100)
+    memory.keep("t", "chat", [2, 2, 2, 2], _items(4), 100)
     assert memory.find("t", "chat", [1, 1, 1, 1]) is not None  # used: now the most recent
-    memory.keep("t", "chat", [3, 3, 3, 3], _items(4))
+    memory.keep("t", "chat", [3, 3, 3, 3], _items(4), 100)
     assert memory.items <= 10
     assert memory.find("t", "chat", [2, 2, 2, 2]) is None
     assert memory.find("t", "chat", [1, 1, 1, 1]) is not None
-    memory.keep("t", "chat", list(range(11)), _items(11))  # larger than the whole budget: not kept
+    memory.keep("t", "chat", list(range(11)), _items(11), 100)  # larger than the whole budget: not kept
     assert memory.find("t", "chat", list(range(11))) is None and memory.items <= 10
+
+
+def test_memory_is_bounded_in_bytes_least_recently_used_first() -> None:
+    """A remembered request holds its client's objects: a few large bodies must not hold what many items would.
+    Forty conversations of ~480 kB each used to stay whole under an item bound of 50,000."""
+    memory = Conversations(max_bytes=1000)
+    memory.keep("t", "chat", [1, 1], _items(2), 400)
+    memory.keep("t", "chat", [2, 2], _items(2), 400)
+    memory.keep("t", "chat", [3, 3], _items(2), 200)
+    assert memory.size <= 1000 and memory.find("t", "chat", [3, 3]) is not None
+    memory.keep("t", "chat", [4, 4], _items(2), 200)
+    assert memory.size <= 1000 and memory.find("t", "chat", [1, 1]) is None  # the least recently used went
+    memory.keep("t", "chat", [5, 5], _items(2), 251)  # over a quarter of the budget: not kept
+    assert memory.find("t", "chat", [5, 5]) is None
 
 
 def test_a_one_element_conversation_is_not_remembered() -> None:
     memory = Conversations()
-    memory.keep("t", "chat", [1], _items(1))
+    memory.keep("t", "chat", [1], _items(1), 100)
     assert len(memory) == 0 and memory.find("t", "chat", [1]) is None
 
 

@@ -19,7 +19,7 @@ from proxy.core.conversation import Conversation
 from proxy.core.errors import CtxProxyError
 from proxy.core.items import ASSISTANT, SYSTEM, TOOL, Item
 from proxy.core.pairing import PLACEHOLDER, is_paired
-from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, content_keys, output_schema
+from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, content_keys, output_schema, sized_content_keys
 from proxy.core.usage import UsageForm
 from proxy.wire.chat.errors import error_body
 from proxy.wire.chat.items import LEGACY, SALT, ChatItem, Message, build_items, count_message
@@ -75,7 +75,7 @@ class ChatWire:
         messages = body.get("messages")
         if type(messages) is not list or len(messages) < 2:
             return self.parse(body, counter)
-        keys = content_keys(messages, SALT)
+        keys, size = sized_content_keys(messages, SALT)
         memory = counter.conversations
         known = memory.find(tenant, self.name, keys)
         start = len(known.keys) if known is not None else 0
@@ -93,7 +93,7 @@ class ChatWire:
         else:
             items = tail
         assign_groups(items, self.merge_call_runs, start)  # numbered before anyone else may resume from them
-        memory.keep(tenant, self.name, keys, items[:])  # a copy: the request may change its own list
+        memory.keep(tenant, self.name, keys, items[:], size)  # a copy: the request may change its own list
         return Conversation(items, _fixed(body, counter), True, grouped=len(items))
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from proxy.core.conversation import Conversation
 from proxy.core.errors import CtxProxyError, PayloadError
 from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
 from proxy.core.pairing import PLACEHOLDER, REASONING_DROPPED
-from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, content_keys, output_schema
+from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, output_schema, sized_content_keys
 from proxy.core.usage import UsageForm
 from proxy.wire.protocol import STANDARD_KEY_HEADERS, model_field_changes, top_level_limits
 from proxy.wire.responses.errors import error_body
@@ -125,7 +125,8 @@ class ResponsesWire:
         if type(value) is not list or len(value) < 2 or provider_state(body) is not None \
                 or not (instructions is None or isinstance(instructions, str)):
             return self.parse(body, counter)
-        keys = content_keys(value, SALT)  # an element's key is its item's when no reasoning is attached to it
+        # an element's key is its item's when no reasoning is attached to it
+        keys, size = sized_content_keys(value, SALT)
         memory = counter.conversations
         known = memory.find(tenant, self.name, keys)
         start = len(known.keys) if known is not None else 0
@@ -147,7 +148,7 @@ class ResponsesWire:
         else:
             items = tail
         assign_groups(items, self.merge_call_runs, len(known.items) if known is not None else 0)
-        memory.keep(tenant, self.name, keys, items[:])  # a copy: the request may change its own list
+        memory.keep(tenant, self.name, keys, items[:], size)  # a copy: the request may change its own list
         return Conversation(items, _fixed(body, counter), True, grouped=len(items))
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
