@@ -86,11 +86,16 @@ def content_keys(raws: list[Any], salt: int = 0) -> list[int]:
 def sized_content_keys(raws: list[Any], salt: int = 0) -> tuple[list[int], int]:
     """``content_keys`` and the bytes of the elements' JSON in all (what remembering them holds, about)."""
     dumps, digest = orjson.dumps, xxh3_128_intdigest
+    keys: list[int] = []
+    size = 0
     try:
-        data = [dumps(raw) for raw in raws]
+        for raw in raws:  # one element's JSON at a time: a 200k-message body is not held twice
+            data = dumps(raw)
+            size += len(data)
+            keys.append(digest(data) ^ salt)
     except TypeError:  # an element orjson cannot write: content_key says what that means
         return [content_key(raw) ^ salt for raw in raws], 0
-    return [digest(d) ^ salt for d in data], sum(map(len, data))
+    return keys, size
 
 
 class TokenCounter:
