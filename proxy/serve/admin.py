@@ -27,6 +27,7 @@ from proxy.serve.explain import calibration_detail, explain_body
 from proxy.serve.http import (
     OVERRIDE_HEADER,
     client_keys,
+    dumps_json,
     json_response,
     request_id,
     state,
@@ -70,7 +71,7 @@ async def explain_handler(request: web.Request) -> web.StreamResponse:
                                  params=params, mode=mode)
         scope.record.model = out["report"].get("model")
         # the answer holds the whole forwarded conversation: written off the loop when it is large
-        data = await run_step(scope.offload, orjson.dumps, out)
+        data = await run_step(scope.offload, dumps_json, out)
         return scope.answered(web.Response(body=data, content_type="application/json",
                                            headers={"x-request-id": scope.request_id}))
 

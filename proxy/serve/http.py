@@ -215,6 +215,16 @@ def _exact(raw: bytes, body: dict[str, Any]) -> dict[str, Any]:
     return exact if isinstance(exact, dict) else body
 
 
+def dumps_json(value: Any) -> bytes:
+    """Any JSON the proxy answers with (an explained body included): its integers beyond 64 bits as read."""
+    try:
+        return orjson.dumps(value)
+    except TypeError as exc:
+        if "64-bit" not in str(exc):
+            raise
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+
+
 def dumps_body(body: dict[str, Any]) -> bytes:
     """A body as JSON to forward (a 400 when it cannot be: orjson reads 1024 levels of nesting, writes 254)."""
     try:

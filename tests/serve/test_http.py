@@ -386,3 +386,16 @@ def test_the_long_digit_check_finds_what_the_regular_expression_finds(parts: lis
     fraction of its cost on a large body."""
     raw = b"".join(parts[: len(parts) // 2]) + b"5" * run + b"".join(parts[len(parts) // 2:])
     assert long_digits(raw) == bool(LONG_DIGITS.search(raw))
+
+
+async def test_explaining_a_body_with_an_integer_beyond_64_bits_answers_it_exactly(
+        start_proxy: StartProxy, upstream: FakeUpstream) -> None:
+    """The explain endpoint answers with the body it would forward: an integer read exactly must be written
+    back exactly, not end in a 500 (found by the long fuzz)."""
+    big = 12345678901234567890123
+    proxy = await start_proxy(base_config(upstream.base_url))
+    raw = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi", "n": big}]}).encode()
+    status, _, answer = await request(proxy, "POST", "/v1/ctxproxy/explain", data=raw,
+                                      headers={"Content-Type": "application/json"})
+    assert status == 200, answer
+    assert b"12345678901234567890123" in answer
