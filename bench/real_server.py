@@ -425,8 +425,8 @@ async def metrics(url: str) -> dict[str, float]:
         text = await r.text()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        m = re.match(r'^(ctxproxy_(?:summaries|summarizer_tokens|requests|tokens_received|tokens_forwarded)_total)'
-                     r'(\{[^}]*\})? (\S+)$', line)
+        m = re.match(r'^(ctxproxy_(?:summaries|background_summaries|summarizer_tokens|requests|tokens_received'
+                     r'|tokens_forwarded)_total)(\{[^}]*\})? (\S+)$', line)
         if m:
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
@@ -606,7 +606,10 @@ async def _drive(srv: Servers, system: str, conv: list[tuple[str, str]]) -> dict
         "errors": [{"turn": r["turn"], "stream": r["stream"], "error": r["error"]} for r in rows if r["error"]],
         "summary_headers": dict(summaries),
         "summariser_calls": {
-            "created": int(_sum(final_metrics, "ctxproxy_summaries_total", result="created")),
+            # made for a request that waited for it, or in the background before a request needed it
+            "created": int(_sum(final_metrics, "ctxproxy_summaries_total", result="created")
+                           + _sum(final_metrics, "ctxproxy_summaries_total", result="waited")
+                           + _sum(final_metrics, "ctxproxy_background_summaries_total", result="made")),
             "reused": int(_sum(final_metrics, "ctxproxy_summaries_total", result="reused")),
             "failed": int(_sum(final_metrics, "ctxproxy_summaries_total", result="failed")),
             "prompt_tokens": int(_sum(final_metrics, "ctxproxy_summarizer_tokens_total", kind="prompt")),

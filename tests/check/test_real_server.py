@@ -82,9 +82,11 @@ def test_summaries_created_by_the_real_model_and_reused(run: dict[str, Any]) -> 
     assert s["created"] >= 1 and s["reused"] >= 1, s
     assert s["completion_tokens"] > 0  # written by the model
     headers = run["summary_headers"]
-    assert headers.get("created", 0) >= 1 and headers.get("reused", 0) >= 1 and "failed" not in headers, headers
-    first = next(r["turn"] for r in run["turns"] if r["summary"] == "created")
-    assert all(r["summary"] in ("created", "reused") for r in run["turns"][first:]), run["turns"]
+    assert headers.get("reused", 0) >= 1 and "failed" not in headers, headers
+    # a summary is made in the background before a request needs it (or waited for, when nothing else fits)
+    first = next(r["turn"] for r in run["turns"] if r["summary"] in ("created", "waited", "reused"))
+    assert all(r["summary"] in ("created", "waited", "reused", "pending") for r in run["turns"][first:]), \
+        run["turns"]
 
 
 def test_budget_kept_by_the_servers_own_count(run: dict[str, Any]) -> None:
