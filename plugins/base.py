@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
@@ -119,6 +119,10 @@ class SummaryStore(Protocol):
 
     def failing(self, scope: SummaryScope, chain: Sequence[str]) -> str | None:
         """``backoff`` or ``failed`` when this conversation's last summary failed (None: it did not)."""
+
+    async def call_once(self, tenant: str, material: bytes, call: Callable[[], Awaitable[Completion]]) -> Completion:
+        """``call()``, a summariser call whose exact request is ``material``, made at most once at a time across
+        requests and replicas; a reused answer has no tokens (it was billed where it was made)."""
 
 
 class SummarizeFn(Protocol):

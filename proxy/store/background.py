@@ -41,6 +41,7 @@ from typing import Protocol
 
 from plugins.base import CachedSummary, Completion
 from proxy.core.errors import SummaryUnavailable
+from proxy.store.guard import own_budget
 
 log = logging.getLogger("ctxproxy.summaries")
 
@@ -149,7 +150,8 @@ class BackgroundSummaries:
     async def _run(self, job: _Job) -> None:
         result = "failed"
         try:
-            out = await job.make()
+            with own_budget():  # not the cache-time budget of the request that submitted it
+                out = await job.make()
             result = "found"
             if out is not None and out[1]:
                 result = "made"

@@ -45,10 +45,16 @@ _DRAIN_TIMEOUT = 2.0  # close(): how long to let in-flight operations finish
 
 
 class LockHandle:
-    """A lock attempt's outcome: ``acquired``, and ``renew()`` to extend a held lock's expiry."""
+    """A lock attempt's outcome: ``acquired``, and ``renew()`` to extend a held lock's expiry.
 
-    def __init__(self, acquired: bool, renew: Callable[[], Awaitable[None]] | None = None) -> None:
+    ``failed_open``: the cache could not be asked, so ``acquired`` only means "go on without the lock"
+    (``SafeCache``); nothing stops another process from doing the same work.
+    """
+
+    def __init__(self, acquired: bool, renew: Callable[[], Awaitable[None]] | None = None, *,
+                 failed_open: bool = False) -> None:
         self.acquired = acquired
+        self.failed_open = failed_open
         self._renew = renew
 
     async def renew(self) -> None:
@@ -242,8 +248,18 @@ class BaseCache:
         give_up = loop.time() + max(0.0, wait)
         release_orphan = self._release_orphan(lock_key, token)
 
+        held_by_another = False
         while True:
-            acquired = await self._guarded(self._try_acquire(lock_key, token, ttl), release_orphan)
+            try:
+                acquired = await self._guarded(self._try_acquire(lock_key, token, ttl), release_orphan)
+            except CacheBackendError:
+                if not held_by_another:
+                    raise
+                # the cache stopped answering while another holder had the lock: stop waiting, never take
+                # it over (failing open here would let two processes do the guarded work at once)
+                acquired = False
+                break
+            held_by_another = not acquired
             remaining = give_up - loop.time()
             if acquired or remaining <= 0 or (ready is not None and await ready()):
                 break
@@ -341,7 +357,7 @@ class SafeCache:
     @asynccontextmanager
     async def _lock(self, key: str, ttl: float, wait: float, ready: Ready | None) -> AsyncIterator[LockHandle]:
         held: AbstractAsyncContextManager[LockHandle] | None = None
-        handle = LockHandle(True)  # fail open
+        handle = LockHandle(True, failed_open=True)
         try:
             cm = self.inner.lock(key, ttl, wait, ready)
             inner = await cm.__aenter__()

@@ -35,13 +35,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
+
+import orjson
 
 from plugins.base import (
     CachedSummary,
     Compacted,
     Completion,
+    Engine,
     Services,
     SummarizeFn,
     Summarizer,
@@ -113,6 +116,13 @@ class Compaction:
     def background(self) -> bool:
         return self.runner is not None and self.runner.enabled
 
+    def _bind(self, summarizer: Summarizer, services: Services) -> SummarizeFn | None:
+        """``summarizer``'s function for this request, its model calls each made once across replicas."""
+        engine = services.engine
+        if engine is not None:
+            services = dataclasses.replace(services, engine=_CallsOnce(engine, self.store, services.tenant))
+        return summarizer.bind(services)
+
     def unavailable(self, summarizer: Summarizer | None, services: Services) -> str | None:
         if summarizer is not None and summarizer.name == "drop":
             return DROPS_OLDER_TURNS
@@ -129,7 +139,7 @@ class Compaction:
                       found: CachedSummary | None = None, looked: bool = False) -> Compacted:
         cut = len(turns) if cut is None else cut
         reason = self.unavailable(summarizer, services)
-        summarize = summarizer.bind(services) if summarizer is not None and reason is None else None
+        summarize = self._bind(summarizer, services) if summarizer is not None and reason is None else None
         if summarizer is None or summarize is None:
             why = reason or NO_SUMMARISER
             return Compacted("unavailable", why, reason="drop" if why == DROPS_OLDER_TURNS else "no_summariser")
@@ -153,7 +163,7 @@ class Compaction:
     def prefetch(self, summarizer: Summarizer, services: Services, turns: Sequence[Sequence[Item]],
                  chain: Sequence[str], cut: int) -> str:
         runner = self.runner
-        summarize = summarizer.bind(services)
+        summarize = self._bind(summarizer, services)
         if runner is None or summarize is None or services.dry_run or not 0 < cut <= min(len(turns), len(chain)):
             return ""
         scope = _scope(summarizer, services)
@@ -186,6 +196,27 @@ class Compaction:
     def used(self, summarizer: Summarizer, services: Services, summary: CachedSummary) -> None:
         if self.runner is not None and not services.dry_run:
             self.runner.used(summary_key(_scope(summarizer, services), summary.chain))
+
+
+class _CallsOnce:
+    """An ``Engine`` whose summariser calls go through the summary store's single flight (``call_once``): a
+    summary folded in chunks shares each chunk's call with any other summary that folds the same one."""
+
+    def __init__(self, engine: Engine, store: SummaryStore, tenant: str) -> None:
+        self.engine = engine
+        self.store = store
+        self.tenant = tenant
+
+    async def complete(self, model: str, messages: list[dict[str, Any]], *, max_tokens: int, timeout: float,
+                       purpose: str, request_id: str = "") -> Completion:
+        def call() -> Awaitable[Completion]:
+            return self.engine.complete(model, messages, max_tokens=max_tokens, timeout=timeout, purpose=purpose,
+                                        request_id=request_id)
+
+        if purpose != "summarize":
+            return await call()
+        material = orjson.dumps({"model": model, "messages": messages, "max_tokens": max_tokens})
+        return await self.store.call_once(self.tenant, material, call)
 
 
 def keeping_values(summarize: SummarizeFn, covered: Sequence[Sequence[Item]], services: Services) -> SummarizeFn:

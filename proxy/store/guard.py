@@ -17,8 +17,9 @@ mount) makes every operation wait for its timeout, and a summarised request make
   An operation the request stopped waiting for still runs to its end in the background, and its
   outcome still counts for the breaker; a lock it acquires late is released.
 
-The budget travels in a ``ContextVar``: each request's task (and the tasks it starts, such as the
-summary it makes) sees its own ``RequestBudget``; nothing is shared between requests.
+The budget travels in a ``ContextVar``: each request's task (and the tasks it starts) sees its own
+``RequestBudget``; nothing is shared between requests. A summary (which several requests may wait for) and a
+background summary run with a budget of their own (``own_budget``), never the starting request's.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 from proxy.core.deadline import deadline
 from proxy.core.errors import CacheBackendError
 
-__all__ = ["FREE_SECONDS", "Guard", "RequestBudget", "cache_budget"]
+__all__ = ["FREE_SECONDS", "Guard", "RequestBudget", "cache_budget", "own_budget"]
 
 log = logging.getLogger("ctxproxy.cache")
 
@@ -66,6 +67,23 @@ def cache_budget(seconds: float | None) -> Iterator[RequestBudget | None]:
     token = _BUDGET.set(budget)
     try:
         yield budget
+    finally:
+        _BUDGET.reset(token)
+
+
+@contextlib.contextmanager
+def own_budget() -> Iterator[None]:
+    """A budget of its own, as large as the request's, for work that outlives or serves more than the request
+    that started it (a summary several requests wait for, a summary made in the background). Sharing the
+    request's would let one spend the other's: a summary whose lock or record write is skipped for a spent
+    budget is made a second time by another replica."""
+    budget = _BUDGET.get()
+    if budget is None:
+        yield
+        return
+    token = _BUDGET.set(RequestBudget(budget.seconds))
+    try:
+        yield
     finally:
         _BUDGET.reset(token)
 

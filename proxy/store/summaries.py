@@ -21,7 +21,10 @@ Concurrent requests needing the same summary wait for one summariser call: in
 one process through a shared task, across processes and replicas through the
 cache's lock, which its holder renews while it works. Waiters keep waiting while
 the holder is alive and never make a second summary; only past the longest a
-live holder can take is a request served without it (status ``pending``). A failure caches nothing
+live holder can take, or when the cache stops answering while another holds the
+lock, is a request served without it (status ``pending``). A summary runs with a
+cache-time budget of its own (``proxy.store.guard.own_budget``), not that of the
+request that started it. A failure caches nothing
 and starts a per-conversation back-off.
 """
 
@@ -34,7 +37,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +45,7 @@ from plugins.base import CachedSummary, Completion, SummarizeFn, SummaryScope
 from proxy.core.errors import SummaryUnavailable
 from proxy.core.items import Item
 from proxy.store.cache import Cache, LockHandle
+from proxy.store.guard import own_budget
 
 log = logging.getLogger("ctxproxy.summaries")
 
@@ -95,6 +99,7 @@ class SummaryService:
         self.on_failure = on_failure
         self.clock = clock
         self._flights: dict[str, _Flight] = {}
+        self._calls: dict[str, asyncio.Task[tuple[dict[str, Any], bool]]] = {}  # summariser calls under way
         self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # conversation -> (failures, last at)
         self._local: OrderedDict[str, tuple[dict[str, Any], float | None]] = OrderedDict()  # key -> record, expiry
         self.configure(ttl=ttl, local_entries=local_entries, lock_wait=lock_wait, max_wait=max_wait,
@@ -138,12 +143,12 @@ class SummaryService:
         while len(self._local) > self.local_entries:
             self._local.popitem(last=False)
 
-    async def _get(self, key: str) -> dict[str, Any] | None:
-        """One summary record: this process's copy, else the shared cache's (then kept here too)."""
-        record = self._local_get(key)
+    async def _get(self, key: str, remember: bool = True) -> dict[str, Any] | None:
+        """One record: this process's copy, else the shared cache's (then kept here too, with ``remember``)."""
+        record = self._local_get(key) if remember else None
         if record is None:
             record = await self.cache.get(key)
-            if record is not None:
+            if record is not None and remember:
                 self._remember(key, record)
         return record
 
@@ -216,6 +221,9 @@ class SummaryService:
                                      reason="backoff")
         key = summary_key(scope, chain[cut - 1])
         flight = self._flights.get(key)
+        if flight is None and self._flights:
+            previous = await self._after_shorter(scope, chain, cut, previous)
+            flight = self._flights.get(key)  # started meanwhile
         if flight is None:
             job = _Job(key, conversation, scope, chain[cut - 1], cut, list(turns[:cut]), previous, summarize,
                        request_id, model)
@@ -229,9 +237,26 @@ class SummaryService:
             flight.claimed = True
         return summary, created
 
+    async def _after_shorter(self, scope: SummaryScope, chain: Sequence[str], cut: int,
+                             previous: CachedSummary | None) -> CachedSummary | None:
+        """The summary to build on: a longer prefix than ``previous`` being made in this process now is waited for
+        and used, so that its turns are not summarised twice at once (a chunked fold would repeat its calls)."""
+        start = previous.covered_turns if previous is not None else 0
+        for k in range(cut - 1, start, -1):
+            shorter = self._flights.get(summary_key(scope, chain[k - 1]))
+            if shorter is None:
+                continue
+            try:
+                made, _fresh = await asyncio.shield(shorter.task)
+            except SummaryUnavailable:
+                return previous  # it failed: summarise from what there was
+            return made if made.covered_turns == k else previous
+        return previous
+
     async def _make(self, job: _Job) -> tuple[CachedSummary, bool]:
         try:
-            record, fresh = await self._record(job)
+            with own_budget():  # several requests may wait for it; none of them pays its cache time
+                record, fresh = await self._record(job)
         except SummaryUnavailable as exc:
             if exc.reason != "pending":
                 self._failed(job, exc)
@@ -251,56 +276,104 @@ class SummaryService:
         return summary, fresh
 
     async def _record(self, job: _Job) -> tuple[dict[str, Any], bool]:
-        """The cached record, or a new one made under the cross-process lock (never two at once).
+        """The cached record of ``job``'s summary, or a new one made under the cross-process lock."""
+        return await self._once(job.key, lambda: self._summarise(job), "summary")
+
+    async def _once(self, key: str, make: Callable[[], Awaitable[dict[str, Any]]], what: str,
+                    remember: bool = True) -> tuple[dict[str, Any], bool]:
+        """The record cached under ``key``, or one ``make`` makes under the cross-process lock (never two at once),
+        then cached (``remember``: in this process's copies too); True when made here.
 
         A waiter re-checks every ``lock_wait`` seconds and keeps waiting while another holder is alive
         (it renews its lock); when the holder dies its lock expires and a waiter takes over. Past
-        ``max_wait`` (the longest a live holder can take) the request is served without the summary.
+        ``max_wait`` (the longest a live holder can take) the request is served without it.
         """
-        record = await self._get(job.key)
+        record = await self._get(key, remember)
         if record is not None:
             return record, False
         give_up = self.clock() + self.max_wait
+        contended = False  # another holder had the lock: what it makes is on the way
         while True:
-            async with self.cache.lock("lock:" + job.key, ttl=self.lock_ttl, wait=max(self.lock_wait, MIN_WAIT),
-                                       ready=lambda: self._ready(job.key)) as held:
-                record = await self._get(job.key)  # another replica may have made it meanwhile
+            async with self.cache.lock("lock:" + key, ttl=self.lock_ttl, wait=max(self.lock_wait, MIN_WAIT),
+                                       ready=lambda: self._ready(key, remember)) as held:
+                record = await self._get(key, remember)  # another replica may have made it meanwhile
                 if record is not None:
                     return record, False
-                if held.acquired:
-                    return await self._summarise(job, held), True
+                if held.acquired and not (held.failed_open and contended):
+                    return await self._made(key, held, make, remember), True
+                if held.acquired:  # the cache stopped answering while another replica makes it: never a second
+                    raise SummaryUnavailable(f"the cache stopped answering while another replica makes this {what}; "
+                                             "served without it", reason="pending")
+                contended = True
             if self.clock() >= give_up:
-                raise SummaryUnavailable("another request is still making this summary; served without it",
+                raise SummaryUnavailable(f"another request is still making this {what}; served without it",
                                          reason="pending")
 
-    async def _ready(self, key: str) -> bool:
-        return await self._get(key) is not None
-
-    async def _summarise(self, job: _Job, held: LockHandle) -> dict[str, Any]:
-        previous, cut = job.previous, job.cut
-        start = previous.covered_turns if previous is not None and previous.covered_turns < cut else 0
+    async def _made(self, key: str, held: LockHandle, make: Callable[[], Awaitable[dict[str, Any]]],
+                    remember: bool) -> dict[str, Any]:
         renewing = asyncio.create_task(self._renew(held))
         try:
-            completion = await job.summarize(previous.text if previous is not None and start else None,
-                                             job.turns[start:])
+            record = await make()
         finally:
             renewing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renewing
+        if remember:
+            self._remember(key, record)  # first: reused here even if the shared cache cannot take it now
+        with own_budget():  # written whatever the waiting cost: other replicas wait for this very record
+            await self.cache.set(key, record, self.ttl)
+        return record
+
+    async def _ready(self, key: str, remember: bool = True) -> bool:
+        return await self._get(key, remember) is not None
+
+    async def _summarise(self, job: _Job) -> dict[str, Any]:
+        previous, cut = job.previous, job.cut
+        start = previous.covered_turns if previous is not None and previous.covered_turns < cut else 0
+        completion = await job.summarize(previous.text if previous is not None and start else None,
+                                         job.turns[start:])
         text = completion.text.strip()
         if not text:
             raise SummaryUnavailable("the summariser returned an empty answer", reason="empty")
         self._failures.pop(job.conversation, None)
         if self.on_call is not None:
             self.on_call(job.scope.tenant, completion, job.model)
-        record = {"text": text, "turns": cut, "chain": job.link, "model": completion.model,
-                  "incremental": bool(start), "created": time.time(),
-                  "usage": {"model": completion.model, "upstream_model": completion.upstream_model,
-                            "prompt_tokens": completion.prompt_tokens,
-                            "completion_tokens": completion.completion_tokens}}
-        self._remember(job.key, record)  # first: reused here even if the shared cache cannot take it now
-        await self.cache.set(job.key, record, self.ttl)
-        return record
+        return {"text": text, "turns": cut, "chain": job.link, "model": completion.model,
+                "incremental": bool(start), "created": time.time(),
+                "usage": {"model": completion.model, "upstream_model": completion.upstream_model,
+                          "prompt_tokens": completion.prompt_tokens,
+                          "completion_tokens": completion.completion_tokens}}
+
+    async def call_once(self, tenant: str, material: bytes, call: Callable[[], Awaitable[Completion]]) -> Completion:
+        """One summariser call whose exact request is ``material``, made at most once at a time across requests
+        and replicas, its answer cached with the summaries: two summaries of overlapping turns (made at once by
+        two replicas, or one building on a shorter one still being made) fold their common chunks once. A
+        reused answer costs nothing here (its tokens are 0: it was billed where it was made)."""
+        key = "call:" + hashlib.sha256(tenant.encode() + b"\x00" + material).hexdigest()
+        task = self._calls.get(key)
+        if task is None:
+            async def make() -> dict[str, Any]:
+                out = await call()
+                if not out.text.strip():  # a failure: nothing is cached
+                    raise SummaryUnavailable("the summariser returned an empty answer", reason="empty")
+                return {"text": out.text, "model": out.model, "upstream_model": out.upstream_model,
+                        "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens}
+
+            async def once() -> tuple[dict[str, Any], bool]:
+                with own_budget():
+                    return await self._once(key, make, "summariser call", remember=False)
+
+            task = asyncio.create_task(once())
+            self._calls[key] = task
+            task.add_done_callback(lambda _t: self._calls.pop(key, None))
+        record, fresh = await asyncio.shield(task)
+        text, model, upstream = record.get("text"), record.get("model"), record.get("upstream_model")
+        if not isinstance(text, str) or not isinstance(model, str):
+            raise SummaryUnavailable("a cached summariser answer is unreadable", reason="error")
+        upstream = upstream if isinstance(upstream, str) else ""
+        if not fresh:
+            return Completion(text, model, 0, 0, upstream)
+        return Completion(text, model, int(record["prompt_tokens"]), int(record["completion_tokens"]), upstream)
 
     async def _renew(self, held: LockHandle) -> None:
         while True:
@@ -323,6 +396,9 @@ class SummaryService:
         for flight in list(self._flights.values()):
             flight.task.cancel()
         self._flights.clear()
+        for task in list(self._calls.values()):
+            task.cancel()
+        self._calls.clear()
 
 
 @dataclass(frozen=True)

@@ -269,8 +269,9 @@ async def scrape(session: aiohttp.ClientSession, port: int) -> dict[str, float]:
     out: dict[str, float] = defaultdict(float)
     for name, labels, value in re.findall(r"^(ctxproxy_\w+_total)(\{[^}]*\})? (\S+)$", text, re.M):
         out[name] += float(value)
-        if name == "ctxproxy_summaries_total":
-            out["summaries_" + re.search(r'result="(\w+)"', labels).group(1)] += float(value)  # type: ignore[union-attr]
+        if name in ("ctxproxy_summaries_total", "ctxproxy_background_summaries_total"):
+            prefix = "summaries_" if name == "ctxproxy_summaries_total" else "background_"
+            out[prefix + re.search(r'result="(\w+)"', labels).group(1)] += float(value)  # type: ignore[union-attr]
     return dict(out)
 
 
@@ -364,7 +365,9 @@ async def test_three_replicas_behind_nginx_survive_a_kill_with_one_summary_each(
         assert victim_addr in routed.get(a.request_id, ""), (a, routed.get(a.request_id))
         assert a.started < killed_at + 1.0, f"a request sent {a.started - killed_at:.2f}s after the kill failed: {a}"
         retry = [b for b in attempts if (b.agent, b.step) == (a.agent, a.step) and b.started > a.started]
-        assert retry and retry[0].ok, f"the retry of {a} did not succeed"
+        # a retry sent while the victim's socket is still being torn down can reach it too (nginx does not
+        # resend a POST it already sent): the step must succeed within the client's three tries
+        assert any(b.ok for b in retry), f"no retry of {a} succeeded"
     assert len(failed) <= len(in_flight_at_kill) + 3, (failed, in_flight_at_kill)
     steps = Counter((a.agent, a.step) for a in attempts if a.ok)
     assert set(steps) == {(a, s) for a in range(AGENTS) for s in range(1, STEPS + 1)}
@@ -376,9 +379,10 @@ async def test_three_replicas_behind_nginx_survive_a_kill_with_one_summary_each(
     assert completed, "no summary was ever made: the conversations never crossed the threshold"
     assert max(completed.values()) == 1, {k[:12]: v for k, v in completed.items() if v > 1}
     by_replica = Counter(c.replica for c in summaries if c.state == "done")
-    created = sum(1 for a in attempts if a.ok and a.summary == "created")
+    created = sum(1 for a in attempts if a.ok and a.summary in ("created", "waited"))
     reused = sum(1 for a in attempts if a.ok and a.summary == "reused")
-    assert reused > created > 0
+    # most summaries are made in the background (no request says it created one): requests reuse them
+    assert reused > created and reused > 0
 
     # ---- metrics from every live replica
     for name, scraped in metrics.items():
@@ -398,7 +402,8 @@ async def test_three_replicas_behind_nginx_survive_a_kill_with_one_summary_each(
         # with its own content: one completed call per distinct content is what single flight promises
         "distinct_summariser_contents": len(completed),
         "summariser_calls_by_replica": dict(sorted(by_replica.items())),
-        "summaries_created": created, "summaries_reused": reused,
+        "summaries_created_or_waited_for": created, "summaries_reused": reused,
+        "background_summaries_made_by_live_replica": {k: v.get("background_made", 0) for k, v in metrics.items()},
         "chat_calls_by_replica": dict(sorted(served.items())),
         "nginx_retried_to_another_replica": sum(1 for v in routed.values() if "," in v),
         "metrics_requests_by_live_replica": {k: v.get("ctxproxy_requests_total", 0) for k, v in metrics.items()},

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from plugins.base import CachedSummary, HistoryView, Services, SummaryScope
+from plugins.base import CachedSummary, Completion, HistoryView, Services, SummaryScope
 from plugins.registry import BindingError, default_registry
 from proxy.core.bands import assign_groups, split_bands, split_turns
 from proxy.core.budget import TrimmerParams, compute_budget
@@ -356,6 +356,9 @@ class FakeStore:
         made = CachedSummary(cut, chain[cut - 1], completion.text)
         self.made[(scope.settings_id, chain[cut - 1])] = made
         return made, True
+
+    async def call_once(self, tenant: str, material: bytes, call: Any) -> Completion:
+        return await call()
 
 
 async def test_summarising_with_a_fake_summary_store() -> None:

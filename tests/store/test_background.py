@@ -19,6 +19,7 @@ import pytest
 from plugins.base import CachedSummary, Completion, SummaryScope
 from proxy.core.errors import SummaryUnavailable
 from proxy.store.background import BackgroundSummaries
+from proxy.store.guard import Guard, cache_budget
 from proxy.store.memory import MemoryCache
 from proxy.store.summaries import SummaryService
 from tests.fake_upstream import FakeUpstream
@@ -226,6 +227,31 @@ async def test_bounded_a_full_queue_skips_and_never_blocks() -> None:
     runner.used("k2")  # the first use only
     await runner.close(1.0)
     assert (seen.count("used"), seen.count("wasted")) == (1, 1)
+
+
+async def test_a_background_summary_never_spends_the_cache_budget_of_the_request_that_started_it() -> None:
+    """Sharing it, a request that had spent its budget left the job without a cache (its lock failing open: a
+    second summary on another replica), and the job's slow cache operations were charged to the request."""
+    guard = Guard("redis", timeout=1, threshold=2, cooldown=1)
+    runner = BackgroundSummaries(concurrency=1, queue=0, unused_after=60, observer=Counted())
+    allowed: list[float | None] = []
+
+    async def probe() -> None:
+        return None
+
+    async def make() -> tuple[CachedSummary, bool] | None:
+        allowed.append(guard.admit(probe))  # raises when the budget it runs on is spent
+        guard.charge(5.0)  # the cache was slow while it worked
+        return summary("k"), True
+
+    with cache_budget(1.0) as budget:
+        assert budget is not None
+        budget.spent = 2.0
+        assert runner.submit("k", "c", "t", "m", make) == "started"
+        await runner.idle()
+    assert allowed and allowed[0] is not None and allowed[0] > 1.0
+    assert budget.spent == 2.0
+    await runner.close(1.0)
 
 
 async def test_wasted_is_a_summary_nobody_used_in_time() -> None:

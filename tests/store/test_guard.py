@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from proxy.core.errors import SummaryUnavailable
 from proxy.store.cache import SafeCache
 from proxy.store.disk import DiskCache
 from proxy.store.guard import FREE_SECONDS, Guard, cache_budget
@@ -28,6 +29,8 @@ from tests.conftest import RunningProxy, StartProxy
 from tests.fake_upstream import FakeUpstream
 from tests.outside import metric_total, scrape
 from tests.redis_server import RedisServer, redis_server_fixture
+from tests.store.test_summaries import Summarizer, obtain
+from tests.store.test_summaries import service as summary_service
 from tests.store.test_summaries_http import config, conversation, post
 
 redis_server = redis_server_fixture(scope="module")
@@ -215,6 +218,70 @@ async def test_a_lock_acquired_after_its_caller_gave_up_is_released(redis_server
             assert held.acquired
     finally:
         await client.aclose()
+        await cache.close()
+
+
+# ---------------------------------------------------------------------------- summaries and the budget
+# `make check` found summaries made two and three times for one content by three replicas on one Redis: a
+# summary ran on the cache-time budget of the request that started it, so once a loaded request had spent
+# it, the summary's lock failed open and its record write was skipped, and another replica made it again.
+
+
+async def test_a_request_whose_cache_budget_is_spent_reuses_the_summary_another_replica_made(
+        redis_server: RedisServer) -> None:
+    prefix = f"spent-{uuid.uuid4().hex}:"
+    a, _ = guarded_redis(redis_server.url, prefix=prefix)
+    b, _ = guarded_redis(redis_server.url, prefix=prefix)
+    made_by_a, made_by_b = Summarizer("made by a"), Summarizer("made by b")
+    try:
+        await obtain(summary_service(a), made_by_a)
+        with cache_budget(0.5) as budget:
+            assert budget is not None
+            budget.spent = 5.0  # a loaded request: its lookups already took all of it
+            summary, created = await obtain(summary_service(b), made_by_b)
+        assert (summary.text, created) == ("made by a", False)
+        assert made_by_b.calls == []
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_waiter_whose_cache_stops_answering_never_makes_a_second_summary(redis_server: RedisServer) -> None:
+    """Replica b waits on a's lock; Redis stalls: b is served without the summary instead of making it too."""
+    prefix = f"contended-{uuid.uuid4().hex}:"
+    a, _ = guarded_redis(redis_server.url, prefix=prefix)
+    b, b_guard = guarded_redis(redis_server.url, timeout=0.2, prefix=prefix)
+    made_by_a, made_by_b = Summarizer("made by a"), Summarizer("made by b")
+    made_by_a.gate = asyncio.Event()
+    try:
+        holder = asyncio.create_task(obtain(summary_service(a), made_by_a))
+        await made_by_a.started.wait()  # a holds the lock in Redis and is summarising
+        waiter = asyncio.create_task(obtain(summary_service(b, lock_wait=10, max_wait=60), made_by_b))
+        await asyncio.sleep(0.2)  # b has seen the lock held
+        assert not waiter.done()
+        with redis_server.paused():
+            with pytest.raises(SummaryUnavailable) as err:
+                await asyncio.wait_for(waiter, 5)
+            assert b_guard.is_open
+        assert err.value.reason == "pending"
+        assert made_by_b.calls == []
+        made_by_a.gate.set()
+        summary, created = await asyncio.wait_for(holder, 5)
+        assert (summary.text, created) == ("made by a", True)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_without_a_holder_a_stalled_cache_still_lets_the_summary_be_made(redis_server: RedisServer) -> None:
+    """Failing open stays the rule when nobody else was seen holding the lock (Redis down from the start)."""
+    cache, _ = guarded_redis(redis_server.url, timeout=0.2, prefix=f"alone-{uuid.uuid4().hex}:")
+    fn = Summarizer()
+    try:
+        with redis_server.paused():
+            _, created = await asyncio.wait_for(obtain(summary_service(cache), fn), 5)
+        assert created and len(fn.calls) == 1
+    finally:
         await cache.close()
 
 

@@ -18,6 +18,7 @@ import pytest
 from plugins.base import CachedSummary, Completion, SummaryScope
 from proxy.core.errors import SummaryUnavailable
 from proxy.core.items import ASSISTANT, USER, Item
+from proxy.store.cache import Cache
 from proxy.store.memory import MemoryCache
 from proxy.store.summaries import SummaryService, summary_key
 from tests.fake_upstream import FakeUpstream
@@ -83,7 +84,7 @@ class Summarizer:
         return Completion(self.text, "gpt-4o-mini", 1000, 100, "gpt-4o-mini-2024-07-18")
 
 
-def service(cache: MemoryCache | None = None, **kwargs: Any) -> SummaryService:
+def service(cache: Cache | None = None, **kwargs: Any) -> SummaryService:
     options: dict[str, Any] = {"ttl": None, "lock_wait": 0.05, "backoff_first": 0, "backoff_max": 0}
     options.update(kwargs)
     return SummaryService(cache or MemoryCache(), **options)
@@ -556,3 +557,59 @@ async def test_lock_wait_zero_does_not_spin_on_the_cache(upstream: FakeUpstream)
             assert Counting.acquires < 100, f"{Counting.acquires} lock attempts in 0.5 s"
     finally:
         await shared.close()
+
+
+# --------------------------------------------------------------------------- one summariser call per content
+
+
+async def test_a_summariser_call_is_made_once_across_replicas_and_reused_at_no_cost() -> None:
+    cache = MemoryCache()
+    a, b = service(cache), service(cache)  # two replicas
+    made: list[str] = []
+    gate = asyncio.Event()
+
+    async def call() -> Completion:
+        made.append("call")
+        await gate.wait()
+        return Completion("chunk summary", "gpt-4o-mini", 900, 40, "gpt-4o-mini-2024-07-18")
+
+    first = asyncio.create_task(a.call_once("acme", b"the same request", call))
+    here = asyncio.create_task(a.call_once("acme", b"the same request", call))  # same process: same flight
+    await asyncio.sleep(0.02)
+    there = asyncio.create_task(b.call_once("acme", b"the same request", call))  # another replica: its lock
+    await asyncio.sleep(0.1)
+    gate.set()
+    out = await asyncio.gather(first, here, there)
+    assert made == ["call"]
+    assert [(c.text, c.prompt_tokens, c.completion_tokens) for c in out] == [
+        ("chunk summary", 900, 40), ("chunk summary", 900, 40), ("chunk summary", 0, 0)]
+    other = await b.call_once("globex", b"the same request", call)  # another tenant never shares it
+    assert made == ["call", "call"] and other.prompt_tokens == 900
+
+
+async def test_an_empty_summariser_answer_is_not_kept_for_the_next_try() -> None:
+    svc = service()
+    answers = ["", "a summary"]
+
+    async def call() -> Completion:
+        return Completion(answers.pop(0), "gpt-4o-mini", 900, 40)
+
+    with pytest.raises(SummaryUnavailable) as err:
+        await svc.call_once("acme", b"request", call)
+    assert err.value.reason == "empty"
+    assert (await svc.call_once("acme", b"request", call)).text == "a summary"
+
+
+async def test_a_longer_summary_builds_on_a_shorter_one_being_made_in_this_process() -> None:
+    svc = service()
+    shorter, longer = Summarizer("first four turns"), Summarizer("first six turns")
+    shorter.gate = asyncio.Event()
+    making = asyncio.create_task(obtain(svc, shorter, cut=4))
+    await shorter.started.wait()
+    building = asyncio.create_task(obtain(svc, longer, cut=6))
+    await asyncio.sleep(0.02)
+    assert longer.calls == []  # it waits for the shorter one instead of summarising turns 0-3 again
+    shorter.gate.set()
+    (four, _), (six, created) = await asyncio.gather(making, building)
+    assert (four.covered_turns, six.covered_turns, created) == (4, 6, True)
+    assert longer.calls == [("first four turns", TURNS[4:6])]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +117,25 @@ async def test_single_flight_across_replicas_outlasts_the_lock_wait(upstream: Fa
     assert len(upstream.summaries) == 1
     assert [h["x-ctxproxy-summary"] for _, h, _ in results] == ["waited", "waited"]  # both needed it to fit
     assert (made, reused) == ([1, 0], [0, 1])
+
+
+@pytest.mark.usefixtures("shared_model_map")
+async def test_two_replicas_summarising_overlapping_turns_fold_each_chunk_once(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """`make check` found replicas making one summariser call two and three times: a summary folded in chunks
+    (its aged turns exceed the summariser's window) and a longer one of the same conversation, made at once on
+    two replicas, began with the same chunk. Each distinct summariser request is now made once."""
+    with RedisServer.started() as redis:
+        cfg = config(upstream.base_url, summarizer_model="small-model",  # an 8k summariser window: chunks
+                     cache={"backend": "redis", "url": redis.url})
+        replicas = [await start_proxy(cfg), await start_proxy(cfg)]
+        await asyncio.gather(*(send(r, chat_body([{"role": "user", "content": "hi"}])) for r in replicas))
+        upstream.summary_delay = 0.5
+        first = asyncio.ensure_future(send(replicas[0], chat_body(conversation(40))))
+        while not upstream.summaries:  # replica 0 is folding its first chunk
+            await asyncio.sleep(0.01)
+        second = await send(replicas[1], chat_body(conversation(46)))  # more turns aged: a longer summary
+        results = [await first, second]
+    assert [s for s, _, _ in results] == [200, 200]
+    bodies = Counter(json.dumps(c.body["messages"], sort_keys=True) for c in upstream.summaries)
+    assert len(upstream.summaries) >= 3 and max(bodies.values()) == 1, sorted(bodies.values())
