@@ -163,7 +163,7 @@ class Runtime:
         model = model_of(wire, body, params)
         route = self.route(model)
         policy = self.policy(tenant, model, override)
-        counter = self.tokenizers.get(route.encoding)
+        counter = await self.tokenizers.counter(route.encoding)
         calibration = await self.calibration_factor(route, policy.tenant)
         provider_window = self.calibration.window(route) if self.calibration is not None else None
         if (mode or policy.mode) == "observe":

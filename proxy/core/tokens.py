@@ -8,6 +8,7 @@ LRU, so a growing conversation only encodes its new items. A request adds
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections import OrderedDict
@@ -251,4 +252,12 @@ class Tokenizers:
         counter = self._counters.get(encoding)
         if counter is None:
             counter = self._counters[encoding] = TokenCounter(encoding, self._cache_size)
+        return counter
+
+    async def counter(self, encoding: str) -> TokenCounter:
+        """``get`` for a request: an encoding not loaded yet is loaded in a worker thread (reading and checking
+        its ranks takes 0.15-0.25 s, which on the event loop would hold up every other request)."""
+        counter = self._counters.get(encoding)
+        if counter is None:
+            counter = await asyncio.to_thread(self.get, encoding)
         return counter

@@ -64,7 +64,7 @@ async def compact_handler(request: web.Request, wire: Wire) -> web.StreamRespons
         route = runtime.route(model)
         policy = runtime.policy(scope.tenant, model, request.headers.get(OVERRIDE_HEADER))  # the tenant's allow-list
         scope.record.model = route.name
-        counter = runtime.tokenizers.get(route.encoding)
+        counter = await runtime.tokenizers.counter(route.encoding)
         conversation = await run_step(scope.offload, wire.parse, body, counter)
         # the tenant's cap holds for a compaction too, relayed or emulated, on what ctxproxy can see
         check_visible(conversation.fixed_tokens + sum(item.tokens for item in conversation.items), policy,
@@ -122,7 +122,7 @@ async def emulate(runtime: Runtime, wire: Wire, body: dict[str, Any], route: Mod
         raise BadRequest("The input refers to items held by the provider (item_reference), and the upstream does "
                          "not serve /responses/compact, so it cannot be compacted here.", param="input",
                          code="unsupported_compaction")
-    counter = runtime.tokenizers.get(route.encoding)
+    counter = await runtime.tokenizers.counter(route.encoding)
     items, turns, output = await run_step(offload, _compaction_input, wire, conversation)
     summary = await _summary(runtime, route, policy, rid, turns, counter, offload) if turns else None
     received = conversation.fixed_tokens + sum(item.tokens for item in items)

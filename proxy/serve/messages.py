@@ -69,7 +69,7 @@ async def count_tokens_handler(request: web.Request, wire: Wire) -> web.StreamRe
                                     offload=offload) if hook is not None else None
         if exchange is not None:
             probe = exchange.body
-        counter = runtime.tokenizers.get(route.encoding)
+        counter = await runtime.tokenizers.counter(route.encoding)
         headers: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
         summarizer = runtime.config.settings.summarizer
         max_summary = summarizer.max_summary_tokens

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -147,6 +148,9 @@ def make_runner(app: web.Application, config: Config, *, shutdown_timeout: float
 
 def _warm_up(state: State) -> None:
     state.shared.tokenizers.get("o200k_base")
+    for model in state.config.settings.models:  # each configured route's encoding (another loads off the loop)
+        with contextlib.suppress(Exception):
+            state.shared.tokenizers.get(state.runtime.route(model.name).encoding)
     state.shared.model_map.get("gpt-4o")
     if any(m.provider == "litellm" for m in state.config.settings.models):
         from proxy.upstream.litellm import warm_up
