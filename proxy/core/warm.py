@@ -2,7 +2,7 @@
 
 Consecutive requests of one conversation (an agent loop, a chat) resend the whole history with a
 turn or a tool round appended. A wire that can resume (its ``resume``, ``proxy.core.conversation.Resume``:
-Chat Completions) remembers,
+Chat Completions, Responses and Messages) remembers,
 per conversation, the content keys of the elements it parsed and their items (counted, checked,
 paired); the next request reuses those items for the prefix it shares and parses, checks and counts
 only the elements after it.
@@ -45,6 +45,7 @@ class Known:
     keys: list[int]
     items: list[Item]
     size: int  # bytes of its elements' JSON
+    extra: int = 0  # what else the wire needs to resume from it (Messages: the cache_control marks of its messages)
 
 
 class Conversations:
@@ -92,13 +93,13 @@ class Conversations:
                     best = known
             return best
 
-    def keep(self, tenant: str, wire: str, keys: list[int], items: list[Item], size: int) -> None:
+    def keep(self, tenant: str, wire: str, keys: list[int], items: list[Item], size: int, extra: int = 0) -> None:
         """Remember a parsed request (``items`` must not change afterwards; ``size``: its elements' JSON, in
         bytes); it replaces the ones it extends."""
         if len(keys) < 2 or len(items) > self._max_items or size > self._max_bytes // 4:
             return
         entry = (tenant, wire, keys[0], keys[1])
-        known = Known(keys, items, size)
+        known = Known(keys, items, size, extra)
         with self._lock:
             branches = self._known.get(entry, [])
             kept = [known]

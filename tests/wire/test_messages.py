@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 from typing import Any
 
 import orjson
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.core.errors import BadRequest, ContextLengthExceeded, PayloadError
+from proxy.core.errors import BadRequest, ContextLengthExceeded, CtxProxyError, PayloadError
 from proxy.core.modelinfo import ModelMap
 from proxy.core.pairing import PLACEHOLDER
 from proxy.core.tokens import TokenCounter
@@ -530,6 +531,81 @@ def test_repair_output_always_passes_the_independent_checker(request: dict[str, 
     assert not pairing_problems(msgs), pairing_problems(msgs)
     again = body(msgs)
     assert prepare(again, WIRE, COUNTER).repairs == {}  # idempotent
+
+
+# --------------------------------------------------------------------------- a warm request (proxy.core.warm)
+
+
+def _forwarded(setup: Setup, request: dict[str, Any], counter: TokenCounter, tenant: str = "t") -> Any:
+    """What the pipeline makes of ``request`` with ``counter`` (whose memory holds what it parsed before) for
+    ``tenant``: the forwarded bytes, whether it changed and the report, or the refusal."""
+    async def go() -> Assembly:
+        svc = services(counter, engine=FakeEngine(), summaries=summary_service()) if setup.llm else services(counter)
+        policy = dataclasses.replace(setup.policy, tenant=tenant)
+        return await assemble(request, wire=WIRE, route=setup.route, policy=policy, counter=counter, services=svc)
+
+    try:
+        a = asyncio.run(go())
+    except CtxProxyError as exc:
+        return ("refused", type(exc).__name__, exc.message, exc.param)
+    report = a.report.as_dict()
+    report.pop("summary_wait", None)  # a time, not a decision
+    return orjson.dumps(a.body), a.changed, report
+
+
+@pytest.mark.parametrize("manager", sorted(MANAGERS))
+@PROPERTY
+@given(first=conversations(), more=conversations(max_turns=2), budget=st.sampled_from(BUDGETS),
+       edit=st.sampled_from(("append", "same", "edit_middle", "truncate", "reorder", "other_tenant", "empty_prefill")),
+       data=st.data())
+def test_a_warm_request_forwards_what_a_cold_one_does(
+        manager: str, first: dict[str, Any], more: dict[str, Any], budget: int, edit: str, data: st.DataObject) -> None:
+    """A request of a conversation its tenant sent before is parsed from where that one ended (its messages checked,
+    split, counted and grouped only after it): whatever the client did in between (appended turns, resent it,
+    edited the middle, truncated, reordered, another tenant sent it, or the earlier one ended with an empty assistant
+    prefill), it forwards the same bytes with the same report as on a fresh process, or is refused the same way."""
+    setup = SETUPS[(manager, budget)]
+    later = copy.deepcopy(first)
+    messages = later["messages"]
+    if edit in ("append", "other_tenant"):
+        messages += more["messages"]
+    elif edit == "empty_prefill":
+        first["messages"].append({"role": "assistant", "content": ""})  # allowed as the last message only
+        messages += [{"role": "assistant", "content": ""}, *more["messages"]]
+    elif edit == "edit_middle":
+        i = data.draw(st.integers(0, len(messages) - 1))
+        messages[i] = {**messages[i], "content": "edited"}
+        messages += more["messages"]
+    elif edit == "truncate" and len(messages) > 1:
+        del messages[data.draw(st.integers(1, len(messages) - 1)):]
+    elif edit == "reorder" and len(messages) > 1:
+        i, j = data.draw(st.integers(0, len(messages) - 1)), data.draw(st.integers(0, len(messages) - 1))
+        messages[i], messages[j] = messages[j], messages[i]
+    warm = TokenCounter("o200k_base")
+    _forwarded(setup, copy.deepcopy(first), warm)
+    tenant = "u" if edit == "other_tenant" else "t"
+    expected = _forwarded(setup, copy.deepcopy(later), TokenCounter("o200k_base"), tenant)
+    assert _forwarded(setup, copy.deepcopy(later), warm, tenant) == expected
+    assert _forwarded(setup, copy.deepcopy(later), warm, tenant) == expected  # what it remembered is unchanged
+
+
+def test_a_growing_conversation_splits_and_counts_only_what_it_appends() -> None:
+    """The items of the known prefix are the earlier request's; the turn's thinking is pinned on a copy, so the
+    remembered item stays unpinned when a later turn no longer needs it."""
+    counter = TokenCounter("o200k_base")
+    base = [user("Read the file."), assistant([thinking("plan"), tool_use("t1")]), user([tool_result("t1", "ok")])]
+    grown = [*copy.deepcopy(base), assistant("Done."), user("And now?")]
+    first = WIRE.resume({**body(copy.deepcopy(base)), "thinking": {"type": "adaptive"}}, counter, "t")
+    second = WIRE.resume({**body(grown), "thinking": {"type": "adaptive"}}, counter, "t")
+    assert first.items[1].pinned and not second.items[1].pinned  # a new turn: the thinking is no longer pinned
+    assert second.items[0] is first.items[0] and second.items[2] is first.items[2]
+    assert second.items[1] is not first.items[1]  # first's pinned copy; second has the remembered original
+    # each given this request's own JSON, as the full path does (what it forwards is the client's objects)
+    assert second.items[0].raw is grown[0] and second.items[1].raw is grown[1]
+    assert second.items[2].raw is grown[2]["content"][0]
+    assert [(i.role, i.pinned, i.key, i.tokens, orjson.dumps(i.raw)) for i in second.items] == [
+        (i.role, i.pinned, i.key, i.tokens, orjson.dumps(i.raw))
+        for i in WIRE.parse({**body(grown), "thinking": {"type": "adaptive"}}, TokenCounter("o200k_base")).items]
 
 
 # --------------------------------------------------------------------------- ctxproxy assemble --wire messages

@@ -17,8 +17,13 @@ MAX_BREAKPOINTS = 4  # Anthropic refuses a request with more than four cache_con
 ROLES = ("user", "assistant", "system")  # system: mid-conversation system messages (a 2026 beta Claude Code uses)
 
 
-def check_body(body: dict[str, Any]) -> None:
-    """Raise BadRequest/PayloadError unless ``body`` is a well-formed Messages request."""
+def check_body(body: dict[str, Any], start: int = 0, known_marks: int = 0) -> int:
+    """Raise BadRequest/PayloadError unless ``body`` is a well-formed Messages request; return the cache_control
+    marks in its ``messages``.
+
+    ``start``: the messages before it were checked as part of an earlier request of this conversation
+    (``proxy.core.warm``) and hold ``known_marks`` marks; only the last of them is checked again (it was the
+    final message there, where an empty assistant message is allowed)."""
     if body.get("max_tokens") is None:  # null is missing too: Anthropic requires an integer
         raise BadRequest("max_tokens: Field required", param="max_tokens", code="missing_max_tokens")
     check_system(body.get("system"))
@@ -32,12 +37,14 @@ def check_body(body: dict[str, Any]) -> None:
     if not messages:
         raise PayloadError("messages: at least one message is required", param="messages", code="empty_messages")
     last = len(messages) - 1
-    for i, message in enumerate(messages):
-        check_message(message, i, final=i == last)
-    marks = breakpoints(body)
+    for i in range(max(0, start - 1), len(messages)):
+        check_message(messages[i], i, final=i == last)
+    in_messages = known_marks + sum(_marks(m["content"]) for m in messages[start:] if isinstance(m["content"], list))
+    marks = breakpoints(body) + in_messages
     if marks > MAX_BREAKPOINTS:
         raise PayloadError(f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. Found {marks}.",
                            param="cache_control", code="too_many_cache_breakpoints")
+    return in_messages
 
 
 def check_system(system: Any) -> None:
@@ -112,7 +119,7 @@ def check_block(block: Any, where: str, role: str) -> None:
 
 
 def breakpoints(body: dict[str, Any]) -> int:
-    """``cache_control`` marks in the request: tools, system blocks, message blocks (and blocks inside results)."""
+    """``cache_control`` marks of the request outside its messages: tools and system blocks."""
     n = 0
     tools = body.get("tools")
     if isinstance(tools, list):
@@ -120,12 +127,6 @@ def breakpoints(body: dict[str, Any]) -> int:
     system = body.get("system")
     if isinstance(system, list):
         n += sum(1 for b in system if isinstance(b, dict) and b.get("cache_control") is not None)
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, list):
-                n += _marks(content)
     return n
 
 

@@ -26,14 +26,16 @@ All results that answer one assistant message go into the one user message after
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
+from proxy.core.bands import assign_groups
 from proxy.core.conversation import Conversation
 from proxy.core.errors import CtxProxyError, OutputLimitExceeded, PayloadError
 from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
 from proxy.core.pairing import PLACEHOLDER, is_paired
-from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, output_schema
+from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, output_schema, sized_content_keys
 from proxy.core.usage import UsageForm
 from proxy.wire.messages.errors import error_body
 from proxy.wire.messages.items import SALT, THINKING, AnthropicItem, Block, count_raw
@@ -159,6 +161,72 @@ def thinking_enabled(body: dict[str, Any]) -> bool:
     return isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
 
 
+def _split(messages: list[Message], start: int, counter: TokenCounter) -> list[AnthropicItem]:
+    """The items of ``messages[start:]`` (shape-checked), keyed and counted."""
+    items: list[AnthropicItem] = []
+    previous = messages[start - 1]["role"] if start > 0 else None
+    for i in range(start, len(messages)):
+        message = messages[i]
+        items.extend(split_message(message, i, after_assistant=previous == "assistant"))
+        previous = message["role"]
+    raws = [item.raw for item in items]
+    keys = [content_key(raw) ^ SALT for raw in raws]
+    for item, key, n in zip(items, keys, counter.many(keys, raws, count_raw)):
+        item.key, item.tokens = key, n
+    return items
+
+
+def _repoint(items: list[Item], messages: list[Message]) -> None:
+    """Give remembered items this request's JSON for their messages (equal byte for byte: their keys are equal),
+    so that what is forwarded is the client's own objects, as on the full path."""
+    i = 0
+    while i < len(items):
+        item = items[i]
+        assert isinstance(item, AnthropicItem)
+        message = messages[item.source]
+        content = message["content"]
+        if item.raw is item.message:  # a whole message
+            item.raw = item.message = message
+            item.blocks = None if isinstance(content, str) else content
+            i += 1
+            continue
+        results = iter([b for b in content if b.get("type") == "tool_result"])
+        others = [b for b in content if b.get("type") != "tool_result"]
+        for sibling in item.siblings:
+            sibling.message = message
+            if sibling.role == TOOL:
+                sibling.raw = next(results)
+                sibling.blocks = [sibling.raw]
+            elif sibling.role == USER:
+                sibling.raw = {"role": "user", "content": others}
+                sibling.blocks = others
+        i += len(item.siblings)
+
+
+def _fixed(body: dict[str, Any], counter: TokenCounter) -> int:
+    """What a request counts outside its messages: reply priming, the system prompt and the schemas."""
+    config = body.get("output_config")
+    return (REPLY_PRIMING + system_tokens(counter, body.get("system")) + counter.tools(body.get("tools"))
+            + counter.tools(output_schema(body.get("output_format")), "output_format")
+            + counter.tools(output_schema(config.get("format") if isinstance(config, dict) else None),
+                            "output_config.format"))
+
+
+def _pinned(items: list[Item]) -> list[Item]:
+    """``items`` with the turn's thinking pinned (``pin_turn_thinking``) on a copy of the item it pins."""
+    for i in range(len(items) - 1, -1, -1):
+        if items[i].role == USER:
+            break
+    else:
+        i = -1
+    for j in range(i + 1, len(items)):
+        if items[j].role == ASSISTANT:
+            pinned = copy.copy(items[j])
+            pinned.pinned = True
+            return [*items[:j], pinned, *items[j + 1:]]
+    return items
+
+
 def pin_turn_thinking(items: list[AnthropicItem]) -> None:
     """Pin the working memory's first assistant item: it carries the thinking of the turn in progress."""
     start = 0
@@ -216,24 +284,35 @@ class MessagesWire:
 
     def parse(self, body: dict[str, Any], counter: TokenCounter) -> Conversation:
         check_body(body)
-        items: list[AnthropicItem] = []
-        previous = None
-        for i, message in enumerate(body["messages"]):
-            items.extend(split_message(message, i, after_assistant=previous == "assistant"))
-            previous = message["role"]
-        raws = [item.raw for item in items]
-        keys = [content_key(raw) ^ SALT for raw in raws]
-        for item, key, n in zip(items, keys, counter.many(keys, raws, count_raw)):
-            item.key, item.tokens = key, n
+        items = _split(body["messages"], 0, counter)
         if thinking_enabled(body):
             pin_turn_thinking(items)
         neutral: list[Item] = list(items)
-        config = body.get("output_config")
-        fixed = (REPLY_PRIMING + system_tokens(counter, body.get("system")) + counter.tools(body.get("tools"))
-                 + counter.tools(output_schema(body.get("output_format")), "output_format")
-                 + counter.tools(output_schema(config.get("format") if isinstance(config, dict) else None),
-                                 "output_config.format"))
-        return Conversation(neutral, fixed, is_paired(neutral))
+        return Conversation(neutral, _fixed(body, counter), is_paired(neutral))
+
+    def resume(self, body: dict[str, Any], counter: TokenCounter, tenant: str) -> Conversation:
+        """``parse``, reusing the items of the longest prefix of ``messages`` that ``tenant`` sent before in this
+        conversation (``proxy.core.warm``): only the messages after it are checked, split, keyed, counted and
+        grouped. The remembered items are never changed: the turn's thinking is pinned on a copy."""
+        messages = body.get("messages")
+        if type(messages) is not list or len(messages) < 2:
+            return self.parse(body, counter)
+        keys, size = sized_content_keys(messages, SALT)
+        memory = counter.conversations
+        known = memory.find(tenant, self.name, keys)
+        start = len(known.keys) if known is not None else 0
+        marks = check_body(body, start, known.extra if known is not None else 0)
+        tail = _split(messages, start, counter)
+        if known is not None:
+            _repoint(known.items, messages)
+        items: list[Item] = [*known.items, *tail] if known is not None else list(tail)
+        if not is_paired(items):  # a repair to make: items of this request's own, none kept
+            return self.parse(body, counter)
+        assign_groups(items, self.merge_call_runs, len(known.items) if known is not None else 0)
+        memory.keep(tenant, self.name, keys, items[:], size, marks)  # a copy: the request may change its own list
+        if thinking_enabled(body):
+            items = _pinned(items)
+        return Conversation(items, _fixed(body, counter), True, grouped=len(items))
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
         messages = render_messages(items)
