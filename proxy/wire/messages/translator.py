@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from proxy.core.bands import assign_groups
 from proxy.core.conversation import Conversation
@@ -176,31 +176,34 @@ def _split(messages: list[Message], start: int, counter: TokenCounter) -> list[A
     return items
 
 
-def _repoint(items: list[Item], messages: list[Message]) -> None:
+def _repoint(items: list[AnthropicItem], messages: list[Message]) -> None:
     """Give remembered items this request's JSON for their messages (equal byte for byte: their keys are equal),
     so that what is forwarded is the client's own objects, as on the full path."""
-    i = 0
-    while i < len(items):
+    i, n = 0, len(items)
+    while i < n:
         item = items[i]
-        assert isinstance(item, AnthropicItem)
         message = messages[item.source]
         content = message["content"]
+        siblings = item.siblings
         if item.raw is item.message:  # a whole message
             item.raw = item.message = message
-            item.blocks = None if isinstance(content, str) else content
-            i += 1
-            continue
-        results = iter([b for b in content if b.get("type") == "tool_result"])
-        others = [b for b in content if b.get("type") != "tool_result"]
-        for sibling in item.siblings:
-            sibling.message = message
-            if sibling.role == TOOL:
-                sibling.raw = next(results)
-                sibling.blocks = [sibling.raw]
-            elif sibling.role == USER:
-                sibling.raw = {"role": "user", "content": others}
-                sibling.blocks = others
-        i += len(item.siblings)
+            item.blocks = None if type(content) is str else content
+        elif len(siblings) == 1 and item.role == TOOL:  # a message of one tool_result block
+            item.message = message
+            item.raw = content[0]
+            item.blocks = [item.raw]
+        else:
+            results = iter([b for b in content if b.get("type") == "tool_result"])
+            others = [b for b in content if b.get("type") != "tool_result"]
+            for sibling in siblings:
+                sibling.message = message
+                if sibling.role == TOOL:
+                    sibling.raw = next(results)
+                    sibling.blocks = [sibling.raw]
+                elif sibling.role == USER:
+                    sibling.raw = {"role": "user", "content": others}
+                    sibling.blocks = others
+        i += len(siblings)
 
 
 def _fixed(body: dict[str, Any], counter: TokenCounter) -> int:
@@ -302,12 +305,13 @@ class MessagesWire:
         known = memory.find(tenant, self.name, keys)
         start = len(known.keys) if known is not None else 0
         marks = check_body(body, start, known.extra if known is not None else 0)
-        tail = _split(messages, start, counter)
-        if known is not None:
-            _repoint(known.items, messages)
-        items: list[Item] = [*known.items, *tail] if known is not None else list(tail)
-        if not is_paired(items):  # a repair to make: items of this request's own, none kept
+        tail: list[Item] = list(_split(messages, start, counter))
+        # a known prefix is paired with no call waiting at its end: the pairing of the whole is the tail's
+        if not is_paired(tail):  # a repair to make: items of this request's own, none kept
             return self.parse(body, counter)
+        if known is not None:
+            _repoint(cast(list[AnthropicItem], known.items), messages)
+        items = [*known.items, *tail] if known is not None else tail
         assign_groups(items, self.merge_call_runs, len(known.items) if known is not None else 0)
         memory.keep(tenant, self.name, keys, items[:], size, marks)  # a copy: the request may change its own list
         if thinking_enabled(body):
