@@ -202,7 +202,9 @@ class CacheSettings(Strict):
         "toward the breaker (also Redis's socket timeout, for the cache and the cost ledger).")
     budget_seconds: float = Field(
         1.0, gt=0, le=60, description="The most one request may wait on slow cache operations in all (each "
-        "operation's first 50 ms are free); past it the request goes on without the cache.")
+        "operation's first 50 ms are free); past it the request goes on without the cache. A summary being made "
+        "has a budget of its own (several requests may wait for it): a request that waits for one may so wait "
+        "twice this.")
     breaker_timeouts: int = Field(
         2, ge=1, description="Consecutive timed-out cache operations that open the breaker: the cache is then "
         "bypassed (every operation a miss, at once) until a background probe answers.")

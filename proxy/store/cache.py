@@ -52,9 +52,10 @@ class LockHandle:
     """
 
     def __init__(self, acquired: bool, renew: Callable[[], Awaitable[None]] | None = None, *,
-                 failed_open: bool = False) -> None:
+                 failed_open: bool = False, error: BaseException | None = None) -> None:
         self.acquired = acquired
         self.failed_open = failed_open
+        self.error = error  # the cache error that ended the wait (the lock was held by another meanwhile)
         self._renew = renew
 
     async def renew(self) -> None:
@@ -249,15 +250,16 @@ class BaseCache:
         release_orphan = self._release_orphan(lock_key, token)
 
         held_by_another = False
+        error: CacheBackendError | None = None
         while True:
             try:
                 acquired = await self._guarded(self._try_acquire(lock_key, token, ttl), release_orphan)
-            except CacheBackendError:
+            except CacheBackendError as exc:
                 if not held_by_another:
                     raise
                 # the cache stopped answering while another holder had the lock: stop waiting, never take
                 # it over (failing open here would let two processes do the guarded work at once)
-                acquired = False
+                acquired, error = False, exc
                 break
             held_by_another = not acquired
             remaining = give_up - loop.time()
@@ -269,7 +271,7 @@ class BaseCache:
             await self._guarded(self._renew(lock_key, token, ttl))
 
         try:
-            yield LockHandle(acquired, renew)
+            yield LockHandle(acquired, renew, error=error)
         finally:
             if acquired:
                 await self._guarded(self._release(lock_key, token))
@@ -365,7 +367,10 @@ class SafeCache:
         except Exception as exc:
             self._failed("lock", exc)
         else:
-            self._ok("lock")
+            if inner.error is not None:
+                self._failed("lock", inner.error)
+            else:
+                self._ok("lock")
             handle = LockHandle(inner.acquired, self._renewer(inner))
         try:
             yield handle

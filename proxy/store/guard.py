@@ -72,16 +72,17 @@ def cache_budget(seconds: float | None) -> Iterator[RequestBudget | None]:
 
 
 @contextlib.contextmanager
-def own_budget() -> Iterator[None]:
-    """A budget of its own, as large as the request's, for work that outlives or serves more than the request
-    that started it (a summary several requests wait for, a summary made in the background). Sharing the
-    request's would let one spend the other's: a summary whose lock or record write is skipped for a spent
-    budget is made a second time by another replica."""
+def own_budget(seconds: float | None = None) -> Iterator[None]:
+    """A budget of its own (``seconds``; None: as large as the request's) for work that outlives or serves more
+    than the request that started it (a summary several requests wait for, a summary made in the background).
+    Sharing the request's would let one spend the other's: a summary whose lock or record write is skipped for
+    a spent budget is made a second time by another replica. A request that makes a summary may so wait on a
+    slow cache for its own budget and the summary's."""
     budget = _BUDGET.get()
     if budget is None:
         yield
         return
-    token = _BUDGET.set(RequestBudget(budget.seconds))
+    token = _BUDGET.set(RequestBudget(budget.seconds if seconds is None else seconds))
     try:
         yield
     finally:

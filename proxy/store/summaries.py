@@ -45,7 +45,7 @@ from plugins.base import CachedSummary, Completion, SummarizeFn, SummaryScope
 from proxy.core.errors import SummaryUnavailable
 from proxy.core.items import Item
 from proxy.store.cache import Cache, LockHandle
-from proxy.store.guard import own_budget
+from proxy.store.guard import FREE_SECONDS, own_budget
 
 log = logging.getLogger("ctxproxy.summaries")
 
@@ -65,6 +65,22 @@ def summary_key(scope: SummaryScope, link: str) -> str:
 def conversation_key(scope: SummaryScope, chain: Sequence[str]) -> str:
     """A conversation's identity, for back-off and background work: its first turn, in its scope."""
     return summary_key(scope, "conversation:" + chain[0])
+
+
+@dataclass
+class _Call:
+    """One summariser call being made in this process; the first caller to get a fresh answer pays for it."""
+
+    task: asyncio.Task[tuple[dict[str, Any], bool]]
+    claimed: bool = False
+
+
+def _answer_ok(record: dict[str, Any]) -> bool:
+    """A cached summariser answer that can be used (a damaged one is made again and replaced)."""
+    text, model = record.get("text"), record.get("model")
+    tokens = (record.get("prompt_tokens"), record.get("completion_tokens"))
+    return isinstance(text, str) and bool(text.strip()) and isinstance(model, str) \
+        and all(type(n) is int for n in tokens)
 
 
 @dataclass
@@ -99,7 +115,7 @@ class SummaryService:
         self.on_failure = on_failure
         self.clock = clock
         self._flights: dict[str, _Flight] = {}
-        self._calls: dict[str, asyncio.Task[tuple[dict[str, Any], bool]]] = {}  # summariser calls under way
+        self._calls: dict[str, _Call] = {}  # summariser calls under way
         self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # conversation -> (failures, last at)
         self._local: OrderedDict[str, tuple[dict[str, Any], float | None]] = OrderedDict()  # key -> record, expiry
         self.configure(ttl=ttl, local_entries=local_entries, lock_wait=lock_wait, max_wait=max_wait,
@@ -221,37 +237,18 @@ class SummaryService:
                                      reason="backoff")
         key = summary_key(scope, chain[cut - 1])
         flight = self._flights.get(key)
-        if flight is None and self._flights:
-            previous = await self._after_shorter(scope, chain, cut, previous)
-            flight = self._flights.get(key)  # started meanwhile
         if flight is None:
             job = _Job(key, conversation, scope, chain[cut - 1], cut, list(turns[:cut]), previous, summarize,
                        request_id, model)
             flight = _Flight(asyncio.create_task(self._make(job)))
             self._flights[key] = flight
-            flight.task.add_done_callback(lambda _t: self._flights.pop(key, None))
+            flight.task.add_done_callback(lambda t: self._done(self._flights, key, t))
         # shielded: a client that disconnects must not cancel the summary others are waiting for
         summary, fresh = await asyncio.shield(flight.task)
         created = fresh and not flight.claimed
         if created:
             flight.claimed = True
         return summary, created
-
-    async def _after_shorter(self, scope: SummaryScope, chain: Sequence[str], cut: int,
-                             previous: CachedSummary | None) -> CachedSummary | None:
-        """The summary to build on: a longer prefix than ``previous`` being made in this process now is waited for
-        and used, so that its turns are not summarised twice at once (a chunked fold would repeat its calls)."""
-        start = previous.covered_turns if previous is not None else 0
-        for k in range(cut - 1, start, -1):
-            shorter = self._flights.get(summary_key(scope, chain[k - 1]))
-            if shorter is None:
-                continue
-            try:
-                made, _fresh = await asyncio.shield(shorter.task)
-            except SummaryUnavailable:
-                return previous  # it failed: summarise from what there was
-            return made if made.covered_turns == k else previous
-        return previous
 
     async def _make(self, job: _Job) -> tuple[CachedSummary, bool]:
         try:
@@ -277,27 +274,30 @@ class SummaryService:
 
     async def _record(self, job: _Job) -> tuple[dict[str, Any], bool]:
         """The cached record of ``job``'s summary, or a new one made under the cross-process lock."""
-        return await self._once(job.key, lambda: self._summarise(job), "summary")
+        return await self._once(job.key, lambda: self._summarise(job), "summary",
+                                valid=lambda record: _summary(record, job.cut, job.link) is not None)
 
     async def _once(self, key: str, make: Callable[[], Awaitable[dict[str, Any]]], what: str,
-                    remember: bool = True) -> tuple[dict[str, Any], bool]:
+                    remember: bool = True, valid: Callable[[dict[str, Any]], bool] = bool
+                    ) -> tuple[dict[str, Any], bool]:
         """The record cached under ``key``, or one ``make`` makes under the cross-process lock (never two at once),
-        then cached (``remember``: in this process's copies too); True when made here.
+        then cached (``remember``: in this process's copies too); True when made here. A record that is not
+        ``valid`` (damaged) counts as missing, and is replaced.
 
         A waiter re-checks every ``lock_wait`` seconds and keeps waiting while another holder is alive
         (it renews its lock); when the holder dies its lock expires and a waiter takes over. Past
         ``max_wait`` (the longest a live holder can take) the request is served without it.
         """
         record = await self._get(key, remember)
-        if record is not None:
+        if record is not None and valid(record):
             return record, False
         give_up = self.clock() + self.max_wait
         contended = False  # another holder had the lock: what it makes is on the way
         while True:
             async with self.cache.lock("lock:" + key, ttl=self.lock_ttl, wait=max(self.lock_wait, MIN_WAIT),
-                                       ready=lambda: self._ready(key, remember)) as held:
+                                       ready=lambda: self._ready(key, remember, valid)) as held:
                 record = await self._get(key, remember)  # another replica may have made it meanwhile
-                if record is not None:
+                if record is not None and valid(record):
                     return record, False
                 if held.acquired and not (held.failed_open and contended):
                     return await self._made(key, held, make, remember), True
@@ -320,12 +320,13 @@ class SummaryService:
                 await renewing
         if remember:
             self._remember(key, record)  # first: reused here even if the shared cache cannot take it now
-        with own_budget():  # written whatever the waiting cost: other replicas wait for this very record
+        with own_budget(FREE_SECONDS):  # issued whatever the waits so far cost (others wait for it), hardly waited for
             await self.cache.set(key, record, self.ttl)
         return record
 
-    async def _ready(self, key: str, remember: bool = True) -> bool:
-        return await self._get(key, remember) is not None
+    async def _ready(self, key: str, remember: bool, valid: Callable[[dict[str, Any]], bool]) -> bool:
+        record = await self._get(key, remember)
+        return record is not None and valid(record)
 
     async def _summarise(self, job: _Job) -> dict[str, Any]:
         previous, cut = job.previous, job.cut
@@ -346,12 +347,13 @@ class SummaryService:
 
     async def call_once(self, tenant: str, material: bytes, call: Callable[[], Awaitable[Completion]]) -> Completion:
         """One summariser call whose exact request is ``material``, made at most once at a time across requests
-        and replicas, its answer cached with the summaries: two summaries of overlapping turns (made at once by
-        two replicas, or one building on a shorter one still being made) fold their common chunks once. A
-        reused answer costs nothing here (its tokens are 0: it was billed where it was made)."""
+        and replicas, its answer cached with the summaries: two summaries of overlapping turns (made at once in
+        one process or on two replicas) fold their common chunks once. It runs on the cache-time budget of the
+        summary it is part of. Its tokens go to the first caller that gets a fresh answer (the summary that pays
+        for it); any other caller, and a reused answer, has 0 tokens."""
         key = "call:" + hashlib.sha256(tenant.encode() + b"\x00" + material).hexdigest()
-        task = self._calls.get(key)
-        if task is None:
+        flight = self._calls.get(key)
+        if flight is None:
             async def make() -> dict[str, Any]:
                 out = await call()
                 if not out.text.strip():  # a failure: nothing is cached
@@ -359,21 +361,24 @@ class SummaryService:
                 return {"text": out.text, "model": out.model, "upstream_model": out.upstream_model,
                         "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens}
 
-            async def once() -> tuple[dict[str, Any], bool]:
-                with own_budget():
-                    return await self._once(key, make, "summariser call", remember=False)
-
-            task = asyncio.create_task(once())
-            self._calls[key] = task
-            task.add_done_callback(lambda _t: self._calls.pop(key, None))
-        record, fresh = await asyncio.shield(task)
-        text, model, upstream = record.get("text"), record.get("model"), record.get("upstream_model")
-        if not isinstance(text, str) or not isinstance(model, str):
-            raise SummaryUnavailable("a cached summariser answer is unreadable", reason="error")
+            flight = _Call(asyncio.create_task(self._once(key, make, "summariser call", remember=False,
+                                                          valid=_answer_ok)))
+            self._calls[key] = flight
+            flight.task.add_done_callback(lambda t: self._done(self._calls, key, t))
+        record, fresh = await asyncio.shield(flight.task)
+        upstream = record.get("upstream_model")
         upstream = upstream if isinstance(upstream, str) else ""
-        if not fresh:
-            return Completion(text, model, 0, 0, upstream)
-        return Completion(text, model, int(record["prompt_tokens"]), int(record["completion_tokens"]), upstream)
+        if not fresh or flight.claimed:
+            return Completion(record["text"], record["model"], 0, 0, upstream)
+        flight.claimed = True
+        return Completion(record["text"], record["model"], int(record["prompt_tokens"]),
+                          int(record["completion_tokens"]), upstream)
+
+    @staticmethod
+    def _done(running: dict[str, Any], key: str, task: asyncio.Task[Any]) -> None:
+        running.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: a waiter that was cancelled no longer reads it (asyncio would log it)
 
     async def _renew(self, held: LockHandle) -> None:
         while True:
@@ -396,8 +401,8 @@ class SummaryService:
         for flight in list(self._flights.values()):
             flight.task.cancel()
         self._flights.clear()
-        for task in list(self._calls.values()):
-            task.cancel()
+        for call in list(self._calls.values()):
+            call.task.cancel()
         self._calls.clear()
 
 
