@@ -470,17 +470,21 @@ def whole_turns(history: list[Item], kept: list[Item]) -> tuple[list[Item], list
     if not kept:
         return kept, []
     present = {id(item) for item in kept}
-    start_of: dict[int, Item] = {}
-    start: Item | None = None
+    orphans: set[int] = set()  # kept items whose turn's first item was cut
+    first = True
+    start_kept = True
     for item in history:
-        if start is None or item.role == USER:
-            start = item
-        start_of[id(item)] = start
+        if first or item.role == USER:
+            first = False
+            start_kept = id(item) in present
+        elif not start_kept and id(item) in present:
+            orphans.add(id(item))
+    if not orphans:  # the usual case: every cut fell between turns
+        return kept, []
     out: list[Item] = []
     cut: list[Item] = []
     for group in tool_groups(kept):
-        starts = [start_of.get(id(item)) for item in group]
-        orphaned = any(s is not None and id(s) not in present for s in starts)
+        orphaned = any(id(item) in orphans for item in group)
         if orphaned and not any(item.pinned for item in group):
             cut.extend(group)
         else:
