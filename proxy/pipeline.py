@@ -175,25 +175,44 @@ def limit_output(
     return (min(limits.values()) if limits else None), changes
 
 
+LINKS = 200_000  # chained-hash links a counter remembers (then it starts again)
+
+
 def chain_hashes(turns: list[list[Item]], counter: TokenCounter | None = None) -> list[str]:
     """chain[i] identifies turns[0..i] by their wire-neutral meaning, chained (stable across hosts and wires).
 
     Each item's atom digests are remembered by the counter under its content key, so a growing
     conversation only digests its new items.
     """
-    flat = [item for turn in turns for item in turn]
+    links = counter.links if counter is not None else None
+    out: list[str] = []
+    link = b""
+    known = 0  # turns whose links were remembered (a growing conversation: all but the new ones)
+    if links is not None:
+        for turn in turns:
+            keys = tuple([item.key for item in turn])
+            found = links.get((link, keys)) if 0 not in keys else None
+            if found is None:
+                break
+            link = found
+            out.append(link.hex())
+            known += 1
+    rest = turns[known:]
+    flat = [item for turn in rest for item in turn]
     if counter is None:
         digests = [atom_digests(item) for item in flat]
     else:
         digests = counter.many_digests([item.key for item in flat], lambda i: atom_digests(flat[i]))
-    out: list[str] = []
-    link = b""
     start = 0
-    for turn in turns:
+    for turn in rest:
         end = start + len(turn)
-        link = turn_digest(link, digests[start:end])
+        before, link = link, turn_digest(link, digests[start:end])
         out.append(link.hex())
         start = end
+        if links is not None and all(item.key for item in turn):
+            if len(links) >= LINKS:
+                links.clear()
+            links[(before, tuple([item.key for item in turn]))] = link
     return out
 
 

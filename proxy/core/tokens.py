@@ -115,6 +115,9 @@ class TokenCounter:
         self._lock = threading.Lock()
         # what earlier requests of each conversation parsed, per tenant (its items hold counts of this encoding)
         self.conversations = Conversations(max(1, cache_size // 2))
+        # chained-hash links by (the link before, the turn's content keys): a growing conversation's chain is
+        # read back rather than digested again (``proxy.pipeline.chain_hashes``); cleared when full
+        self.links: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
 
     def clear(self) -> None:
         """Forget every cached count and digest (benchmarks use it to measure a cold request)."""
@@ -122,6 +125,7 @@ class TokenCounter:
             self._cache.clear()
             self._digests.clear()
             self._small.clear()
+            self.links.clear()
         self.conversations.clear()
 
     def text(self, text: str) -> int:
