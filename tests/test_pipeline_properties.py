@@ -24,10 +24,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from proxy.core.bands import split_turns
 from proxy.core.errors import ContextLengthExceeded, CtxProxyError
 from proxy.core.modelinfo import ModelMap
 from proxy.core.tokens import TokenCounter
-from proxy.pipeline import Assembly, assemble
+from proxy.pipeline import Assembly, assemble, chain_hashes
 from proxy.policy import Routes, policy_for
 from proxy.wire.chat import WIRE as CHAT
 from tests.helpers import (
@@ -251,3 +252,24 @@ def test_a_warm_request_forwards_what_a_cold_one_does(
     _forwarded(setup, copy.deepcopy(first), warm, "t")
     assert _forwarded(setup, copy.deepcopy(later), warm, "t") == \
         _forwarded(setup, copy.deepcopy(later), TokenCounter("o200k_base"), "t")
+
+
+@PROPERTY
+@given(first=conversations(), more=conversations(max_turns=2), data=st.data())
+def test_remembered_chain_links_give_the_chain_a_fresh_count_gives(
+        first: list[dict[str, Any]], more: list[dict[str, Any]], data: st.DataObject) -> None:
+    """The chained hashes that address cached summaries, read back from the links a counter remembers
+    (``TokenCounter.links``), equal those made from nothing, after the same conversation grew, was edited in the
+    middle or another one with the same start was seen."""
+    counter = TokenCounter("o200k_base")
+    later = copy.deepcopy(first) + copy.deepcopy(more)
+    if later and data.draw(st.booleans()):
+        i = data.draw(st.integers(0, len(later) - 1))
+        later[i] = {**later[i], "name": "edited"}
+
+    def chain(messages: list[dict[str, Any]], counted: TokenCounter | None) -> list[str]:
+        items = CHAT.parse({"model": MODEL, "messages": messages}, TokenCounter("o200k_base")).items
+        return chain_hashes(split_turns(items), counted)
+
+    for messages in (first, later, first):
+        assert chain(messages, counter) == chain(messages, None)
