@@ -89,13 +89,15 @@ def sized_content_keys(raws: list[Any], salt: int = 0) -> tuple[list[int], int]:
     dumps, digest = orjson.dumps, xxh3_128_intdigest
     keys: list[int] = []
     size = 0
-    try:
-        for raw in raws:  # one element's JSON at a time: a 200k-message body is not held twice
+    for raw in raws:  # one element's JSON at a time: a 200k-message body is not held twice
+        try:
             data = dumps(raw)
-            size += len(data)
-            keys.append(digest(data) ^ salt)
-    except TypeError:  # an element orjson cannot write: content_key says what that means
-        return [content_key(raw) ^ salt for raw in raws], 0
+        except TypeError:  # an element orjson cannot write (an integer beyond 64 bits): content_key's own way
+            keys.append(content_key(raw) ^ salt)
+            size += len(repr(raw))  # its size all the same: remembering it must count it
+            continue
+        size += len(data)
+        keys.append(digest(data) ^ salt)
     return keys, size
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.core.errors import BadRequest, PayloadError
+from proxy.core.fields import check_keys
 
 MAX_BREAKPOINTS = 4  # Anthropic refuses a request with more than four cache_control marks
 ROLES = ("user", "assistant", "system")  # system: mid-conversation system messages (a 2026 beta Claude Code uses)
@@ -63,6 +64,7 @@ def check_message(message: Any, i: int, *, final: bool) -> None:
     where = f"messages.{i}"
     if not isinstance(message, dict):
         raise PayloadError(f"{where}: must be an object", param=where, code="invalid_message")
+    check_keys(message)  # a message split into items (its tool_result blocks) is never counted as a whole
     role = message.get("role")
     if not isinstance(role, str) or role not in ROLES:
         raise PayloadError(f"{where}.role: must be 'user', 'assistant' or 'system', got {_short(role)}",

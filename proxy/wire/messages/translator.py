@@ -161,11 +161,11 @@ def thinking_enabled(body: dict[str, Any]) -> bool:
     return isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
 
 
-def _split(messages: list[Message], start: int, counter: TokenCounter) -> list[AnthropicItem]:
-    """The items of ``messages[start:]`` (shape-checked), keyed and counted."""
+def _split(messages: list[Message], start: int, counter: TokenCounter, stop: int | None = None) -> list[AnthropicItem]:
+    """The items of ``messages[start:stop]`` (shape-checked), keyed and counted."""
     items: list[AnthropicItem] = []
     previous = messages[start - 1]["role"] if start > 0 else None
-    for i in range(start, len(messages)):
+    for i in range(start, len(messages) if stop is None else stop):
         message = messages[i]
         items.extend(split_message(message, i, after_assistant=previous == "assistant"))
         previous = message["role"]
@@ -307,8 +307,11 @@ class MessagesWire:
         marks = check_body(body, start, known.extra if known is not None else 0)
         tail: list[Item] = list(_split(messages, start, counter))
         # a known prefix is paired with no call waiting at its end: the pairing of the whole is the tail's
-        if not is_paired(tail):  # a repair to make: items of this request's own, none kept
-            return self.parse(body, counter)
+        if not is_paired(tail):  # a repair to make: items of this request's own (checked already), none kept
+            own: list[Item] = [*_split(messages, 0, counter, stop=start), *tail]
+            if thinking_enabled(body):
+                pin_turn_thinking(own)  # type: ignore[arg-type]
+            return Conversation(own, _fixed(body, counter), False)
         if known is not None:
             _repoint(cast(list[AnthropicItem], known.items), messages)
         items = [*known.items, *tail] if known is not None else tail
