@@ -596,12 +596,14 @@ def test_a_growing_conversation_splits_and_counts_only_what_it_appends() -> None
     base = [user("Read the file."), assistant([thinking("plan"), tool_use("t1")]), user([tool_result("t1", "ok")])]
     grown = [*copy.deepcopy(base), assistant("Done."), user("And now?")]
     first = WIRE.resume({**body(copy.deepcopy(base)), "thinking": {"type": "adaptive"}}, counter, "t")
-    second = WIRE.resume({**body(grown), "thinking": {"type": "adaptive"}}, counter, "t")
+    request = {**body(grown), "thinking": {"type": "adaptive"}}
+    second = WIRE.resume(request, counter, "t")
     assert first.items[1].pinned and not second.items[1].pinned  # a new turn: the thinking is no longer pinned
     assert second.items[0] is first.items[0] and second.items[2] is first.items[2]
     assert second.items[1] is not first.items[1]  # first's pinned copy; second has the remembered original
-    # each given this request's own JSON, as the full path does (what it forwards is the client's objects)
-    assert second.items[0].raw is grown[0] and second.items[1].raw is grown[1]
+    # rendered, each is given this request's own JSON, as on the full path (what it forwards is the client's objects)
+    rendered = WIRE.render(request, second.items, {})["messages"]
+    assert len(rendered) == len(grown) and all(a is b for a, b in zip(rendered, grown))
     assert second.items[2].raw is grown[2]["content"][0]
     assert [(i.role, i.pinned, i.key, i.tokens, orjson.dumps(i.raw)) for i in second.items] == [
         (i.role, i.pinned, i.key, i.tokens, orjson.dumps(i.raw))

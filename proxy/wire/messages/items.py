@@ -157,7 +157,7 @@ class AnthropicItem(Item):
     own dict when all of them are kept, unchanged and in order.
     """
 
-    __slots__ = ("blocks", "message", "siblings")
+    __slots__ = ("blocks", "message", "remembered", "siblings")
 
     def __init__(self, raw: Any, role: str, *, message: dict[str, Any] | None, blocks: list[Block] | None,
                  call_ids: tuple[str, ...] = (), result_id: str | None = None, source: int = -1) -> None:
@@ -165,6 +165,7 @@ class AnthropicItem(Item):
         self.message = message
         self.blocks = blocks
         self.siblings: list[AnthropicItem] = [self]
+        self.remembered = False  # kept for later requests (``proxy.core.warm``): its JSON may be an earlier request's
 
     def content(self) -> Any:
         """The item's content as it would be sent: its blocks, or the message's string."""

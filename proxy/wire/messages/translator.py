@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 from proxy.core.bands import assign_groups
 from proxy.core.conversation import Conversation
@@ -176,34 +176,33 @@ def _split(messages: list[Message], start: int, counter: TokenCounter, stop: int
     return items
 
 
-def _repoint(items: list[AnthropicItem], messages: list[Message]) -> None:
-    """Give remembered items this request's JSON for their messages (equal byte for byte: their keys are equal),
-    so that what is forwarded is the client's own objects, as on the full path."""
-    i, n = 0, len(items)
-    while i < n:
-        item = items[i]
+def repoint(items: list[Item], messages: list[Any]) -> None:
+    """Give the items a request resumed from an earlier one (``MessagesWire.resume``) this request's JSON for their
+    messages (equal byte for byte: their keys are equal), so that what is rendered is the client's own objects, as
+    on the full path. Done when rendering, for the items kept: a request forwarded as sent never pays for it."""
+    n = len(messages)
+    for item in items:
+        if not isinstance(item, AnthropicItem) or not item.remembered or not 0 <= item.source < n:
+            continue
         message = messages[item.source]
+        if item.message is message or type(message) is not dict:
+            continue
         content = message["content"]
-        siblings = item.siblings
-        if item.raw is item.message:  # a whole message
+        if item.raw is item.message:  # a whole message (or the pinned copy of one)
             item.raw = item.message = message
             item.blocks = None if type(content) is str else content
-        elif len(siblings) == 1 and item.role == TOOL:  # a message of one tool_result block
-            item.message = message
-            item.raw = content[0]
-            item.blocks = [item.raw]
-        else:
-            results = iter([b for b in content if b.get("type") == "tool_result"])
-            others = [b for b in content if b.get("type") != "tool_result"]
-            for sibling in siblings:
-                sibling.message = message
-                if sibling.role == TOOL:
-                    sibling.raw = next(results)
-                    sibling.blocks = [sibling.raw]
-                elif sibling.role == USER:
-                    sibling.raw = {"role": "user", "content": others}
-                    sibling.blocks = others
-        i += len(siblings)
+            continue
+        item.message = message  # a block item (or a masked copy of one): its message's other items too
+        results = iter([b for b in content if b.get("type") == "tool_result"])
+        others = [b for b in content if b.get("type") != "tool_result"]
+        for sibling in item.siblings:
+            sibling.message = message
+            if sibling.role == TOOL:
+                sibling.raw = next(results)
+                sibling.blocks = [sibling.raw]
+            elif sibling.role == USER:
+                sibling.raw = {"role": "user", "content": others}
+                sibling.blocks = others
 
 
 def _fixed(body: dict[str, Any], counter: TokenCounter) -> int:
@@ -305,23 +304,27 @@ class MessagesWire:
         known = memory.find(tenant, self.name, keys)
         start = len(known.keys) if known is not None else 0
         marks = check_body(body, start, known.extra if known is not None else 0)
-        tail: list[Item] = list(_split(messages, start, counter))
+        split = _split(messages, start, counter)
+        tail: list[Item] = list(split)
         # a known prefix is paired with no call waiting at its end: the pairing of the whole is the tail's
         if not is_paired(tail):  # a repair to make: items of this request's own (checked already), none kept
             own: list[Item] = [*_split(messages, 0, counter, stop=start), *tail]
             if thinking_enabled(body):
                 pin_turn_thinking(own)  # type: ignore[arg-type]
             return Conversation(own, _fixed(body, counter), False)
-        if known is not None:
-            _repoint(cast(list[AnthropicItem], known.items), messages)
-        items = [*known.items, *tail] if known is not None else tail
+        items = [*known.items, *tail] if known is not None else tail  # the known ones re-pointed when rendered
         assign_groups(items, self.merge_call_runs, len(known.items) if known is not None else 0)
         memory.keep(tenant, self.name, keys, items[:], size, marks)  # a copy: the request may change its own list
+        for new in split:
+            new.remembered = True
         if thinking_enabled(body):
             items = _pinned(items)
         return Conversation(items, _fixed(body, counter), True, grouped=len(items))
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
+        sent = body.get("messages")
+        if type(sent) is list:
+            repoint(items, sent)
         messages = render_messages(items)
         if not messages:
             # only boundary items were left (stray results in user messages that follow no assistant message):
