@@ -77,3 +77,22 @@ async def test_a_large_explain_call_does_not_stall_the_event_loop(upstream: Fake
     assert status == 200, raw[:300]
     # the same body on the chat path holds the loop for ~30 ms (tests/core/test_offload_http.py)
     assert worst < PROMPT_LIMIT, f"the event loop was held for {1000 * worst:.0f} ms by one explain call"
+
+
+async def test_explaining_in_observe_mode_a_body_without_its_conversation_answers_null(
+        upstream: FakeUpstream, start_proxy: StartProxy) -> None:
+    """Observe mode forwards a body enforce would refuse; explain says so with the field it would forward: null when
+    the body has none (schemathesis found a 200 whose ``messages`` the OpenAPI document said could not be null)."""
+    import yaml
+
+    from tests.conftest import ROOT
+
+    proxy = await start_proxy(base_config(upstream.base_url))
+    async with aiohttp.ClientSession() as s, s.post(
+            proxy.url + "/v1/ctxproxy/explain/chat?mode=observe", json={"model": "gpt-4o-mini", "input": ""},
+            headers={"Authorization": "Bearer sk-client"}) as r:
+        assert r.status == 200
+        out = await r.json()
+    assert out["messages"] is None and out["report"]["would_refuse"]
+    spec = yaml.safe_load((ROOT / "proxy" / "openapi.yaml").read_text(encoding="utf-8"))
+    assert spec["components"]["schemas"]["Explanation"]["properties"]["messages"]["nullable"] is True
