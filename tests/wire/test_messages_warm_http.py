@@ -182,17 +182,10 @@ def test_masked_results_resumed_in_process(seed: int) -> None:
     """Pipeline level: a 40-round tool loop with parallel calls, thinking toggled, trailing text after results and
     tenants alternating, through masking and summarising managers on small budgets: every request forwards and
     reports what a fresh counter does (observation masking's cached copies are reused on the warm side)."""
-    import dataclasses
     import random
 
-    import orjson
-
-    from proxy.core.errors import CtxProxyError
     from proxy.core.tokens import TokenCounter
-    from proxy.pipeline import assemble
-    from proxy.wire.messages import WIRE
-    from tests.helpers import FakeEngine, services, summary_service
-    from tests.wire.test_messages import MANAGERS, Setup
+    from tests.wire.test_messages import MANAGERS, Setup, _forwarded
 
     managers = {
         "om": {"type": "observation-masking", "params": {"keep_recent": 3}},
@@ -221,28 +214,12 @@ def test_masked_results_resumed_in_process(seed: int) -> None:
         for n in cuts
     ]
 
-    def run(setup: Setup, request: dict[str, Any], counter: TokenCounter, tenant: str) -> Any:
-        async def go() -> Any:
-            svc = (
-                services(counter, engine=FakeEngine(), summaries=summary_service()) if setup.llm else services(counter)
-            )
-            policy = dataclasses.replace(setup.policy, tenant=tenant)
-            return await assemble(request, wire=WIRE, route=setup.route, policy=policy, counter=counter, services=svc)
-
-        try:
-            a = asyncio.run(go())
-        except CtxProxyError as exc:
-            return ("refused", type(exc).__name__, exc.message, exc.param)
-        report = a.report.as_dict()
-        report.pop("summary_wait", None)
-        return orjson.dumps(a.body), a.changed, report
-
     masked = 0
     for manager in ("om", "sumdrop"):
         setup = Setup(manager, 3_000)
         warm = TokenCounter("o200k_base")
         for request, tenant in requests:
-            expected = run(setup, copy.deepcopy(request), TokenCounter("o200k_base"), tenant)
-            assert run(setup, copy.deepcopy(request), warm, tenant) == expected
+            expected = _forwarded(setup, copy.deepcopy(request), TokenCounter("o200k_base"), tenant)
+            assert _forwarded(setup, copy.deepcopy(request), warm, tenant) == expected
             masked += bool(expected[0] != "refused" and expected[2].get("masked"))
     assert masked > 10  # observation masking was at work
