@@ -263,7 +263,8 @@ def test_remembered_chain_links_give_the_chain_a_fresh_count_gives(
     middle or another one with the same start was seen."""
     counter = TokenCounter("o200k_base")
     later = copy.deepcopy(first) + copy.deepcopy(more)
-    if later and data.draw(st.booleans()):
+    edit: bool = data.draw(st.booleans())
+    if later and edit:
         i = data.draw(st.integers(0, len(later) - 1))
         later[i] = {**later[i], "name": "edited"}
 
