@@ -149,6 +149,7 @@ class SlowTcp:
             self.server.close()
 
 
+@pytest.mark.slow  # a timing bound: `make check`, not the suite
 @pytest.mark.usefixtures("shared_model_map")
 async def test_a_slow_redis_costs_a_summarised_request_at_most_about_its_budget(
         upstream: FakeUpstream, start_proxy: StartProxy) -> None:
