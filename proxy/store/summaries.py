@@ -172,21 +172,18 @@ class SummaryService:
         if not chain:
             return None
         # longest prefix first; a backend that reads key by key (disk) may stop at the first record found
+        # keys are made only as far back as this process's copy of a summary (a growing conversation's)
         local: CachedSummary | None = None
-        if self._local:  # keys made only as far back as this process's copy of a summary (a growing conversation's)
-            keys: list[str] = []
-            for i, link in enumerate(reversed(chain)):
-                key = summary_key(scope, link)
-                keys.append(key)
-                record = self._local_get(key)
-                if record is not None:
-                    local = _summary(record, len(chain) - i, chain[len(chain) - i - 1])
-                    if local is not None:
-                        break  # only a longer prefix is worth asking the shared cache for
-            limit = len(keys) - 1 if local is not None else len(keys)
-        else:
-            keys = [summary_key(scope, link) for link in reversed(chain)]
-            limit = len(keys)
+        keys: list[str] = []
+        for i, link in enumerate(reversed(chain)):
+            key = summary_key(scope, link)
+            keys.append(key)
+            record = self._local_get(key) if self._local else None
+            if record is not None:
+                local = _summary(record, len(chain) - i, chain[len(chain) - i - 1])
+                if local is not None:
+                    break  # only a longer prefix is worth asking the shared cache for
+        limit = len(keys) - 1 if local is not None else len(keys)
         start = 0
         while start < limit:
             records = await self.cache.get_many(keys[start:limit], first_hit=True)

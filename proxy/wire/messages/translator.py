@@ -161,8 +161,10 @@ def thinking_enabled(body: dict[str, Any]) -> bool:
     return isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
 
 
-def _split(messages: list[Message], start: int, counter: TokenCounter, stop: int | None = None) -> list[AnthropicItem]:
-    """The items of ``messages[start:stop]`` (shape-checked), keyed and counted."""
+def _split(messages: list[Message], start: int, counter: TokenCounter, stop: int | None = None,
+           message_keys: list[int] | None = None) -> list[AnthropicItem]:
+    """The items of ``messages[start:stop]`` (shape-checked), keyed and counted; an item that is its whole message
+    takes that message's content key from ``message_keys`` when given (the same key: made once)."""
     items: list[AnthropicItem] = []
     previous = messages[start - 1]["role"] if start > 0 else None
     for i in range(start, len(messages) if stop is None else stop):
@@ -170,7 +172,11 @@ def _split(messages: list[Message], start: int, counter: TokenCounter, stop: int
         items.extend(split_message(message, i, after_assistant=previous == "assistant"))
         previous = message["role"]
     raws = [item.raw for item in items]
-    keys = [content_key(raw) ^ SALT for raw in raws]
+    if message_keys is None:
+        keys = [content_key(raw) ^ SALT for raw in raws]
+    else:
+        keys = [message_keys[item.source] if item.raw is item.message else content_key(item.raw) ^ SALT
+                for item in items]
     for item, key, n in zip(items, keys, counter.many(keys, raws, count_raw)):
         item.key, item.tokens = key, n
     return items
@@ -304,11 +310,11 @@ class MessagesWire:
         known = memory.find(tenant, self.name, keys)
         start = len(known.keys) if known is not None else 0
         marks = check_body(body, start, known.extra if known is not None else 0)
-        split = _split(messages, start, counter)
+        split = _split(messages, start, counter, message_keys=keys)
         tail: list[Item] = list(split)
         # a known prefix is paired with no call waiting at its end: the pairing of the whole is the tail's
         if not is_paired(tail):  # a repair to make: items of this request's own (checked already), none kept
-            own: list[Item] = [*_split(messages, 0, counter, stop=start), *tail]
+            own: list[Item] = [*_split(messages, 0, counter, stop=start, message_keys=keys), *tail]
             if thinking_enabled(body):
                 pin_turn_thinking(own)  # type: ignore[arg-type]
             return Conversation(own, _fixed(body, counter), False)
