@@ -84,8 +84,9 @@ def content_keys(raws: list[Any], salt: int = 0) -> list[int]:
         return [content_key(raw) ^ salt for raw in raws]
 
 
-def sized_content_keys(raws: list[Any], salt: int = 0) -> tuple[list[int], int]:
-    """``content_keys`` and the bytes of the elements' JSON in all (what remembering them holds, about)."""
+def sized_content_keys(raws: list[Any], salt: int = 0) -> tuple[list[int], int] | None:
+    """``content_keys`` and the bytes of the elements' JSON in all (what remembering them holds, about); None when
+    an element cannot be keyed (nested too deeply): the full parse then refuses the body, in its own order."""
     dumps, digest = orjson.dumps, xxh3_128_intdigest
     keys: list[int] = []
     size = 0
@@ -93,7 +94,10 @@ def sized_content_keys(raws: list[Any], salt: int = 0) -> tuple[list[int], int]:
         try:
             data = dumps(raw)
         except TypeError:  # an element orjson cannot write (an integer beyond 64 bits): content_key's own way
-            keys.append(content_key(raw) ^ salt)
+            try:
+                keys.append(content_key(raw) ^ salt)
+            except PayloadError:
+                return None
             size += len(repr(raw))  # its size all the same: remembering it must count it
             continue
         size += len(data)

@@ -589,6 +589,25 @@ def test_a_warm_request_forwards_what_a_cold_one_does(
     assert _forwarded(setup, copy.deepcopy(later), warm, tenant) == expected  # what it remembered is unchanged
 
 
+def test_a_body_nested_too_deeply_is_refused_warm_as_cold() -> None:
+    """Found by an outside review: a body with a message nested past 254 levels and five cache_control marks was
+    refused for its nesting on the warm path (its keys are made first) but for its marks by a fresh parse."""
+    deep: Any = "x"
+    for _ in range(300):
+        deep = {"a": deep}
+    messages = [user([text_block(f"t{i}", cache_control={"type": "ephemeral"}) for i in range(5)]),
+                assistant([tool_use("t1", "lookup", deep=deep)]), user([tool_result("t1")])]
+
+    def refusal(parse: Any) -> tuple[str, str | None]:
+        with pytest.raises(PayloadError) as err:
+            parse(body(copy.deepcopy(messages)))
+        return err.value.message, err.value.param
+
+    cold = refusal(lambda b: WIRE.parse(b, TokenCounter("o200k_base")))
+    assert refusal(lambda b: WIRE.resume(b, TokenCounter("o200k_base"), "t")) == cold
+    assert "cache_control" in cold[0]
+
+
 def test_a_growing_conversation_splits_and_counts_only_what_it_appends() -> None:
     """The items of the known prefix are the earlier request's; the turn's thinking is pinned on a copy, so the
     remembered item stays unpinned when a later turn no longer needs it."""

@@ -75,7 +75,10 @@ class ChatWire:
         messages = body.get("messages")
         if type(messages) is not list or len(messages) < 2:
             return self.parse(body, counter)
-        keys, size = sized_content_keys(messages, SALT)
+        sized = sized_content_keys(messages, SALT)
+        if sized is None:  # an element nested too deeply: the full parse refuses it as a cold request is refused
+            return self.parse(body, counter)
+        keys, size = sized
         memory = counter.conversations
         known = memory.find(tenant, self.name, keys)
         start = len(known.keys) if known is not None else 0
