@@ -20,7 +20,7 @@ from xxhash import xxh3_128_intdigest
 
 from proxy.core.errors import PayloadError
 from proxy.core.modelinfo import offline_environment
-from proxy.core.warm import Conversations
+from proxy.core.warm import Conversations, ElementKeys
 
 REPLY_PRIMING = 3
 # keys looked up per hold of a counter's lock: a worker thread counting a large body lets a small request on
@@ -84,24 +84,36 @@ def content_keys(raws: list[Any], salt: int = 0) -> list[int]:
         return [content_key(raw) ^ salt for raw in raws]
 
 
-def sized_content_keys(raws: list[Any], salt: int = 0) -> tuple[list[int], int] | None:
+def sized_content_keys(raws: list[Any], salt: int = 0,
+                       keyed: ElementKeys | None = None) -> tuple[list[int], int] | None:
     """``content_keys`` and the bytes of the elements' JSON in all (what remembering them holds, about); None when
-    an element cannot be keyed (nested too deeply): the full parse then refuses the body, in its own order."""
+    an element cannot be keyed (nested too deeply): the full parse then refuses the body, in its own order.
+    ``keyed``: the keys of elements shared with an earlier request, read from there (and the new ones put there)."""
     dumps, digest = orjson.dumps, xxh3_128_intdigest
+    recall = keyed.get if keyed is not None else None
     keys: list[int] = []
     size = 0
     for raw in raws:  # one element's JSON at a time: a 200k-message body is not held twice
+        if recall is not None:
+            known = recall(raw)
+            if known is not None:
+                keys.append(known[0] ^ salt)
+                size += known[1]
+                continue
         try:
             data = dumps(raw)
         except TypeError:  # an element orjson cannot write (an integer beyond 64 bits): content_key's own way
             try:
-                keys.append(content_key(raw) ^ salt)
+                key = content_key(raw)
             except PayloadError:
                 return None
-            size += len(repr(raw))  # its size all the same: remembering it must count it
-            continue
-        size += len(data)
-        keys.append(digest(data) ^ salt)
+            length = len(repr(raw))  # its size all the same: remembering it must count it
+        else:
+            key, length = digest(data), len(data)
+        size += length
+        keys.append(key ^ salt)
+        if keyed is not None:
+            keyed.put(raw, key, length)
     return keys, size
 
 

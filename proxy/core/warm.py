@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from proxy.core.items import Item
 
@@ -48,6 +49,36 @@ class Known:
     extra: int = 0  # what else the wire needs to resume from it (Messages: the cache_control marks of its messages)
 
 
+class ElementKeys:
+    """The content keys of element objects one request shares with the next (``proxy.serve.bodies`` hands a request
+    the elements it parsed for an earlier one): by the object's identity, the object itself kept so that its id
+    cannot be reused. Elements are never changed, so an element's key is its key for good. Bounded: at most
+    ``max_bytes`` of the elements' JSON; when full it is emptied (the next requests key their elements again)."""
+
+    def __init__(self, max_bytes: int = MAX_BYTES) -> None:
+        self._keys: dict[int, tuple[Any, int, int]] = {}
+        self._bytes = 0
+        self._max_bytes = max_bytes
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def get(self, element: Any) -> tuple[int, int] | None:
+        """``element``'s (unsalted) content key and size, when it was keyed before."""
+        known = self._keys.get(id(element))
+        return (known[1], known[2]) if known is not None and known[0] is element else None
+
+    def put(self, element: Any, key: int, size: int) -> None:
+        if self._bytes + size > self._max_bytes:
+            self.clear()
+        self._keys[id(element)] = (element, key, size)
+        self._bytes += size
+
+    def clear(self) -> None:
+        self._keys = {}
+        self._bytes = 0
+
+
 class Conversations:
     """Known conversations by tenant, wire and first two content keys: a bounded LRU, counted in items."""
 
@@ -58,6 +89,7 @@ class Conversations:
         self._max_items = max_items
         self._max_bytes = max_bytes
         self._lock = threading.Lock()
+        self.keyed = ElementKeys(max_bytes // 2)  # the content keys of elements shared with an earlier request
 
     def __len__(self) -> int:
         return len(self._known)
@@ -76,6 +108,7 @@ class Conversations:
         with self._lock:
             self._known.clear()
             self._items = self._bytes = 0
+        self.keyed.clear()
 
     def find(self, tenant: str, wire: str, keys: list[int]) -> Known | None:
         """The longest remembered request of this conversation whose keys are a prefix of ``keys``."""

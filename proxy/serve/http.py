@@ -148,17 +148,23 @@ async def read_body(request: web.Request) -> bytes:
 def parse_body(raw: bytes, fields: frozenset[str] = WIRES.interpreted_fields) -> dict[str, Any]:
     """A request body: a JSON object none of whose keys differs from a field the proxy reads (``fields``) only by
     case."""
+    return read_json_body(raw, fields)[0]
+
+
+def read_json_body(raw: bytes, fields: frozenset[str] = WIRES.interpreted_fields) -> tuple[dict[str, Any], bool]:
+    """``parse_body``, and whether the body holds a run of 20 digits (``LONG_DIGITS``: read by the standard decoder)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidJSON(f"The request body is not valid JSON: {exc}") from None
-    if long_digits(raw):
+    exact = long_digits(raw)
+    if exact:
         body = _exact(raw, body)
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object", code="invalid_body")
     check_field_names(body, fields)
     check_repeated_fields(raw, body)
-    return body
+    return body, exact
 
 
 # Top-level fields an upstream must read as the proxy did: the model (the allow-list, the route) and the output

@@ -34,8 +34,8 @@ from proxy.serve.http import (
     ERROR_WIRE,
     RESPONSE_HEADERS,
     client_keys,
-    parse_body,
     read_body,
+    read_json_body,
     request_id,
     state,
 )
@@ -87,10 +87,14 @@ class Scope:
         """The request's body, read and parsed (off the event loop when it is large)."""
         self.raw = await read_body(self.request)
         self.offload = len(self.raw) > self.runtime.config.settings.server.offload_bytes
-        body: dict[str, Any] = await run_step(self.offload, parse_body, self.raw, self.state.wires.interpreted_fields)
+        body: dict[str, Any] = await run_step(self.offload, self.state.bodies.parse, self.raw, self.record.tenant,
+                                              self.wire.name, self.wire.field, self._parse_whole)
         model = self.wire.model_of(body, self.request.match_info)
         self.record.model = model if isinstance(model, str) else None
         return body
+
+    def _parse_whole(self, raw: bytes) -> tuple[dict[str, Any], bool]:
+        return read_json_body(raw, self.state.wires.interpreted_fields)
 
     def model(self, body: dict[str, Any]) -> str:
         """The model the request names, where its wire keeps it (refused when there is none)."""

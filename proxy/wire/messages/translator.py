@@ -305,7 +305,7 @@ class MessagesWire:
         messages = body.get("messages")
         if type(messages) is not list or len(messages) < 2:
             return self.parse(body, counter)
-        sized = sized_content_keys(messages, SALT)
+        sized = sized_content_keys(messages, SALT, counter.conversations.keyed)
         if sized is None:  # an element nested too deeply: the full parse refuses it as a cold request is refused
             return self.parse(body, counter)
         keys, size = sized

@@ -126,7 +126,7 @@ class ResponsesWire:
                 or not (instructions is None or isinstance(instructions, str)):
             return self.parse(body, counter)
         # an element's key is its item's when no reasoning is attached to it
-        sized = sized_content_keys(value, SALT)
+        sized = sized_content_keys(value, SALT, counter.conversations.keyed)
         if sized is None:  # an element nested too deeply: the full parse refuses it as a cold request is refused
             return self.parse(body, counter)
         keys, size = sized
