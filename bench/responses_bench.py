@@ -5,7 +5,8 @@ The benchmark payloads (Chat Completions) are converted to Responses input items
 (messages, ``function_call`` / ``function_call_output`` by call id, the tools in the
 Responses shape) and to Anthropic Messages (a top-level system, ``tool_use`` blocks, one
 user message per run of ``tool_result`` blocks, the tools in Anthropic's shape); each request is what the
-managed handler does on the CPU: parse the JSON body, run the pipeline (``Runtime.assemble``), serialise the
+managed handler does on the CPU: parse the JSON body (as the server does: from where it differs from the
+previous one, ``proxy.serve.bodies``; ``--whole``: decoded whole), run the pipeline (``Runtime.assemble``), serialise the
 body to forward when it changed. The wires alternate run by run (ABCABC), so all see the same machine state.
 cold = empty token-count and summary caches; warm = the previous request plus one new turn (a growing
 conversation). Medians of --runs runs, CPU time (process) per request.
@@ -35,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 from bench.pipeline_bench import MANAGERS, config, make_runtime, read_payload  # noqa: E402
 from proxy.core.tokens import Tokenizers, use_bundled_encodings  # noqa: E402
 from proxy.runtime import Runtime  # noqa: E402
+from proxy.serve.bodies import KnownBodies  # noqa: E402
+from proxy.serve.http import read_json_body  # noqa: E402
 from proxy.wire.chat import WIRE as CHAT  # noqa: E402
 from proxy.wire.messages import WIRE as MESSAGES  # noqa: E402
 from proxy.wire.responses import WIRE as RESPONSES  # noqa: E402
@@ -88,17 +91,19 @@ def grown_chat(body: dict[str, Any], i: int) -> dict[str, Any]:
     return grown(body, i)
 
 
-async def one(runtime: Runtime, wire: Any, raw: bytes) -> tuple[float, float, int]:
-    """CPU and wall seconds of one request as the handler spends them, and the tokens forwarded."""
+async def one(runtime: Runtime, wire: Any, raw: bytes, bodies: KnownBodies | None = None) -> tuple[float, float, int]:
+    """CPU and wall seconds of one request as the handler spends them, and the tokens forwarded. ``bodies``: read
+    the body as the server does, from where it differs from the previous one (else a whole ``orjson.loads``)."""
     cpu, wall = time.process_time(), time.perf_counter()
-    body = orjson.loads(raw)
+    body = bodies.parse(raw, "bench", wire.name, wire.field, read_json_body) if bodies else orjson.loads(raw)
     assembly, _route, _policy = await runtime.assemble(wire, body, tenant=None)
     if assembly.changed:
         orjson.dumps(assembly.body)
     return time.process_time() - cpu, time.perf_counter() - wall, assembly.report.tokens_after
 
 
-async def run_case(name: str, manager: Any, budget: int, runs: int, tokenizers: Tokenizers) -> list[dict[str, Any]]:
+async def run_case(name: str, manager: Any, budget: int, runs: int, tokenizers: Tokenizers,
+                   whole: bool = False) -> list[dict[str, Any]]:
     chat_body = read_payload(name)
     chats = [chat_body]
     for i in range(3):  # a growing conversation: each request is the previous one plus a turn
@@ -111,10 +116,11 @@ async def run_case(name: str, manager: Any, budget: int, runs: int, tokenizers: 
         for w in WIRES:  # ABCABC: each wire on a fresh runtime and empty caches
             tokenizers.get("o200k_base").clear()
             runtime = make_runtime(config(manager, budget), tokenizers)
-            cpu, _wall, _n = await one(runtime, WIRES[w], raws[w][0])
+            bodies = None if whole else KnownBodies()
+            cpu, _wall, _n = await one(runtime, WIRES[w], raws[w][0], bodies)
             cold[w].append(cpu)
             for raw in raws[w][1:]:
-                cpu, _wall, tokens[w] = await one(runtime, WIRES[w], raw)
+                cpu, _wall, tokens[w] = await one(runtime, WIRES[w], raw, bodies)
                 warm[w].append(cpu)
     return [{"payload": name, "manager": manager["type"], "budget": budget, "wire": w,
              "cold_ms": statistics.median(cold[w]) * 1e3, "warm_ms": statistics.median(warm[w]) * 1e3,
@@ -134,11 +140,12 @@ async def profile(requests: int, tokenizers: Tokenizers) -> None:
             for i in range(requests):
                 chats.append(grown_chat(chats[-1], i))
             raws = [orjson.dumps(convert(chat)) for chat in chats]
-            await one(runtime, WIRES[w], raws[0])
+            bodies = KnownBodies()
+            await one(runtime, WIRES[w], raws[0], bodies)
             prof = cProfile.Profile()
             prof.enable()
             for raw in raws[1:]:
-                await one(runtime, WIRES[w], raw)
+                await one(runtime, WIRES[w], raw, bodies)
             prof.disable()
             print(f"\n## agent_long, budget {budget // 1000}k, {w}: {requests} warm requests (+1 turn each)")
             pstats.Stats(prof).sort_stats("tottime").print_stats(14)
@@ -149,6 +156,7 @@ async def main() -> None:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--json-out")
     ap.add_argument("--profile", type=int, default=0)
+    ap.add_argument("--whole", action="store_true", help="decode every body whole (as before 2026-12-02, third stop)")
     a = ap.parse_args()
     use_bundled_encodings()
     tokenizers = Tokenizers()
@@ -162,7 +170,7 @@ async def main() -> None:
              ("agent_long.json", 16_000, MANAGERS["sliding-window"]),
              ("agent_huge.json", 128_000, MANAGERS["summarising"])]
     for name, budget, manager in cases:
-        rows += await run_case(name, manager, budget, a.runs, tokenizers)
+        rows += await run_case(name, manager, budget, a.runs, tokenizers, a.whole)
     print("| payload → budget | manager | wire | body bytes | cold CPU ms | warm CPU ms (+1 turn) | tokens out |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -20,7 +20,7 @@ from xxhash import xxh3_128_intdigest
 
 from proxy.core.errors import PayloadError
 from proxy.core.modelinfo import offline_environment
-from proxy.core.warm import Conversations, ElementKeys
+from proxy.core.warm import Conversations
 
 REPLY_PRIMING = 3
 # keys looked up per hold of a counter's lock: a worker thread counting a large body lets a small request on
@@ -84,37 +84,41 @@ def content_keys(raws: list[Any], salt: int = 0) -> list[int]:
         return [content_key(raw) ^ salt for raw in raws]
 
 
-def sized_content_keys(raws: list[Any], salt: int = 0,
-                       keyed: ElementKeys | None = None) -> tuple[list[int], int] | None:
+def sized_content_keys(raws: list[Any], salt: int = 0) -> tuple[list[int], int] | None:
     """``content_keys`` and the bytes of the elements' JSON in all (what remembering them holds, about); None when
-    an element cannot be keyed (nested too deeply): the full parse then refuses the body, in its own order.
-    ``keyed``: the keys of elements shared with an earlier request, read from there (and the new ones put there)."""
+    an element cannot be keyed (nested too deeply): the full parse then refuses the body, in its own order."""
     dumps, digest = orjson.dumps, xxh3_128_intdigest
-    recall = keyed.get if keyed is not None else None
     keys: list[int] = []
     size = 0
     for raw in raws:  # one element's JSON at a time: a 200k-message body is not held twice
-        if recall is not None:
-            known = recall(raw)
-            if known is not None:
-                keys.append(known[0] ^ salt)
-                size += known[1]
-                continue
         try:
             data = dumps(raw)
         except TypeError:  # an element orjson cannot write (an integer beyond 64 bits): content_key's own way
             try:
-                key = content_key(raw)
+                keys.append(content_key(raw) ^ salt)
             except PayloadError:
                 return None
-            length = len(repr(raw))  # its size all the same: remembering it must count it
-        else:
-            key, length = digest(data), len(data)
-        size += length
-        keys.append(key ^ salt)
-        if keyed is not None:
-            keyed.put(raw, key, length)
+            size += len(repr(raw))  # its size all the same: remembering it must count it
+            continue
+        size += len(data)
+        keys.append(digest(data) ^ salt)
     return keys, size
+
+
+def resumed_content_keys(memory: Conversations, tenant: str, wire: str, raws: list[Any],
+                         salt: int = 0) -> tuple[list[int], int] | None:
+    """``sized_content_keys(raws, salt)``, with the keys of the leading elements that are the very objects a
+    remembered request of the conversation had (``Conversations.shared``) read from it."""
+    first = sized_content_keys(raws[:2], salt)
+    shared = memory.shared(tenant, wire, raws, first[0]) if first is not None and len(raws) >= 2 else None
+    if shared is None:
+        return sized_content_keys(raws, salt)
+    known, n = shared
+    rest = sized_content_keys(raws[n:], salt)
+    dropped = sized_content_keys(list(known.elements[n:]), salt)  # what it sends anew: keyed once already
+    if rest is None or dropped is None:
+        return None
+    return known.keys[:n] + rest[0], known.size - dropped[1] + rest[1]
 
 
 class TokenCounter:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from operator import is_
 from typing import Any
 
 from proxy.core.items import Item
@@ -47,36 +48,7 @@ class Known:
     items: list[Item]
     size: int  # bytes of its elements' JSON
     extra: int = 0  # what else the wire needs to resume from it (Messages: the cache_control marks of its messages)
-
-
-class ElementKeys:
-    """The content keys of element objects one request shares with the next (``proxy.serve.bodies`` hands a request
-    the elements it parsed for an earlier one): by the object's identity, the object itself kept so that its id
-    cannot be reused. Elements are never changed, so an element's key is its key for good. Bounded: at most
-    ``max_bytes`` of the elements' JSON; when full it is emptied (the next requests key their elements again)."""
-
-    def __init__(self, max_bytes: int = MAX_BYTES) -> None:
-        self._keys: dict[int, tuple[Any, int, int]] = {}
-        self._bytes = 0
-        self._max_bytes = max_bytes
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def get(self, element: Any) -> tuple[int, int] | None:
-        """``element``'s (unsalted) content key and size, when it was keyed before."""
-        known = self._keys.get(id(element))
-        return (known[1], known[2]) if known is not None and known[0] is element else None
-
-    def put(self, element: Any, key: int, size: int) -> None:
-        if self._bytes + size > self._max_bytes:
-            self.clear()
-        self._keys[id(element)] = (element, key, size)
-        self._bytes += size
-
-    def clear(self) -> None:
-        self._keys = {}
-        self._bytes = 0
+    elements: tuple[Any, ...] = ()  # the elements themselves, as objects (``shared``)
 
 
 class Conversations:
@@ -89,7 +61,6 @@ class Conversations:
         self._max_items = max_items
         self._max_bytes = max_bytes
         self._lock = threading.Lock()
-        self.keyed = ElementKeys(max_bytes // 2)  # the content keys of elements shared with an earlier request
 
     def __len__(self) -> int:
         return len(self._known)
@@ -108,7 +79,6 @@ class Conversations:
         with self._lock:
             self._known.clear()
             self._items = self._bytes = 0
-        self.keyed.clear()
 
     def find(self, tenant: str, wire: str, keys: list[int]) -> Known | None:
         """The longest remembered request of this conversation whose keys are a prefix of ``keys``."""
@@ -126,13 +96,28 @@ class Conversations:
                     best = known
             return best
 
-    def keep(self, tenant: str, wire: str, keys: list[int], items: list[Item], size: int, extra: int = 0) -> None:
+    def shared(self, tenant: str, wire: str, elements: list[Any], first: list[int]) -> tuple[Known, int] | None:
+        """The remembered request of this conversation (``first``: the content keys of ``elements[:2]``) whose
+        elements, as the very objects, begin ``elements`` the longest, and how many: a body read from where it
+        differs from the previous one (``proxy.serve.bodies``) holds that request's objects for what it repeats,
+        and their keys need not be made again."""
+        with self._lock:
+            branches = list(self._known.get((tenant, wire, first[0], first[1]), ()))
+        best: tuple[Known, int] | None = None
+        for known in branches:
+            n = _same_objects(elements, known.elements)
+            if n and (best is None or n > best[1]):
+                best = known, n
+        return best
+
+    def keep(self, tenant: str, wire: str, keys: list[int], items: list[Item], size: int, extra: int = 0,
+             elements: tuple[Any, ...] = ()) -> None:
         """Remember a parsed request (``items`` must not change afterwards; ``size``: its elements' JSON, in
-        bytes); it replaces the ones it extends."""
+        bytes; ``elements``: the elements); it replaces the ones it extends."""
         if len(keys) < 2 or len(items) > self._max_items or size > self._max_bytes // 4:
             return
         entry = (tenant, wire, keys[0], keys[1])
-        known = Known(keys, items, size, extra)
+        known = Known(keys, items, size, extra, elements)
         with self._lock:
             branches = self._known.get(entry, [])
             kept = [known]
@@ -152,3 +137,11 @@ class Conversations:
                 _, dropped = self._known.popitem(last=False)
                 self._items -= sum(len(k.items) for k in dropped)
                 self._bytes -= sum(k.size for k in dropped)
+
+
+def _same_objects(elements: list[Any], known: tuple[Any, ...]) -> int:
+    """How many leading elements of ``elements`` are the very objects ``known`` begins with."""
+    if not known or not elements or elements[0] is not known[0]:
+        return 0
+    same = list(map(is_, elements, known))
+    return same.index(False) if False in same else len(same)

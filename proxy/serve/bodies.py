@@ -85,6 +85,7 @@ class KnownBodies:
         self._bytes = 0
         self._max_bytes = max_bytes
         self._lock = threading.Lock()
+        self.reused = 0  # bodies read from a remembered one (for tests and debugging)
         self._probe = secrets.randbits(62) + 2**62  # inserted to prove a place: no client can send it by design
 
     @property
@@ -176,6 +177,7 @@ class KnownBodies:
             self._buckets.move_to_end(bucket)
             if replaces is not None:
                 known_ones.misses = 0
+                self.reused += 1
             if known is None or len(known.raw) > self._max_bytes // 4:
                 return
             kept = [known]

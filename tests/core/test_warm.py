@@ -128,7 +128,40 @@ async def test_a_conversation_forwards_the_same_whatever_was_sent_before(
         await _send(warm, w, body, key)
         sent.append((body, key, w.forwarded(upstream)))
     assert all("[ctxproxy removed this " in json.dumps(forwarded) for _, _, forwarded in sent[-4:])
+    # the bodies were read from where they differ from the tenant's previous one (``proxy.serve.bodies``)
+    assert warm.state.bodies.reused >= len(requests) // 2 - 4
     for body, key, forwarded in sent[-4:]:
         cold = await start_proxy(config)
         await _send(cold, w, body, key)
         assert w.forwarded(upstream) == forwarded
+
+
+def _element(i: int) -> dict[str, Any]:
+    return {"role": "user", "content": f"message {i}", "n": i}
+
+
+def test_the_keys_of_elements_a_request_shares_as_objects_are_read_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body read from where it differs (``proxy.serve.bodies``) holds the previous request's element objects for
+    what it repeats: their keys come from the remembered request; only the new ones are keyed. Same keys and size
+    as keying every element."""
+    from proxy.core import tokens
+
+    memory = Conversations()
+    first = [_element(i) for i in range(6)]
+    keys, size = tokens.sized_content_keys(first, 7) or ([], 0)
+    memory.keep("t", "chat", keys, _items(6), size, elements=tuple(first))
+    resent = {**first[5], "cache_control": {"type": "ephemeral"}}  # the last one sent anew, and two appended
+    second = [*first[:5], resent, _element(6), _element(7)]
+    dumped: list[Any] = []
+    real = tokens.orjson.dumps
+    monkeypatch.setattr(tokens.orjson, "dumps", lambda value, *a: dumped.append(value) or real(value, *a))
+    got = tokens.resumed_content_keys(memory, "t", "chat", second, 7)
+    monkeypatch.undo()
+    assert got == tokens.sized_content_keys(second, 7)
+    # the first two (which name the conversation), the three new ones and the one they replace
+    assert [e for e in dumped if e not in first[:2]] == [resent, second[6], second[7], first[5]]
+    # equal elements that are not the same objects are keyed (a fresh parse), and another tenant finds nothing
+    fresh = copy.deepcopy(second)
+    assert tokens.resumed_content_keys(memory, "t", "chat", fresh, 7) == tokens.sized_content_keys(fresh, 7)
+    assert memory.shared("other", "chat", second, keys[:2]) is None
+    assert memory.shared("t", "chat", fresh, keys[:2]) is None

@@ -19,7 +19,14 @@ from proxy.core.conversation import Conversation
 from proxy.core.errors import CtxProxyError
 from proxy.core.items import ASSISTANT, SYSTEM, TOOL, Item
 from proxy.core.pairing import PLACEHOLDER, is_paired
-from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, content_keys, output_schema, sized_content_keys
+from proxy.core.tokens import (
+    REPLY_PRIMING,
+    TokenCounter,
+    content_key,
+    content_keys,
+    output_schema,
+    resumed_content_keys,
+)
 from proxy.core.usage import UsageForm
 from proxy.wire.chat.errors import error_body
 from proxy.wire.chat.items import LEGACY, SALT, ChatItem, Message, build_items, count_message
@@ -75,7 +82,7 @@ class ChatWire:
         messages = body.get("messages")
         if type(messages) is not list or len(messages) < 2:
             return self.parse(body, counter)
-        sized = sized_content_keys(messages, SALT, counter.conversations.keyed)
+        sized = resumed_content_keys(counter.conversations, tenant, self.name, messages, SALT)
         if sized is None:  # an element nested too deeply: the full parse refuses it as a cold request is refused
             return self.parse(body, counter)
         keys, size = sized
@@ -96,7 +103,8 @@ class ChatWire:
         else:
             items = tail
         assign_groups(items, self.merge_call_runs, start)  # numbered before anyone else may resume from them
-        memory.keep(tenant, self.name, keys, items[:], size)  # a copy: the request may change its own list
+        memory.keep(tenant, self.name, keys, items[:], size, elements=tuple(messages))  # copies: the request
+        # may change its own lists
         return Conversation(items, _fixed(body, counter), True, grouped=len(items))
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:

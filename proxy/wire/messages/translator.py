@@ -35,7 +35,13 @@ from proxy.core.conversation import Conversation
 from proxy.core.errors import CtxProxyError, OutputLimitExceeded, PayloadError
 from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
 from proxy.core.pairing import PLACEHOLDER, is_paired
-from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, output_schema, sized_content_keys
+from proxy.core.tokens import (
+    REPLY_PRIMING,
+    TokenCounter,
+    content_key,
+    output_schema,
+    resumed_content_keys,
+)
 from proxy.core.usage import UsageForm
 from proxy.wire.messages.errors import error_body
 from proxy.wire.messages.items import SALT, THINKING, AnthropicItem, Block, count_raw
@@ -305,7 +311,7 @@ class MessagesWire:
         messages = body.get("messages")
         if type(messages) is not list or len(messages) < 2:
             return self.parse(body, counter)
-        sized = sized_content_keys(messages, SALT, counter.conversations.keyed)
+        sized = resumed_content_keys(counter.conversations, tenant, self.name, messages, SALT)
         if sized is None:  # an element nested too deeply: the full parse refuses it as a cold request is refused
             return self.parse(body, counter)
         keys, size = sized
@@ -323,7 +329,8 @@ class MessagesWire:
             return Conversation(own, _fixed(body, counter), False)
         items = [*known.items, *tail] if known is not None else tail  # the known ones re-pointed when rendered
         assign_groups(items, self.merge_call_runs, len(known.items) if known is not None else 0)
-        memory.keep(tenant, self.name, keys, items[:], size, marks)  # a copy: the request may change its own list
+        memory.keep(tenant, self.name, keys, items[:], size, marks, tuple(messages))  # copies: the request
+        # may change its own lists
         for new in split:
             new.remembered = True
         if thinking_enabled(body):

@@ -30,7 +30,13 @@ from proxy.core.conversation import Conversation
 from proxy.core.errors import CtxProxyError, PayloadError
 from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
 from proxy.core.pairing import PLACEHOLDER, REASONING_DROPPED
-from proxy.core.tokens import REPLY_PRIMING, TokenCounter, content_key, output_schema, sized_content_keys
+from proxy.core.tokens import (
+    REPLY_PRIMING,
+    TokenCounter,
+    content_key,
+    output_schema,
+    resumed_content_keys,
+)
 from proxy.core.usage import UsageForm
 from proxy.wire.protocol import STANDARD_KEY_HEADERS, model_field_changes, top_level_limits
 from proxy.wire.responses.errors import error_body
@@ -126,7 +132,7 @@ class ResponsesWire:
                 or not (instructions is None or isinstance(instructions, str)):
             return self.parse(body, counter)
         # an element's key is its item's when no reasoning is attached to it
-        sized = sized_content_keys(value, SALT, counter.conversations.keyed)
+        sized = resumed_content_keys(counter.conversations, tenant, self.name, value, SALT)
         if sized is None:  # an element nested too deeply: the full parse refuses it as a cold request is refused
             return self.parse(body, counter)
         keys, size = sized
@@ -151,7 +157,8 @@ class ResponsesWire:
         else:
             items = tail
         assign_groups(items, self.merge_call_runs, len(known.items) if known is not None else 0)
-        memory.keep(tenant, self.name, keys, items[:], size)  # a copy: the request may change its own list
+        memory.keep(tenant, self.name, keys, items[:], size, elements=tuple(value))  # copies: the request may
+        # change its own lists
         return Conversation(items, _fixed(body, counter), True, grouped=len(items))
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
