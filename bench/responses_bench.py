@@ -7,8 +7,8 @@ Responses shape) and to Anthropic Messages (a top-level system, ``tool_use`` blo
 user message per run of ``tool_result`` blocks, the tools in Anthropic's shape); each request is what the
 managed handler does on the CPU: parse the JSON body (as the server does: from where it differs from the
 previous one, ``proxy.serve.bodies``; ``--whole``: decoded whole), run the pipeline (``Runtime.assemble``),
-serialise the body to forward when it changed. The wires alternate run by run (ABCABC), so all see the same machine state.
-cold = empty token-count and summary caches; warm = the previous request plus one new turn (a growing
+serialise the body to forward when it changed. The wires alternate run by run (ABCABC), so all see the same
+machine state. cold = empty token-count and summary caches; warm = the previous request plus one new turn (a growing
 conversation). Medians of --runs runs, CPU time (process) per request.
 
     .venv/bin/python bench/responses_bench.py [--runs 7] [--json-out FILE] [--profile N]
