@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from proxy.core.items import USER, Item
@@ -153,8 +154,13 @@ def test_the_keys_of_elements_a_request_shares_as_objects_are_read_back(monkeypa
     resent = {**first[5], "cache_control": {"type": "ephemeral"}}  # the last one sent anew, and two appended
     second = [*first[:5], resent, _element(6), _element(7)]
     dumped: list[Any] = []
-    real = tokens.orjson.dumps
-    monkeypatch.setattr(tokens.orjson, "dumps", lambda value, *a: dumped.append(value) or real(value, *a))
+    real = orjson.dumps
+
+    def dumps(value: Any, *args: Any) -> bytes:
+        dumped.append(value)
+        return real(value, *args)
+
+    monkeypatch.setattr(orjson, "dumps", dumps)
     got = tokens.resumed_content_keys(memory, "t", "chat", second, 7)
     monkeypatch.undo()
     assert got == tokens.sized_content_keys(second, 7)
