@@ -100,7 +100,7 @@ def mask_observations(view: HistoryView, keep_recent: int, step: int) -> Masking
     lines = grid(results, maskable, step, budget.step)
     line = lines[-1]  # the last grid line that keeps keep_recent
     need = total - budget.threshold
-    copies: list[tuple[_Result, Item, str]] = []
+    copies: list[tuple[_Result, Item, dict[str, Any]]] = []
     names: dict[int, dict[str, str]] = {}  # per call item (by identity): its call ids' tool names, read once
     saved = 0
     count = 0
@@ -115,16 +115,13 @@ def mask_observations(view: HistoryView, keep_recent: int, step: int) -> Masking
         return None
     turns = list(view.turns)
     turn_tokens = list(view.turn_tokens)
-    records: list[dict[str, Any]] = []
-    for result, copy, tool in copies:
+    for result, copy, record in copies:
         t = result.turn
         if turns[t] is view.turns[t]:
             turns[t] = list(turns[t])
         turns[t][result.index] = copy
-        removed = result.item.tokens - copy.tokens
-        turn_tokens[t] -= removed
-        records.append({"call_id": _short(result.item.result_id or "", 200), "tool": _short(tool, 200),
-                        "tokens_removed": removed})
+        turn_tokens[t] -= record["tokens_removed"]
+    records = [record for _, _, record in copies]  # shared with the requests that mask it again: never changed
     return Masking(dataclasses.replace(view, turns=turns, turn_tokens=turn_tokens), records, saved)
 
 
@@ -160,8 +157,8 @@ def _results(turns: list[list[Item]]) -> list[_Result]:
 
 
 def _mask_one(result: _Result, mask: Callable[[Item, str], Item | None],
-              copies: list[tuple[_Result, Item, str]], names: dict[int, dict[str, str]]) -> int:
-    """Mask one result if that saves tokens (appended to ``copies`` with its tool's name); the tokens saved."""
+              copies: list[tuple[_Result, Item, dict[str, Any]]], names: dict[int, dict[str, str]]) -> int:
+    """Mask one result if that saves tokens (appended to ``copies`` with its record); the tokens saved."""
     item = result.item
     if item.pinned or result.index == 0:  # a turn is kept from its first item: that one stays the client's
         return 0
@@ -171,15 +168,17 @@ def _mask_one(result: _Result, mask: Callable[[Item, str], Item | None],
     if known is not None and known[0] == call_key and (call is None or call_key != 0):
         # the same result answering the same call: a request that resumed the conversation (proxy.core.warm) masks
         # it as the earlier one did (the placeholder is a function of the result, its count and the call alone)
-        _, tool, copy = known
+        _, copy, record = known
     else:
         tool = _tool_name(result, names)
         copy = mask(item, placeholder(tool, item.result_id or "", item.tokens))
-        item.masked = (call_key, tool, copy)
+        record = {"call_id": _short(item.result_id or "", 200), "tool": _short(tool, 200),
+                  "tokens_removed": item.tokens - copy.tokens if copy is not None else 0}
+        item.masked = (call_key, copy, record)
     if copy is None or copy.tokens >= item.tokens:
         return 0
     copy.group = item.group
-    copies.append((result, copy, tool))
+    copies.append((result, copy, record))
     return item.tokens - copy.tokens
 
 

@@ -65,8 +65,8 @@ class Item:
         self.tokens = tokens
         self.group = NO_GROUP
         # observation masking's copy of this result, kept for the next request that resumes the conversation
-        # (``plugins.masking``): (the call's content key, the tool's name, the copy)
-        self.masked: tuple[int, str, Item | None] | None = None
+        # (``plugins.masking``): (the call's content key, the copy, its record: call id, tool, tokens removed)
+        self.masked: tuple[int, Item | None, dict[str, Any]] | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.role}, calls={self.call_ids}, result={self.result_id}, src={self.source})"
