@@ -142,9 +142,9 @@ def check(items: list[Item], merge_call_runs: bool = False, where: str = "messag
     taking_calls = False
     group_open = False
     for item in items:
-        param = f"{where}[{item.source}]" if item.source >= 0 else where
         if item.result_id is not None:
             if not group_open or item.result_id not in pending:
+                param = _param(where, item)
                 raise PayloadError(f"{param} answers tool call {_short(item.result_id)}, which is not pending "
                                    "right before it", param=param, code="unpaired_tool_result")
             pending.discard(item.result_id)
@@ -153,21 +153,32 @@ def check(items: list[Item], merge_call_runs: bool = False, where: str = "messag
         if item.call_ids and merge_call_runs and taking_calls:
             for cid in item.call_ids:
                 if cid in pending:
+                    param = _param(where, item)
                     raise PayloadError(f"{param} repeats the call id {_short(cid)}", param=param,
                                        code="duplicate_tool_call_id")
                 pending.add(cid)
             continue
         if pending:
+            param = _param(where, item)
             raise PayloadError(f"tool call(s) {sorted(pending)[:5]} got no result before {param}",
                                param=param, code="unpaired_tool_call")
-        pending = set(item.call_ids)
-        if len(pending) != len(item.call_ids):
-            raise PayloadError(f"{param} makes two calls with the same id", param=param,
-                               code="duplicate_tool_call_id")
-        group_open = taking_calls = bool(item.call_ids)
+        if item.call_ids:
+            pending = set(item.call_ids)
+            if len(pending) != len(item.call_ids):
+                param = _param(where, item)
+                raise PayloadError(f"{param} makes two calls with the same id", param=param,
+                                   code="duplicate_tool_call_id")
+            group_open = taking_calls = True
+        else:
+            group_open = taking_calls = False
     if pending:
         raise PayloadError(f"tool call(s) {sorted(pending)[:5]} got no result", param=where,
                            code="unpaired_tool_call")
+
+
+def _param(where: str, item: Item) -> str:
+    """Where an item is in the body, as an error's ``param`` names it."""
+    return f"{where}[{item.source}]" if item.source >= 0 else where
 
 
 def _short(value: Any) -> str:
