@@ -185,3 +185,18 @@ def test_any_sequence_of_bodies_reads_as_a_whole_parse_reads_each(
                 **(tail if other_tail else {**tail, "d": sent})}
         same_as_whole(memory, SERIALIZERS[style](body), whole)
     event(f"decoded whole {whole.calls} of {len(steps)}")
+
+
+@pytest.mark.parametrize("style", ["python", "compact"])
+def test_a_string_longer_than_the_window_read_backwards_is_read_whole(style: str) -> None:
+    """The end of a body is read backwards in a window that grows when a string crosses its edge: a last message
+    of 100 kB of brackets, commas, escaped quotes and backslashes is still read exactly."""
+    dump = SERIALIZERS[style]
+    tricky = '],"x":[{"y":"\\\\"}]},' * 6000  # ~130 kB
+    memory, whole = KnownBodies(min_bytes=0), Counted()
+    for n in range(5, 11):  # (its first kilobyte, which names its bucket, holds no message sent anew)
+        body = agent_body(n)
+        body["messages"][-1] = {"role": "tool", "content": tricky + str(n)}
+        body["tools"] = [{"name": tricky}]  # after the array, and longer than the window too
+        same_as_whole(memory, dump(body), whole)
+    assert whole.calls == 2
