@@ -36,8 +36,7 @@ sys.path.insert(0, str(ROOT))
 from bench.pipeline_bench import MANAGERS, config, make_runtime, read_payload  # noqa: E402
 from proxy.core.tokens import Tokenizers, use_bundled_encodings  # noqa: E402
 from proxy.runtime import Runtime  # noqa: E402
-from proxy.serve.bodies import KnownBodies  # noqa: E402
-from proxy.serve.http import read_json_body  # noqa: E402
+from proxy.serve.bodies import KnownBodies, read_json_body  # noqa: E402
 from proxy.wire.chat import WIRE as CHAT  # noqa: E402
 from proxy.wire.messages import WIRE as MESSAGES  # noqa: E402
 from proxy.wire.responses import WIRE as RESPONSES  # noqa: E402

@@ -136,7 +136,7 @@ def request_max_tokens(body: dict[str, Any], wire: WireAdapter) -> dict[str, int
     for key, value in wire.output_limits(body).items():
         if value is None:
             continue
-        # beyond 64 bits (read exactly, ``proxy.serve.http.LONG_DIGITS``) no upstream reads it as a count
+        # beyond 64 bits (read exactly, ``proxy.serve.bodies.LONG_DIGITS``) no upstream reads it as a count
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**64:
             raise BadRequest(f"'{key}' must be a positive integer", param=key, code="invalid_max_tokens")
         out[key] = value

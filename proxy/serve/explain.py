@@ -34,9 +34,9 @@ from proxy.core.offload import run_step
 from proxy.pipeline import Report
 from proxy.policy import ModelRoute
 from proxy.runtime import Runtime
+from proxy.serve.bodies import parse_body
 from proxy.serve.costs import request_cost
 from proxy.serve.hooks import HOOKS
-from proxy.serve.http import parse_body
 from proxy.serve.managed import Exchange
 from proxy.settings import Tenant
 from proxy.store.calibration import ConfiguredCalibration

@@ -19,13 +19,11 @@ from proxy.core.errors import (
     BadRequest,
     BodyTooLarge,
     CtxProxyError,
-    InvalidJSON,
     RequestTimeout,
     RouteError,
     UnsupportedEncoding,
     UpstreamStatus,
 )
-from proxy.pipeline import check_field_names
 from proxy.serve.decoding import content_codings, decode_body
 from proxy.serve.state import STATE, State
 from proxy.store.guard import cache_budget
@@ -143,82 +141,6 @@ async def read_body(request: web.Request) -> bytes:
     if len(raw) > server.offload_bytes:
         return await asyncio.get_running_loop().run_in_executor(None, decode_body, raw, codings, limit)
     return decode_body(raw, codings, limit)
-
-
-def parse_body(raw: bytes, fields: frozenset[str] = WIRES.interpreted_fields) -> dict[str, Any]:
-    """A request body: a JSON object none of whose keys differs from a field the proxy reads (``fields``) only by
-    case."""
-    return read_json_body(raw, fields)[0]
-
-
-def read_json_body(raw: bytes, fields: frozenset[str] = WIRES.interpreted_fields) -> tuple[dict[str, Any], bool]:
-    """``parse_body``, and whether the body holds a run of 20 digits (``LONG_DIGITS``: read by the standard decoder)."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidJSON(f"The request body is not valid JSON: {exc}") from None
-    exact = long_digits(raw)
-    if exact:
-        body = _exact(raw, body)
-    if not isinstance(body, dict):
-        raise BadRequest("The request body must be a JSON object", code="invalid_body")
-    check_field_names(body, fields)
-    check_repeated_fields(raw, body)
-    return body, exact
-
-
-# Top-level fields an upstream must read as the proxy did: the model (the allow-list, the route) and the output
-# caps. The JSON decoder keeps a repeated key's last value; an upstream that keeps the first would run another
-# model, or another output limit, than the one the proxy checked.
-GUARDED_FIELDS = ("model", "max_tokens", "max_completion_tokens", "max_output_tokens", "n")
-
-
-def check_repeated_fields(raw: bytes, body: dict[str, Any]) -> None:
-    """Refuse a body whose top level repeats a guarded field. A byte count rules nearly every body out at once;
-    only a body that names a guarded field more than once anywhere is decoded again, key by key."""
-    suspects = [key for key in GUARDED_FIELDS if key in body and raw.count(f'"{key}"'.encode()) > 1]
-    if not suspects:
-        return
-    outermost: list[list[tuple[str, Any]]] = []
-
-    def keep(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        outermost[:] = [pairs]  # objects close innermost first: the last one is the body itself
-        return {}
-
-    try:
-        json.loads(raw, object_pairs_hook=keep)
-    except (ValueError, RecursionError):
-        raise BadRequest("The request body repeats a field or nests too deeply to be checked; send each field "
-                         "once.", code="ambiguous_field") from None
-    seen: set[str] = set()
-    for key, _ in outermost[0] if outermost else ():
-        if key in suspects and key in seen:
-            raise BadRequest(f"The field '{key}' appears more than once; send it once.", param=key,
-                             code="ambiguous_field")
-        seen.add(key)
-
-
-# orjson reads an integer beyond 64 bits as a float (12345678901234567890123 -> 1.2345678901234568e+22): a
-# body with a run of 20 digits is read again by the standard decoder, which keeps such integers exact.
-LONG_DIGITS = re.compile(rb"[0-9]{20}")
-# the same search without the regular expression, which takes about 8 ns a byte (2 ms for a 254 kB agent body):
-# every digit becomes "0" and every other byte ".", then one substring search for twenty zeros
-_DIGITS_ONLY = bytes(0x30 if 0x30 <= b <= 0x39 else 0x2E for b in range(256))
-_RUN = b"0" * 20
-
-
-def long_digits(raw: bytes) -> bool:
-    """Whether ``raw`` holds a run of 20 ASCII digits (``LONG_DIGITS``), at about a byte copy's cost."""
-    return _RUN in raw.translate(_DIGITS_ONLY)
-
-
-def _exact(raw: bytes, body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` read again with its large integers exact (``body`` itself when the standard decoder cannot)."""
-    try:
-        exact = json.loads(raw)
-    except (ValueError, RecursionError):
-        return body
-    return exact if isinstance(exact, dict) else body
 
 
 def dumps_json(value: Any) -> bytes:

@@ -29,13 +29,13 @@ from proxy.core.offload import run_step
 from proxy.pipeline import Assembly
 from proxy.policy import ModelRoute
 from proxy.runtime import Runtime, model_of
+from proxy.serve.bodies import read_json_body
 from proxy.serve.feedback import settle
 from proxy.serve.http import (
     ERROR_WIRE,
     RESPONSE_HEADERS,
     client_keys,
     read_body,
-    read_json_body,
     request_id,
     state,
 )

@@ -13,8 +13,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from proxy.core.errors import CtxProxyError
-from proxy.serve.bodies import KnownBodies
-from proxy.serve.http import read_json_body
+from proxy.serve.bodies import KnownBodies, read_json_body
 
 Serialize = Callable[[Any], bytes]
 

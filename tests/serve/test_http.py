@@ -23,17 +23,15 @@ from proxy.core.errors import (
     InvalidJSON,
     UpstreamStatus,
 )
+from proxy.serve.bodies import LONG_DIGITS, long_digits, parse_body
 from proxy.serve.http import (
     ERROR_WIRE,
-    LONG_DIGITS,
     RESPONSE_HEADERS,
     client_keys,
     error_middleware,
     error_response,
     header_safe,
-    long_digits,
     openai_body,
-    parse_body,
     request_id,
 )
 from proxy.wire import WIRES
