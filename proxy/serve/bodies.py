@@ -210,7 +210,9 @@ class KnownBodies:
         with self._lock:
             known_ones = self._bucket(bucket)
             known_ones.misses += 1
-            tried = known_ones.misses & (known_ones.misses - 1) == 0  # 1, 2, 4, 8 …: one that never matches pays less
+            # a body seen once is not read back (most never come again); then at the 2nd, 4th, 8th … miss: a client
+            # whose bodies never match pays less and less
+            tried = known_ones.misses > 1 and known_ones.misses & (known_ones.misses - 1) == 0
         if tried:
             read = _read_back(raw, whole, field_name)
             if read is not None:
