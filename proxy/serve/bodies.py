@@ -204,6 +204,8 @@ class KnownBodies:
             if parsed is not None:
                 self._keep(bucket, parsed, known)
                 return parsed[0]
+            if not known.proven:
+                self._forget(bucket, known)  # its places were not where the read said: never tried again
         whole, plain = parse_whole(raw)
         if not plain:  # integers read exactly, or a guarded field named twice: decoded whole every time
             return whole
@@ -276,6 +278,13 @@ class KnownBodies:
             known_ones.bodies = kept
             self._bytes += known.weight
             self._shrink()
+
+    def _forget(self, key: tuple[str, str, int], known: Known) -> None:
+        with self._lock:
+            bucket = self._buckets.get(key)
+            if bucket is not None and any(k is known for k in bucket.bodies):
+                bucket.bodies = [k for k in bucket.bodies if k is not known]
+                self._bytes -= known.weight
 
     def _bucket(self, key: tuple[str, str, int]) -> _Bucket:
         """The bucket named ``key``, made when new, as the most recently used (the lock held)."""

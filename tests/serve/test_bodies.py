@@ -200,3 +200,23 @@ def test_a_string_longer_than_the_window_read_backwards_is_read_whole(style: str
         body["tools"] = [{"name": tricky}]  # after the array, and longer than the window too
         same_as_whole(memory, dump(body), whole)
     assert whole.calls == 3
+
+
+def test_places_a_probe_does_not_prove_are_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Places the backward read got wrong (here made so: in 'tools' rather than 'messages') are not used: the probe
+    lands outside the conversation's array, the body is read as decoded whole, and the places are forgotten rather
+    than tried (and the body decoded twice) again."""
+    from proxy.serve import bodies
+
+    raw = orjson.dumps(agent_body(10)).replace(b'"stream"', b'"more":[{"a":1},{"b":2}],"stream"')
+    wrong = raw.index(b',{"b":2}')
+
+    def misread(raw: bytes, body: dict[str, Any], field_name: str) -> bodies.Known:
+        return bodies.Known(raw, body, [(wrong, 9)], raw.index(b"]", wrong), False, len(raw))
+
+    monkeypatch.setattr(bodies, "_read_back", misread)
+    memory, whole = KnownBodies(min_bytes=0), Counted()
+    for _ in range(6):
+        same_as_whole(memory, raw, whole)
+    # 1: seen; 2: read back; 3: the probe and the whole parse; 4: read back again (the 4th miss); 5: as 3; 6: seen
+    assert whole.calls == 8
