@@ -190,9 +190,9 @@ def test_any_sequence_of_bodies_reads_as_a_whole_parse_reads_each(
 @pytest.mark.parametrize("style", ["python", "compact"])
 def test_a_string_longer_than_the_window_read_backwards_is_read_whole(style: str) -> None:
     """The end of a body is read backwards in a window that grows when a string crosses its edge: a last message
-    of 100 kB of brackets, commas, escaped quotes and backslashes is still read exactly."""
+    and tools of 60 kB each of brackets, commas, escaped quotes and backslashes are still read exactly."""
     dump = SERIALIZERS[style]
-    tricky = '],"x":[{"y":"\\\\"}]},' * 6000  # ~130 kB
+    tricky = '],"x":[{"y":"\\\\"}]},' * 2800  # ~60 kB
     memory, whole = KnownBodies(min_bytes=0), Counted()
     for n in range(5, 11):  # (its first kilobyte, which names its bucket, holds no message sent anew)
         body = agent_body(n)
