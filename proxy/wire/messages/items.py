@@ -157,7 +157,7 @@ class AnthropicItem(Item):
     own dict when all of them are kept, unchanged and in order.
     """
 
-    __slots__ = ("blocks", "message", "remembered", "siblings")
+    __slots__ = ("blocks", "message", "remembered", "rendered", "siblings")
 
     def __init__(self, raw: Any, role: str, *, message: dict[str, Any] | None, blocks: list[Block] | None,
                  call_ids: tuple[str, ...] = (), result_id: str | None = None, source: int = -1) -> None:
@@ -166,6 +166,8 @@ class AnthropicItem(Item):
         self.blocks = blocks
         self.siblings: list[AnthropicItem] = [self]
         self.remembered = False  # kept for later requests (``proxy.core.warm``): its JSON may be an earlier request's
+        # the user message last rendered from a run of items this one opens, and that run (``render_messages``)
+        self.rendered: tuple[tuple[AnthropicItem, ...], dict[str, Any]] | None = None
 
     def content(self) -> Any:
         """The item's content as it would be sent: its blocks, or the message's string."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from operator import is_
 from typing import Any
 
 from proxy.core.bands import assign_groups
@@ -141,10 +142,16 @@ def render_messages(items: list[Item]) -> list[Message]:
 
 
 def _user_message(run: list[AnthropicItem]) -> Message:
+    """The user message of a run of user-side items: the client's own when the run is its message's items, else
+    one made of their contents (remembered with the run's first item: a later request that resumed the
+    conversation renders the same run, masked copies included, without making it again; never changed)."""
     first = run[0]
     siblings = first.siblings
-    if first.message is not None and len(siblings) == len(run) and all(a is b for a, b in zip(siblings, run)):
+    if first.message is not None and len(siblings) == len(run) and all(map(is_, siblings, run)):
         return first.message
+    made = first.rendered
+    if made is not None and len(made[0]) == len(run) and all(map(is_, made[0], run)):
+        return made[1]
     base = next((r.message for r in run if r.message is not None), None) or {"role": "user"}
     blocks: list[Any] = []
     for item in run:
@@ -153,7 +160,9 @@ def _user_message(run: list[AnthropicItem]) -> Message:
             blocks.append({"type": "text", "text": content})
         elif isinstance(content, list):
             blocks.extend(content)
-    return {**base, "content": blocks}
+    message = {**base, "content": blocks}
+    first.rendered = (tuple(run), message)
+    return message
 
 
 def system_tokens(counter: TokenCounter, system: Any) -> int:
