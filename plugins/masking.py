@@ -30,7 +30,7 @@ import bisect
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from plugins.base import HistoryResult, HistoryView
 from proxy.core.items import TOOL, Item
@@ -61,10 +61,9 @@ def _short(text: str, limit: int) -> str:
 MASK_STEP = 10
 
 
-@dataclass
-class _Result:
+class _Result(NamedTuple):
     turn: int
-    index: int  # its position in the turn
+    at: int  # its position in the turn
     item: Item
     call: Item | None  # the call item it answers (the last one before it with its id)
 
@@ -119,7 +118,7 @@ def mask_observations(view: HistoryView, keep_recent: int, step: int) -> Masking
         t = result.turn
         if turns[t] is view.turns[t]:
             turns[t] = list(turns[t])
-        turns[t][result.index] = copy
+        turns[t][result.at] = copy
         turn_tokens[t] -= record["tokens_removed"]
     records = [record for _, _, record in copies]  # shared with the requests that mask it again: never changed
     return Masking(dataclasses.replace(view, turns=turns, turn_tokens=turn_tokens), records, saved)
@@ -149,9 +148,10 @@ def _results(turns: list[list[Item]]) -> list[_Result]:
     out: list[_Result] = []
     for t, turn in enumerate(turns):
         for i, item in enumerate(turn):
-            for call_id in item.call_ids:
-                calls[call_id] = item
-            if item.role == TOOL and item.result_id is not None:
+            if item.call_ids:
+                for call_id in item.call_ids:
+                    calls[call_id] = item
+            if item.result_id is not None and item.role == TOOL:
                 out.append(_Result(t, i, item, calls.get(item.result_id)))
     return out
 
@@ -160,7 +160,7 @@ def _mask_one(result: _Result, mask: Callable[[Item, str], Item | None],
               copies: list[tuple[_Result, Item, dict[str, Any]]], names: dict[int, dict[str, str]]) -> int:
     """Mask one result if that saves tokens (appended to ``copies`` with its record); the tokens saved."""
     item = result.item
-    if item.pinned or result.index == 0:  # a turn is kept from its first item: that one stays the client's
+    if item.pinned or result.at == 0:  # a turn is kept from its first item: that one stays the client's
         return 0
     call = result.call
     call_key = 0 if call is None else call.key
