@@ -31,7 +31,7 @@ def check_caches(proxy: Any) -> tuple[int, int]:
                 for item in known.items:
                     for it in (item, item.masked[1] if item.masked else None):
                         if isinstance(it, AnthropicItem) and it.rendered is not None:
-                            run, message = it.rendered
+                            run, _base, _contents, message = it.rendered
                             assert orjson.dumps(message) == orjson.dumps(_fresh(run)), "a cached message changed"
                             rendered += 1
                     if item.masked is not None:

@@ -166,8 +166,9 @@ class AnthropicItem(Item):
         self.blocks = blocks
         self.siblings: list[AnthropicItem] = [self]
         self.remembered = False  # kept for later requests (``proxy.core.warm``): its JSON may be an earlier request's
-        # the user message last rendered from a run of items this one opens, and that run (``render_messages``)
-        self.rendered: tuple[tuple[AnthropicItem, ...], dict[str, Any]] | None = None
+        # the user message last rendered from a run of items this one opens, with the run, its base message and
+        # its contents it was made of (``render_messages``: reused only for the very same objects)
+        self.rendered: tuple[tuple[AnthropicItem, ...], dict[str, Any] | None, list[Any], dict[str, Any]] | None = None
 
     def content(self) -> Any:
         """The item's content as it would be sent: its blocks, or the message's string."""

@@ -144,24 +144,26 @@ def render_messages(items: list[Item]) -> list[Message]:
 def _user_message(run: list[AnthropicItem]) -> Message:
     """The user message of a run of user-side items: the client's own when the run is its message's items, else
     one made of their contents (remembered with the run's first item: a later request that resumed the
-    conversation renders the same run, masked copies included, without making it again; never changed)."""
+    conversation renders the same run of the same objects, masked copies included, without making it again; the
+    message it made is never changed)."""
     first = run[0]
     siblings = first.siblings
     if first.message is not None and len(siblings) == len(run) and all(map(is_, siblings, run)):
         return first.message
+    base = next((r.message for r in run if r.message is not None), None)
+    contents = [item.content() for item in run]
     made = first.rendered
-    if made is not None and len(made[0]) == len(run) and all(map(is_, made[0], run)):
-        return made[1]
-    base = next((r.message for r in run if r.message is not None), None) or {"role": "user"}
+    if made is not None and made[1] is base and len(made[0]) == len(run) and all(map(is_, made[0], run)) \
+            and all(map(is_, made[2], contents)):
+        return made[3]
     blocks: list[Any] = []
-    for item in run:
-        content = item.content()
+    for content in contents:
         if isinstance(content, str):
             blocks.append({"type": "text", "text": content})
         elif isinstance(content, list):
             blocks.extend(content)
-    message = {**base, "content": blocks}
-    first.rendered = (tuple(run), message)
+    message = {**(base or {"role": "user"}), "content": blocks}
+    first.rendered = (tuple(run), base, contents, message)
     return message
 
 
