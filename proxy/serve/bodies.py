@@ -342,14 +342,14 @@ def _elements(raw: bytes, start: int, end: int) -> tuple[list[Any], list[int]] |
     new = raw[start:end]
     if long_digits(new) or any(name in new for name in GUARDED_NAMES):
         return None  # read its own way by the whole parse, or a guarded field named again: counted by it
+    cuts = _cuts(raw, start, end)  # first: bounded, and what it refuses need not be decoded
+    if cuts is None:
+        return None
     try:
         decoded = orjson.loads(b'{"":[null%b]}' % new)[""]  # at the depth they have in the body
     except orjson.JSONDecodeError:
         return None
-    if type(decoded) is not list or decoded[0] is not None:
-        return None
-    cuts = _cuts(raw, start, end)
-    if cuts is None or len(cuts) != len(decoded) - 1:
+    if type(decoded) is not list or decoded[0] is not None or len(cuts) != len(decoded) - 1:
         return None
     return decoded[1:], cuts
 
