@@ -110,9 +110,12 @@ def resumed_content_keys(memory: Conversations, tenant: str, wire: str, raws: li
     """``sized_content_keys(raws, salt)``, with the keys of the leading elements that are the very objects a
     remembered request of the conversation had (``Conversations.shared``) read from it."""
     first = sized_content_keys(raws[:2], salt)
-    shared = memory.shared(tenant, wire, raws, first[0]) if first is not None and len(raws) >= 2 else None
-    if shared is None:
-        return sized_content_keys(raws, salt)
+    if first is None:
+        return None
+    shared = memory.shared(tenant, wire, raws, first[0]) if len(raws) >= 2 else None
+    if shared is None:  # the first two keyed once, not twice
+        after = sized_content_keys(raws[2:], salt)
+        return None if after is None else (first[0] + after[0], first[1] + after[1])
     known, n = shared
     rest = sized_content_keys(raws[n:], salt)
     dropped = sized_content_keys(list(known.elements[n:]), salt)  # what it sends anew: keyed once already

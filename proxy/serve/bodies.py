@@ -150,11 +150,12 @@ class Known:
     cuts: list[tuple[int, int]]  # (offset of the ',' or ']' after an element, elements before it), ascending
     tail: int  # where the bytes after the array begin (the ']' closing it)
     proven: bool  # the cuts were found from a place a decode proved (else from the backward read: to prove)
-    weight: int = 0  # what keeping it holds, about: its bytes and its parse (``weight``)
+    weight: int = 0  # what keeping it holds, about: its bytes and its parse (``weigh``)
 
 
 ParseWhole = Callable[[bytes], tuple[dict[str, Any], bool]]  # a body and whether it took the plain way
 Parsed = tuple[dict[str, Any], Known | None]  # a body, and what to remember of it (None: what it matched)
+Place = tuple[int, int, int]  # a match: the place's offset, the elements before it, where the tail begins
 
 
 @dataclass
@@ -222,11 +223,9 @@ class KnownBodies:
                 self._keep(bucket, (whole, read), None)
         return whole
 
-    def _continue(self, raw: bytes, known: Known, found: tuple[int, int],
-                  field_name: str) -> Parsed | None:
+    def _continue(self, raw: bytes, known: Known, found: Place, field_name: str) -> Parsed | None:
         """The body ``raw`` is: ``known``'s up to a proven place, new elements, ``known``'s tail."""
-        offset, before = found
-        end = len(raw) - (len(known.raw) - known.tail)
+        offset, before, end = found
         new = _elements(raw, offset, end)
         if new is None:
             return None
@@ -235,13 +234,13 @@ class KnownBodies:
         body[field_name] = [*known.body[field_name][:before], *elements]
         if end == known.tail and not elements and len(raw) == len(known.raw):
             return body, None  # the same body again: ``known`` stays
-        return body, _continued(raw, body, known, found, cuts, end)
+        return body, _continued(raw, body, known, found, cuts)
 
-    def _prove(self, raw: bytes, known: Known, found: tuple[int, int], field_name: str,
+    def _prove(self, raw: bytes, known: Known, found: Place, field_name: str,
                parse_whole: ParseWhole) -> Parsed | None:
         """``raw`` decoded whole with the probe inserted at the place found: kept when it lands there as the array's
         element (the body is then what ``parse_whole`` gives for ``raw``, once the probe is removed)."""
-        offset, before = found
+        offset, before, end = found
         try:
             body, plain = parse_whole(b"%b,%d%b" % (raw[:offset], self._probe, raw[offset:]))
         except CtxProxyError:  # whatever is wrong with the body, its own parse says it
@@ -253,11 +252,10 @@ class KnownBodies:
                 or array[before] != self._probe:
             return None
         del array[before]
-        end = len(raw) - (len(known.raw) - known.tail)
         cuts = _cuts(raw, offset, end)
         if cuts is None or len(cuts) != len(array) - before:
             return body, None  # the right body, but no place to remember for the next one
-        return body, _continued(raw, body, known, found, cuts, end)
+        return body, _continued(raw, body, known, found, cuts)
 
     def _keep(self, bucket: tuple[str, str, int], parsed: Parsed,
               replaces: Known | None) -> None:
@@ -309,11 +307,10 @@ class KnownBodies:
                 self._bytes -= sum(k.weight for k in bucket.bodies)
 
 
-def _continued(raw: bytes, body: dict[str, Any], known: Known, found: tuple[int, int], cuts: list[int],
-               end: int) -> Known:
+def _continued(raw: bytes, body: dict[str, Any], known: Known, found: Place, cuts: list[int]) -> Known:
     """``raw``, which continues ``known`` from the place ``found`` (proven, and with it every place of ``known``: one
     read found them all) with elements beginning at ``cuts``."""
-    offset, before = found
+    offset, before, end = found
     places = [*(place for place in known.cuts if place[0] < offset), (offset, before),
               *((cut, before + i) for i, cut in enumerate(cuts) if i), (end, before + len(cuts))]
     if end == offset:
@@ -322,16 +319,16 @@ def _continued(raw: bytes, body: dict[str, Any], known: Known, found: tuple[int,
     return Known(raw, body, places[-CUTS:], end, True, weight)
 
 
-def _match(raw: bytes, known: Known) -> tuple[int, int] | None:
+def _match(raw: bytes, known: Known) -> Place | None:
     """The furthest remembered place of ``known`` up to which ``raw`` has its bytes, when ``raw`` also ends with
-    ``known``'s tail: (offset, elements before it)."""
+    ``known``'s tail: (offset, elements before it, where that tail begins in ``raw``)."""
     old = memoryview(known.raw)
     end = len(raw) - (len(known.raw) - known.tail)
     if not raw.endswith(old[known.tail:]):
         return None
     for offset, before in reversed(known.cuts):
         if offset <= end and raw.startswith(old[:offset]):
-            return offset, before
+            return offset, before, end
     return None
 
 
