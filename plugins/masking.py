@@ -30,7 +30,7 @@ import bisect
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from plugins.base import HistoryResult, HistoryView
 from proxy.core.items import TOOL, Item
@@ -61,11 +61,9 @@ def _short(text: str, limit: int) -> str:
 MASK_STEP = 10
 
 
-class _Result(NamedTuple):
-    turn: int
-    at: int  # its position in the turn
-    item: Item
-    call: Item | None  # the call item it answers (the last one before it with its id)
+# A tool result of the history: (its turn, its position in the turn, the item, the call item it answers: the last one
+# before it with its id). A plain tuple: made for every result of every request (a NamedTuple costs 10× more to make).
+_Result = tuple[int, int, Item, Item | None]
 
 
 @dataclass
@@ -114,11 +112,10 @@ def mask_observations(view: HistoryView, keep_recent: int, step: int) -> Masking
         return None
     turns = list(view.turns)
     turn_tokens = list(view.turn_tokens)
-    for result, copy, record in copies:
-        t = result.turn
+    for (t, at, _item, _call), copy, record in copies:
         if turns[t] is view.turns[t]:
             turns[t] = list(turns[t])
-        turns[t][result.at] = copy
+        turns[t][at] = copy
         turn_tokens[t] -= record["tokens_removed"]
     records = [record for _, _, record in copies]  # shared with the requests that mask it again: never changed
     return Masking(dataclasses.replace(view, turns=turns, turn_tokens=turn_tokens), records, saved)
@@ -135,7 +132,7 @@ def grid(results: list[_Result], maskable: int, step: int, tokens: int) -> list[
     count = size = 0
     for j in range(max(0, maskable)):
         count += 1
-        size += results[j].item.tokens
+        size += results[j][2].tokens
         if count >= step and size >= tokens:
             lines.append(j + 1)
             count = size = 0
@@ -152,17 +149,16 @@ def _results(turns: list[list[Item]]) -> list[_Result]:
                 for call_id in item.call_ids:
                     calls[call_id] = item
             if item.result_id is not None and item.role == TOOL:
-                out.append(_Result(t, i, item, calls.get(item.result_id)))
+                out.append((t, i, item, calls.get(item.result_id)))
     return out
 
 
 def _mask_one(result: _Result, mask: Callable[[Item, str], Item | None],
               copies: list[tuple[_Result, Item, dict[str, Any]]], names: dict[int, dict[str, str]]) -> int:
     """Mask one result if that saves tokens (appended to ``copies`` with its record); the tokens saved."""
-    item = result.item
-    if item.pinned or result.at == 0:  # a turn is kept from its first item: that one stays the client's
+    _turn, at, item, call = result
+    if item.pinned or at == 0:  # a turn is kept from its first item: that one stays the client's
         return 0
-    call = result.call
     call_key = 0 if call is None else call.key
     known = item.masked
     if known is not None and known[0] == call_key and (call is None or call_key != 0):
@@ -187,7 +183,7 @@ def _tool_name(result: _Result, names: dict[int, dict[str, str]]) -> str:
 
     A message may hold thousands of parallel calls: its atoms are read once (``names``), not once per result.
     """
-    call = result.call
+    _turn, _at, item, call = result
     if call is None:
         return ""
     known = names.get(id(call))
@@ -197,7 +193,7 @@ def _tool_name(result: _Result, names: dict[int, dict[str, str]]) -> str:
         if len(pairs) == 1:
             known[""] = pairs[0][1]  # a single call names any result that answers it
         names[id(call)] = known
-    wanted = result.item.result_id
+    wanted = item.result_id
     if wanted is not None and wanted in known:
         return known[wanted]
     return known.get("", "")

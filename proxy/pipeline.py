@@ -450,10 +450,11 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     head = list(bands.system) + ([summary] if summary is not None else [])
     tail = [bands.current] if bands.current is not None else []
     size = fixed + _tokens(head) + _tokens(history) + _tokens(tail) + _tokens(live.items())
-    history, size = _trim(history, live, size, budget, report, removed)
-    history, cut = whole_turns(bands.history, history)
-    size -= _tokens(cut)
-    removed["trimmed"] += _tokens(cut)
+    trimmed, size = _trim(history, live, size, budget, report, removed)
+    if trimmed is not history:  # (else it is whole turns already)
+        history, cut = whole_turns(bands.history, trimmed)
+        size -= _tokens(cut)
+        removed["trimmed"] += _tokens(cut)
     wm = live.items()
     if size > budget.hard_budget and summary is not None:
         # the summary is the last thing to go: better the recent turns without it than a refusal
@@ -466,7 +467,7 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     final = Bands(bands.system, history, bands.current, wm).flatten(summary)
     report.removed = {k: v for k, v in removed.items() if v}
     report.tokens_after = size
-    report.turns_kept = sum(1 for item in history if item.starts_turn)
+    report.turns_kept = list(map(ROLE, history)).count(USER)  # (a turn starts at a user item)
     _fits(size, budget, wire)
     check(final, wire.merge_call_runs, wire.field)
     changed = (len(final) != len(received) or any(a is not b for a, b in zip(final, received)) or bool(changes)
