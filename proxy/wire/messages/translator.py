@@ -26,10 +26,11 @@ All results that answer one assistant message go into the one user message after
 
 from __future__ import annotations
 
+import bisect
 import copy
 from collections.abc import Mapping
 from operator import is_
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy.core.bands import assign_groups
 from proxy.core.conversation import Conversation
@@ -107,38 +108,152 @@ def split_message(message: Message, source: int, *, after_assistant: bool = True
     return items
 
 
-def render_messages(items: list[Item]) -> list[Message]:
+def render_messages(items: list[Item], sent: list[Any] | None = None) -> list[Message]:
     """The ``messages`` array for ``items``: the client's own dicts wherever a message is kept whole.
 
-    One pass: whether the open run of user-side items holds only results, and which client messages
+    ``sent``: the request's own ``messages``; the items resumed from an earlier request are re-pointed to them first
+    (``repoint``). One pass: whether the open run of user-side items holds only results, and which client messages
     it came from, are kept up to date, so a user message with thousands of results renders in linear time.
-    """
-    out: list[Message] = []
-    run: list[AnthropicItem] = []  # user-side items gathered into one user message
-    only_results = True  # every item of the run is a result
-    sources: set[int] = set()  # the client messages the run's items came from
 
-    for item in items:
-        assert isinstance(item, AnthropicItem)
-        if item.role == OTHER:
-            continue  # a boundary: nothing to send
-        if item.role not in (USER, TOOL):  # an assistant or system message: always a message of its own
-            if run:
-                out.append(_user_message(run))
-                run, only_results, sources = [], True, set()
-            out.append(item.raw)
-            continue
-        if run:
-            joins = only_results if item.role == TOOL else item.source >= 0 and item.source in sources
-            if not joins:
-                out.append(_user_message(run))
-                run, only_results, sources = [], True, set()
-        run.append(item)
-        only_results = only_results and item.role == TOOL
-        sources.add(item.source)
-    if run:
-        out.append(_user_message(run))
+    A conversation rendered again (a later request that resumed it, ``proxy.core.warm``) renders only from where
+    its items differ: what was rendered is remembered with the first item the conversation remembers (one of the
+    first ``ANCHORS``: a summary may come before it) and reused up to the last message that begins before the
+    first item that is not the very same object, provided the client's messages those reused came from are the
+    very same objects too (then re-pointing would change none of their items, and a fresh render gives the same).
+    """
+    render = _Render(items)
+    anchor = next((i for i in range(min(ANCHORS, len(items)))
+                   if isinstance(item := items[i], AnthropicItem) and item.remembered and item.role != OTHER), -1)
+    if type(sent) is not list:
+        render.feed(0, len(items))
+        return render.finish()
+    if anchor < 0:
+        render.feed(0, len(items), sent)
+        return render.finish()
+    render.feed(0, anchor, sent)
+    first = items[anchor]
+    assert isinstance(first, AnthropicItem)
+    if not render.opens(first):  # it joins the message before it: not where a message begins
+        first.memo = None
+        render.feed(anchor, len(items), sent)
+        return render.finish()
+    render.close()
+    head = len(render.out)
+    memo = first.memo
+    restart = anchor
+    if memo is not None:
+        reused = _reusable(memo, items, anchor, sent)
+        if reused:
+            render.reuse(memo, reused, anchor)
+            restart = anchor + memo.starts[reused]
+    render.feed(restart, len(items), sent)
+    out = render.finish()
+    first.memo = _Memo(tuple(items[anchor:]), tuple(sent), tuple(out[head:]),
+                       tuple([i - anchor for i in render.starts[head:]]), tuple(render.reach[head:]))
     return out
+
+
+ANCHORS = 2  # where the item a render is remembered with may be: first, or after a summary
+
+
+class _Memo(NamedTuple):
+    """A render remembered with its anchor item (``render_messages``)."""
+
+    items: tuple[Item, ...]  # the items rendered, from the anchor on
+    sent: tuple[Any, ...]  # the client's messages they were re-pointed to
+    out: tuple[Message, ...]  # the messages rendered from them
+    starts: tuple[int, ...]  # where each message's items begin (an index into ``items``)
+    reach: tuple[int, ...]  # with each message, 1 + the highest client message index it and those before came from
+
+
+def _reusable(memo: _Memo, items: list[Item], anchor: int, sent: list[Any]) -> int:
+    """How many of ``memo``'s messages this render reuses (``render_messages``)."""
+    same = list(map(is_, memo.items, items[anchor:]))  # (C-speed: one pass of identity tests)
+    try:
+        common = same.index(False)
+    except ValueError:
+        common = len(same)
+    # the messages that begin before the first different item, but the last (items after it may join it)
+    reused = max(0, bisect.bisect_left(memo.starts, common) - 1)
+    if reused == 0:
+        return 0
+    reach = memo.reach[reused - 1]
+    if len(sent) < reach or not all(map(is_, memo.sent[:reach], sent[:reach])):
+        return 0
+    return reused
+
+
+class _Render:
+    """The messages of a list of items, rendered in one pass (``render_messages``)."""
+
+    def __init__(self, items: list[Item]) -> None:
+        self.items = items
+        self.out: list[Message] = []
+        self.starts: list[int] = []  # where each message's items begin
+        self.reach: list[int] = []  # with each message, 1 + the highest client message index up to it
+        self.high = 0
+        self.run: list[AnthropicItem] = []  # user-side items gathered into one user message
+        self.run_start = 0
+        self.only_results = True  # every item of the run is a result
+        self.sources: set[int] = set()  # the client messages the run's items came from
+
+    def feed(self, start: int, stop: int, sent: list[Any] | None = None) -> None:
+        """Render ``items[start:stop]`` (re-pointed to ``sent`` first, when given)."""
+        items = self.items
+        if sent is not None and start < stop:
+            repoint(items[start:stop], sent)
+        out = self.out
+        for i in range(start, stop):
+            item = items[i]
+            role = item.role
+            if role == OTHER:
+                continue  # a boundary: nothing to send
+            if role != USER and role != TOOL:
+                # an assistant or system message: always a message of its own
+                if self.run:
+                    self._flush()
+                self.high = max(self.high, item.source + 1)
+                out.append(item.raw)
+                self.starts.append(i)
+                self.reach.append(self.high)
+                continue
+            if self.run and not self._joins(item):
+                self._flush()
+            if not self.run:
+                self.run_start = i
+            self.run.append(item)  # type: ignore[arg-type]
+            self.only_results = self.only_results and role == TOOL
+            self.sources.add(item.source)
+            self.high = max(self.high, item.source + 1)
+
+    def _joins(self, item: Item) -> bool:
+        return self.only_results if item.role == TOOL else item.source >= 0 and item.source in self.sources
+
+    def opens(self, item: Item) -> bool:
+        """Whether ``item`` begins a message of its own after what was fed (it does not join the open run)."""
+        return not self.run or item.role not in (USER, TOOL) or not self._joins(item)
+
+    def reuse(self, memo: _Memo, count: int, anchor: int) -> None:
+        """Append the first ``count`` messages of an earlier render (``memo``) of the items from ``anchor`` on."""
+        self.out.extend(memo.out[:count])
+        self.starts.extend([anchor + start for start in memo.starts[:count]])
+        self.reach.extend(memo.reach[:count])
+        self.high = max(self.high, memo.reach[count - 1])
+
+    def close(self) -> None:
+        """End the open run's message."""
+        if self.run:
+            self._flush()
+
+    def _flush(self) -> None:
+        self.out.append(_user_message(self.run))
+        self.starts.append(self.run_start)
+        self.reach.append(self.high)
+        self.run, self.only_results, self.sources = [], True, set()
+
+    def finish(self) -> list[Message]:
+        self.close()
+        return self.out
 
 
 def _user_message(run: list[AnthropicItem]) -> Message:
@@ -349,10 +464,7 @@ class MessagesWire:
         return Conversation(items, _fixed(body, counter), True, grouped=len(items))
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
-        sent = body.get("messages")
-        if type(sent) is list:
-            repoint(items, sent)
-        messages = render_messages(items)
+        messages = render_messages(items, body.get("messages"))
         if not messages:
             # only boundary items were left (stray results in user messages that follow no assistant message):
             # the pipeline's own emptiness check counts them as items, and ``messages: []`` is no request
