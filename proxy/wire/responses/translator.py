@@ -167,14 +167,17 @@ class ResponsesWire:
         if not (isinstance(source, str) and len(items) == 1 and items[0].raw is source) \
                 and not (source is None and not items):
             rendered: list[Any] = []
+            append = rendered.append
             for item in items:
                 raw = item.raw
-                if isinstance(raw, list):
+                if type(raw) is dict:  # (the usual case first: one element of the client's own)
+                    append(raw)
+                elif isinstance(raw, list):
                     rendered.extend(raw)
                 elif isinstance(raw, str):
-                    rendered.append({"role": "user", "content": raw})
+                    append({"role": "user", "content": raw})
                 else:
-                    rendered.append(raw)
+                    append(raw)
             out["input"] = rendered
         out.update(changes)
         return out
