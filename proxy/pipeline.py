@@ -21,7 +21,7 @@ import dataclasses
 import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from operator import attrgetter
+from operator import attrgetter, is_
 from typing import Any
 
 from plugins.base import HistoryResult, HistoryView, Services, stable_cut
@@ -470,7 +470,7 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     report.turns_kept = list(map(ROLE, history)).count(USER)  # (a turn starts at a user item)
     _fits(size, budget, wire)
     check(final, wire.merge_call_runs, wire.field)
-    changed = (len(final) != len(received) or any(a is not b for a, b in zip(final, received)) or bool(changes)
+    changed = (len(final) != len(received) or not all(map(is_, final, received)) or bool(changes)
                or bool(repairs))
     out = wire.render(body, final, changes) if changed else body
     summarised = [item for turn in plan.view.turns[: result.turns_summarised] for item in turn]
@@ -489,7 +489,7 @@ def whole_turns(history: list[Item], kept: list[Item]) -> tuple[list[Item], list
     """
     if not kept:
         return kept, []
-    present = {id(item) for item in kept}
+    present = set(map(id, kept))
     orphans: set[int] = set()  # kept items whose turn's first item was cut
     first = True
     start_kept = True
@@ -590,7 +590,7 @@ def _keep_pinned(before: list[Item], after: list[Item]) -> list[Item]:
     pinned = [item for item in before if item.pinned]
     if not pinned:
         return after
-    kept = {id(item) for item in after}
+    kept = set(map(id, after))
     missing = [item for item in pinned if id(item) not in kept]
     return missing + after if missing else after
 

@@ -65,16 +65,16 @@ def removed_outputs(received: list[Item], forwarded: list[Item],
     """
     if forwarded is received:
         return []
-    sent = {id(item) for item in forwarded}
-    if all(id(item) in sent for item in received):
+    sent = set(map(id, forwarded))
+    if sent.issuperset(map(id, received)):
         return []
-    mine = {id(item) for item in received}
+    mine = set(map(id, received))
     copies: set[str] = set()
     answered: set[str] = set()
     for item in forwarded:
         if item.role == TOOL and item.result_id is not None:
             (answered if id(item) in mine else copies).add(item.result_id)
-    inside = {id(item) for item in summarised}
+    inside = set(map(id, summarised))
     out: list[tuple[Item, str]] = []
     for item in received:
         if item.role != TOOL or item.result_id is None or id(item) in sent or item.result_id in answered:
