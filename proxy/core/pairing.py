@@ -142,16 +142,21 @@ def check(items: list[Item], merge_call_runs: bool = False, where: str = "messag
     taking_calls = False
     group_open = False
     for item in items:
-        if item.result_id is not None:
-            if not group_open or item.result_id not in pending:
+        result_id = item.result_id
+        if result_id is not None:
+            if not group_open or result_id not in pending:
                 param = _param(where, item)
-                raise PayloadError(f"{param} answers tool call {_short(item.result_id)}, which is not pending "
+                raise PayloadError(f"{param} answers tool call {_short(result_id)}, which is not pending "
                                    "right before it", param=param, code="unpaired_tool_result")
-            pending.discard(item.result_id)
+            pending.discard(result_id)
             taking_calls = False
             continue
-        if item.call_ids and merge_call_runs and taking_calls:
-            for cid in item.call_ids:
+        call_ids = item.call_ids
+        if not call_ids and not pending:  # (the usual item: neither a call nor a result)
+            group_open = taking_calls = False
+            continue
+        if call_ids and merge_call_runs and taking_calls:
+            for cid in call_ids:
                 if cid in pending:
                     param = _param(where, item)
                     raise PayloadError(f"{param} repeats the call id {_short(cid)}", param=param,
@@ -162,9 +167,9 @@ def check(items: list[Item], merge_call_runs: bool = False, where: str = "messag
             param = _param(where, item)
             raise PayloadError(f"tool call(s) {sorted(pending)[:5]} got no result before {param}",
                                param=param, code="unpaired_tool_call")
-        if item.call_ids:
-            pending = set(item.call_ids)
-            if len(pending) != len(item.call_ids):
+        if call_ids:
+            pending = set(call_ids)
+            if len(pending) != len(call_ids):
                 param = _param(where, item)
                 raise PayloadError(f"{param} makes two calls with the same id", param=param,
                                    code="duplicate_tool_call_id")
