@@ -45,6 +45,9 @@ def parse(messages: list[Message], start: int = 0, known: list[Item] | None = No
         for item in split_message(messages[i], i, after_assistant=before == "assistant"):
             item.remembered = True
             items.append(item)
+            root = items[0]
+            assert isinstance(root, AnthropicItem)
+            item.root = root
     return items
 
 

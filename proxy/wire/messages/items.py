@@ -157,7 +157,7 @@ class AnthropicItem(Item):
     own dict when all of them are kept, unchanged and in order.
     """
 
-    __slots__ = ("blocks", "memo", "message", "remembered", "rendered", "siblings")
+    __slots__ = ("blocks", "memo", "message", "remembered", "rendered", "root", "siblings")
 
     def __init__(self, raw: Any, role: str, *, message: dict[str, Any] | None, blocks: list[Block] | None,
                  call_ids: tuple[str, ...] = (), result_id: str | None = None, source: int = -1) -> None:
@@ -169,7 +169,9 @@ class AnthropicItem(Item):
         # the user message last rendered from a run of items this one opens, with the run, its base message and
         # its contents it was made of (``render_messages``: reused only for the very same objects)
         self.rendered: tuple[tuple[AnthropicItem, ...], dict[str, Any] | None, list[Any], dict[str, Any]] | None = None
-        # the messages last rendered from the items this one begins (``proxy.wire.messages.translator.render_messages``)
+        # the first item of the conversation it was remembered in, which holds the conversation's last render
+        # (``memo``: one per conversation, replaced by each render; ``proxy.wire.messages.translator.render_messages``)
+        self.root: AnthropicItem | None = None
         self.memo: Any = None
 
     def content(self) -> Any:

@@ -116,10 +116,12 @@ def render_messages(items: list[Item], sent: list[Any] | None = None) -> list[Me
     it came from, are kept up to date, so a user message with thousands of results renders in linear time.
 
     A conversation rendered again (a later request that resumed it, ``proxy.core.warm``) renders only from where
-    its items differ: what was rendered is remembered with the first item the conversation remembers (one of the
-    first ``ANCHORS``: a summary may come before it) and reused up to the last message that begins before the
-    first item that is not the very same object, provided the client's messages those reused came from are the
-    very same objects too (then re-pointing would change none of their items, and a fresh render gives the same).
+    its items differ: its last render is remembered, from its anchor (the first remembered item, one of the first
+    ``ANCHORS``: a summary may come before it) on, by the conversation's first item (``AnthropicItem.root``: one
+    render per conversation, replaced by the next, so what it holds beyond the items is a few tuples however
+    often the anchor moves), and reused up to the last message that begins before the first item that is not the
+    very same object, provided the client's messages those reused came from are the very same objects too (then
+    re-pointing would change none of their items, and a fresh render gives the same).
     """
     render = _Render(items)
     anchor = next((i for i in range(min(ANCHORS, len(items)))
@@ -133,13 +135,13 @@ def render_messages(items: list[Item], sent: list[Any] | None = None) -> list[Me
     render.feed(0, anchor, sent)
     first = items[anchor]
     assert isinstance(first, AnthropicItem)
-    if not render.opens(first):  # it joins the message before it: not where a message begins
-        first.memo = None
+    holder = first.root
+    if holder is None or not render.opens(first):  # (an anchor that joins the message before it begins none)
         render.feed(anchor, len(items), sent)
         return render.finish()
     render.close()
     head = len(render.out)
-    memo = first.memo
+    memo = holder.memo
     restart = anchor
     if memo is not None:
         reused = _reusable(memo, items, anchor, sent)
@@ -148,7 +150,7 @@ def render_messages(items: list[Item], sent: list[Any] | None = None) -> list[Me
             restart = anchor + memo.starts[reused]
     render.feed(restart, len(items), sent)
     out = render.finish()
-    first.memo = _Memo(tuple(items[anchor:]), tuple(sent), tuple(out[head:]),
+    holder.memo = _Memo(tuple(items[anchor:]), tuple(sent), tuple(out[head:]),
                        tuple([i - anchor for i in render.starts[head:]]), tuple(render.reach[head:]))
     return out
 
@@ -457,8 +459,10 @@ class MessagesWire:
         assign_groups(items, self.merge_call_runs, len(known.items) if known is not None else 0)
         memory.keep(tenant, self.name, keys, items[:], size, marks, tuple(messages))  # copies: the request
         # may change its own lists
+        root = items[0] if isinstance(items[0], AnthropicItem) else None
         for new in split:
             new.remembered = True
+            new.root = root
         if thinking_enabled(body):
             items = _pinned(items)
         return Conversation(items, _fixed(body, counter), True, grouped=len(items))
