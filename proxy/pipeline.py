@@ -21,6 +21,7 @@ import dataclasses
 import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from itertools import accumulate
 from operator import attrgetter, is_
 from typing import Any
 
@@ -319,6 +320,7 @@ class _Plan:
     bands: Bands
     live: WorkingMemory
     view: HistoryView
+    ends: list[int]  # where each turn of the history ends (``whole_turns``)
 
 
 def _tokens(items: list[Item]) -> int:
@@ -381,12 +383,13 @@ def _plan(
         return _Ahead(done, _view(wire, counter, services, budget, bands, turns, fixed, offload))
 
     turns = split_turns(bands.history)
+    ends = list(accumulate(map(len, turns)))  # (before a context manager sees the turns, which it may change)
     live = WorkingMemory(bands.working_memory)
     view = _view(wire, counter, services, budget, bands, turns, fixed, offload)
     # what can never be dropped: refuse now, before a summariser is called (and billed) for nothing
     _fits(view.pinned_tokens - _tokens(bands.working_memory) + _tokens(live.pinned_items())
           + _tokens(_pinned(bands.history)), budget, wire)
-    return _Plan(body, wire, policy, report, prepared, changes, budget, bands, live, view)
+    return _Plan(body, wire, policy, report, prepared, changes, budget, bands, live, view, ends)
 
 
 def _view(wire: WireAdapter, counter: TokenCounter, services: Services, budget: Budget, bands: Bands,
@@ -432,7 +435,7 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     removed: Counter[str] = Counter(result.removed)
     history = [item for t in result.turns for item in t]
     history = _keep_pinned(bands.history, history)
-    history, cut = whole_turns(bands.history, history)
+    history, cut = whole_turns(bands.history, history, plan.ends)
     removed["windowed"] += _tokens(cut)
 
     cap = plan.policy.manager.working_memory_messages
@@ -452,7 +455,7 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     size = fixed + _tokens(head) + _tokens(history) + _tokens(tail) + _tokens(live.items())
     trimmed, size = _trim(history, live, size, budget, report, removed)
     if trimmed is not history:  # (else it is whole turns already)
-        history, cut = whole_turns(bands.history, trimmed)
+        history, cut = whole_turns(bands.history, trimmed, plan.ends)
         size -= _tokens(cut)
         removed["trimmed"] += _tokens(cut)
     wm = live.items()
@@ -477,7 +480,7 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     return Assembly(out, final, changed, report, received, wire.field, changes, summarised=summarised)
 
 
-def whole_turns(history: list[Item], kept: list[Item]) -> tuple[list[Item], list[Item]]:
+def whole_turns(history: list[Item], kept: list[Item], ends: list[int] | None = None) -> tuple[list[Item], list[Item]]:
     """``kept`` without what is left of a turn whose start was cut, and what that removed.
 
     A cut (by the trimmer or a context manager) may fall inside a turn: the user's question goes and
@@ -486,19 +489,31 @@ def whole_turns(history: list[Item], kept: list[Item]) -> tuple[list[Item], list
     the first user item form a preamble turn) is kept from its start or not at all: a kept item
     whose turn's first item was cut goes too, by whole tool groups. Pinned items stay wherever they
     are, as do items that are not in ``history`` (a context manager's own). Linear in the items.
+    ``ends``: where each turn of ``history`` ends (``split_turns``'s, accumulated), when known: then the items of a
+    turn whose start was kept are not looked at, and those of one whose start was cut are tested at C speed.
     """
     if not kept:
         return kept, []
     present = set(map(id, kept))
     orphans: set[int] = set()  # kept items whose turn's first item was cut
-    first = True
-    start_kept = True
-    for item in history:
-        if first or item.role == USER:
-            first = False
-            start_kept = id(item) in present
-        elif not start_kept and id(item) in present:
-            orphans.add(id(item))
+    if ends is not None:
+        start = 0
+        contains = present.__contains__
+        for end in ends:
+            if id(history[start]) not in present:
+                rest = list(map(id, history[start + 1:end]))
+                if any(map(contains, rest)):
+                    orphans.update(filter(contains, rest))
+            start = end
+    else:
+        first = True
+        start_kept = True
+        for item in history:
+            if first or item.role == USER:
+                first = False
+                start_kept = id(item) in present
+            elif not start_kept and id(item) in present:
+                orphans.add(id(item))
     if not orphans:  # the usual case: every cut fell between turns
         return kept, []
     out: list[Item] = []

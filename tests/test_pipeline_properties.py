@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+from itertools import accumulate
 from typing import Any
 
 import orjson
@@ -24,11 +25,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.core.bands import split_turns
+from proxy.core.bands import assign_groups, split_turns
 from proxy.core.errors import ContextLengthExceeded, CtxProxyError
+from proxy.core.items import Item
 from proxy.core.modelinfo import ModelMap
 from proxy.core.tokens import TokenCounter
-from proxy.pipeline import Assembly, assemble, chain_hashes
+from proxy.pipeline import Assembly, assemble, chain_hashes, whole_turns
 from proxy.policy import Routes, policy_for
 from proxy.wire.chat import WIRE as CHAT
 from tests.helpers import (
@@ -274,3 +276,28 @@ def test_remembered_chain_links_give_the_chain_a_fresh_count_gives(
 
     for messages in (first, later, first):
         assert chain(messages, counter) == chain(messages, None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_whole_turns_with_the_turns_ends_is_whole_turns(data: st.DataObject) -> None:
+    """Told where the turns end, ``whole_turns`` tests only the cut turns' items, and gives the same."""
+    history: list[Item] = []
+    for i in range(data.draw(st.integers(0, 40))):
+        kind = data.draw(st.sampled_from(["user", "assistant", "call", "result"]))
+        if kind == "call":
+            history.append(Item({}, "assistant", call_ids=(f"c{i}",)))
+        elif kind == "result":
+            history.append(Item({}, "tool", result_id=f"c{i - 1}"))
+        else:
+            history.append(Item({}, kind))
+        history[-1].pinned = data.draw(st.booleans()) and data.draw(st.booleans())
+    assign_groups(history, False)
+    kept = [item for item in history if data.draw(st.booleans())]
+    for _ in range(data.draw(st.integers(0, 3))):  # a context manager's own items (a summary, masked copies)
+        kept.insert(data.draw(st.integers(0, len(kept))), Item({}, data.draw(st.sampled_from(["user", "tool"]))))
+    ends = list(accumulate(map(len, split_turns(history))))
+    fast, fast_cut = whole_turns(history, kept, ends)
+    slow, slow_cut = whole_turns(history, kept)
+    assert list(map(id, fast)) == list(map(id, slow))
+    assert list(map(id, fast_cut)) == list(map(id, slow_cut))
