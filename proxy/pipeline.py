@@ -329,6 +329,7 @@ def _tokens(items: list[Item]) -> int:
 
 TOKENS = attrgetter("tokens")
 ROLE = attrgetter("role")
+PINNED = attrgetter("pinned")
 
 
 def new_report(wire: WireAdapter, route: ModelRoute, policy: Policy, calibration: float,
@@ -407,7 +408,7 @@ def _view(wire: WireAdapter, counter: TokenCounter, services: Services, budget: 
 
     return HistoryView(
         turns=turns,
-        turn_tokens=[_tokens(t) for t in turns],
+        turn_tokens=[sum(map(TOKENS, t)) for t in turns],
         chain_fn=lambda: chain_hashes(turns, counter),
         pinned_tokens=pinned,
         budget=budget,
@@ -597,12 +598,12 @@ def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibrati
 
 
 def _pinned(items: list[Item]) -> list[Item]:
-    return [item for item in items if item.pinned]
+    return list(filter(PINNED, items))
 
 
 def _keep_pinned(before: list[Item], after: list[Item]) -> list[Item]:
     """Put back pinned items a context manager dropped: at the head of the kept history (they were older)."""
-    pinned = [item for item in before if item.pinned]
+    pinned = _pinned(before)
     if not pinned:
         return after
     kept = set(map(id, after))
