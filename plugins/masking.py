@@ -30,6 +30,7 @@ import bisect
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import eq
 from typing import Any
 
 from plugins.base import HistoryResult, HistoryView
@@ -140,16 +141,32 @@ def grid(results: list[_Result], maskable: int, step: int, tokens: int) -> list[
 
 
 def _results(turns: list[list[Item]]) -> list[_Result]:
-    """Every tool result of the history, in order, with the call it answers."""
-    calls: dict[str, Item] = {}
-    out: list[_Result] = []
-    for t, turn in enumerate(turns):
-        for i, item in enumerate(turn):
+    """Every tool result of the history, in order, with the call it answers.
+
+    The walk is remembered with the history's first item (``Item.walk``: one per conversation, replaced by the next
+    walk): a later request whose history begins with the same turns (the very same items, in the same order) walks
+    only the turns after them. The result list it returns is its own.
+    """
+    holder = turns[0][0] if turns and turns[0] else None
+    walk = holder.walk if holder is not None else None
+    start = 0
+    if walk is not None:
+        known, results, calls = walk
+        if len(known) <= len(turns) and all(map(eq, known, turns)):  # (lists of items: compared by identity)
+            start = len(known)
+    if start == 0:
+        known, results, calls = (), (), {}
+    out = list(results)
+    calls = dict(calls)
+    for t in range(start, len(turns)):
+        for i, item in enumerate(turns[t]):
             if item.call_ids:
                 for call_id in item.call_ids:
                     calls[call_id] = item
             if item.result_id is not None and item.role == TOOL:
                 out.append((t, i, item, calls.get(item.result_id)))
+    if holder is not None and start < len(turns):
+        holder.walk = (known + tuple([list(turn) for turn in turns[start:]]), tuple(out), calls)
     return out
 
 

@@ -39,10 +39,11 @@ class Item:
     input item); items a wire splits out of one element share it. ``pinned``: never dropped
     or summarised away. ``key``/``tokens``: content key and token count, set by the wire.
     ``group``: items with the same group are one atomic tool group (set after pairing repair).
-    ``masked``: observation masking's copy of a result, remembered with the item.
+    ``masked``: observation masking's copy of a result, remembered with the item; ``walk``: its walk of a history
+    this item begins.
     """
 
-    __slots__ = ("call_ids", "group", "key", "masked", "pinned", "raw", "result_id", "role", "source", "tokens")
+    __slots__ = ("call_ids", "group", "key", "masked", "pinned", "raw", "result_id", "role", "source", "tokens", "walk")
 
     def __init__(
         self,
@@ -67,6 +68,10 @@ class Item:
         # observation masking's copy of this result, kept for the next request that resumes the conversation
         # (``plugins.masking``): (the call's content key, the copy, its record: call id, tool, tokens removed)
         self.masked: tuple[int, Item | None, dict[str, Any]] | None = None
+        # observation masking's last walk of a history this item begins (``plugins.masking``): its turns, the
+        # results found in them (turn, position, result, call) and the calls by id
+        self.walk: tuple[tuple[list[Item], ...], tuple[tuple[int, int, Item, Item | None], ...], dict[str, Item]] \
+            | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.role}, calls={self.call_ids}, result={self.result_id}, src={self.source})"
