@@ -30,7 +30,8 @@ import bisect
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from operator import eq
+from itertools import chain
+from operator import attrgetter, eq
 from typing import Any
 
 from plugins.base import HistoryResult, HistoryView
@@ -140,6 +141,9 @@ def grid(results: list[_Result], maskable: int, step: int, tokens: int) -> list[
     return lines
 
 
+UNKEPT = attrgetter("unkept")
+
+
 def _results(turns: list[list[Item]]) -> list[_Result]:
     """Every tool result of the history, in order, with the call it answers.
 
@@ -165,7 +169,8 @@ def _results(turns: list[list[Item]]) -> list[_Result]:
                     calls[call_id] = item
             if item.result_id is not None and item.role == TOOL:
                 out.append((t, i, item, calls.get(item.result_id)))
-    if holder is not None and start < len(turns):
+    if holder is not None and start < len(turns) and not any(map(UNKEPT, chain.from_iterable(turns[start:]))):
+        # (a request the warm memory did not keep is not remembered here either: it would hold it uncounted)
         holder.walk = (known + tuple([list(turn) for turn in turns[start:]]), tuple(out), calls)
     return out
 

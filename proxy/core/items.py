@@ -43,7 +43,8 @@ class Item:
     this item begins.
     """
 
-    __slots__ = ("call_ids", "group", "key", "masked", "pinned", "raw", "result_id", "role", "source", "tokens", "walk")
+    __slots__ = ("call_ids", "group", "key", "masked", "pinned", "raw", "result_id", "role", "source", "tokens",
+                 "unkept", "walk")
 
     def __init__(
         self,
@@ -70,6 +71,7 @@ class Item:
         self.masked: tuple[int, Item | None, dict[str, Any]] | None = None
         # observation masking's last walk of a history this item begins (``plugins.masking``): its turns, the
         # results found in them (turn, position, result, call) and the calls by id
+        self.unkept = False  # a new item of a request the warm memory did not keep (``proxy.core.warm.not_kept``)
         self.walk: tuple[tuple[list[Item], ...], tuple[tuple[int, int, Item, Item | None], ...], dict[str, Item]] \
             | None = None
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import copy
 from collections.abc import Mapping
-from operator import is_
+from operator import attrgetter, is_
 from typing import Any, NamedTuple
 
 from proxy.core.bands import assign_groups
@@ -45,6 +45,7 @@ from proxy.core.tokens import (
     resumed_content_keys,
 )
 from proxy.core.usage import UsageForm
+from proxy.core.warm import not_kept
 from proxy.wire.messages.errors import error_body
 from proxy.wire.messages.items import SALT, THINKING, AnthropicItem, Block, count_raw
 from proxy.wire.messages.shape import check_body
@@ -150,11 +151,14 @@ def render_messages(items: list[Item], sent: list[Any] | None = None) -> list[Me
             restart = anchor + memo.starts[reused]
     render.feed(restart, len(items), sent)
     out = render.finish()
+    if any(map(UNKEPT, items[restart:])):  # a request the warm memory did not keep: not held here either
+        return out
     holder.memo = _Memo(tuple(items[anchor:]), tuple(sent), tuple(out[head:]),
                        tuple([i - anchor for i in render.starts[head:]]), tuple(render.reach[head:]))
     return out
 
 
+UNKEPT = attrgetter("unkept")
 ANCHORS = 2  # where the item a render is remembered with may be: first, or after a summary
 
 
@@ -457,8 +461,8 @@ class MessagesWire:
             return Conversation(own, _fixed(body, counter), False)
         items = [*known.items, *tail] if known is not None else tail  # the known ones re-pointed when rendered
         assign_groups(items, self.merge_call_runs, len(known.items) if known is not None else 0)
-        memory.keep(tenant, self.name, keys, items[:], size, marks, tuple(messages))  # copies: the request
-        # may change its own lists
+        if not memory.keep(tenant, self.name, keys, items[:], size, marks, tuple(messages)):  # (copies: the
+            not_kept(tail)  # request may change its own lists)
         root = items[0] if isinstance(items[0], AnthropicItem) else None
         for new in split:
             new.remembered = True
