@@ -11,6 +11,7 @@ import pytest
 
 from proxy.core.warm import Conversations
 from tests.conftest import StartProxy
+from tests.core.test_warm_fresh import cfg as fresh_config
 from tests.fake_upstream import FakeUpstream
 from tests.helpers import words
 from tests.outside import share_model_map
@@ -23,16 +24,7 @@ def _shared_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def cfg(upstream: FakeUpstream) -> dict[str, Any]:
-    common = {"context_window": 200_000, "max_output_tokens": 4_096, "tokenizer": "o200k_base", "calibration": "off"}
-    return {
-        "upstreams": {"openai": {"base_url": upstream.base_url},
-                      "anthropic": {"base_url": upstream.url, "api": "anthropic", "api_key": "sk-ant-up"}},
-        "default_upstream": "openai",
-        "models": [{"name": "gpt-x", **common}, {"name": "claude-x", "upstream": "anthropic", **common}],
-        "cache": {"backend": "memory"},
-        "context_manager": {"type": "observation-masking", "params": {"keep_recent": 1, "mask_step": 1}},
-        "trimmer": {"max_tokens": 3000},
-    }
+    return fresh_config(upstream, {"type": "observation-masking", "params": {"keep_recent": 1, "mask_step": 1}}, 3000)
 
 
 def call(i: int) -> list[dict[str, Any]]:
@@ -96,7 +88,7 @@ async def test_an_unkept_request_is_not_retained(upstream: FakeUpstream, start_p
             _system, converted = mh.from_chat(m)
             path, body = "/v1/messages", {"model": "claude-x", "max_tokens": 256, "messages": converted}
         async with aiohttp.ClientSession() as s, s.post(proxy.url + path, json=body, headers={
-                "authorization": "Bearer x", "x-api-key": "x", "anthropic-version": "2023-06-01"}) as r:
+                "authorization": "Bearer sk-a", "x-api-key": "sk-a", "anthropic-version": "2023-06-01"}) as r:
             await r.read()
             return r.status
 
