@@ -490,31 +490,23 @@ def whole_turns(history: list[Item], kept: list[Item], ends: list[int] | None = 
     the first user item form a preamble turn) is kept from its start or not at all: a kept item
     whose turn's first item was cut goes too, by whole tool groups. Pinned items stay wherever they
     are, as do items that are not in ``history`` (a context manager's own). Linear in the items.
-    ``ends``: where each turn of ``history`` ends (``split_turns``'s, accumulated), when known: then the items of a
-    turn whose start was kept are not looked at, and those of one whose start was cut are tested at C speed.
+    ``ends``: where each turn of ``history`` ends (``split_turns``'s, accumulated; made here when not given): the
+    items of a turn whose start was kept are not looked at, and those of one whose start was cut at C speed.
     """
     if not kept:
         return kept, []
+    if ends is None:
+        ends = list(accumulate(map(len, split_turns(history))))
     present = set(map(id, kept))
+    contains = present.__contains__
     orphans: set[int] = set()  # kept items whose turn's first item was cut
-    if ends is not None:
-        start = 0
-        contains = present.__contains__
-        for end in ends:
-            if id(history[start]) not in present:
-                rest = list(map(id, history[start + 1:end]))
-                if any(map(contains, rest)):
-                    orphans.update(filter(contains, rest))
-            start = end
-    else:
-        first = True
-        start_kept = True
-        for item in history:
-            if first or item.role == USER:
-                first = False
-                start_kept = id(item) in present
-            elif not start_kept and id(item) in present:
-                orphans.add(id(item))
+    start = 0
+    for end in ends:
+        if id(history[start]) not in present:
+            rest = list(map(id, history[start + 1:end]))
+            if any(map(contains, rest)):
+                orphans.update(filter(contains, rest))
+        start = end
     if not orphans:  # the usual case: every cut fell between turns
         return kept, []
     out: list[Item] = []

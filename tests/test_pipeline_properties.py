@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.core.bands import assign_groups, split_turns
+from proxy.core.bands import assign_groups, split_turns, tool_groups
 from proxy.core.errors import ContextLengthExceeded, CtxProxyError
 from proxy.core.items import Item
 from proxy.core.modelinfo import ModelMap
@@ -281,7 +281,8 @@ def test_remembered_chain_links_give_the_chain_a_fresh_count_gives(
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_whole_turns_with_the_turns_ends_is_whole_turns(data: st.DataObject) -> None:
-    """Told where the turns end, ``whole_turns`` tests only the cut turns' items, and gives the same."""
+    """Told where the turns end (or making them), ``whole_turns`` tests only the cut turns' items, and gives what
+    testing item by item gives."""
     history: list[Item] = []
     for i in range(data.draw(st.integers(0, 40))):
         kind = data.draw(st.sampled_from(["user", "assistant", "call", "result"]))
@@ -298,6 +299,30 @@ def test_whole_turns_with_the_turns_ends_is_whole_turns(data: st.DataObject) -> 
         kept.insert(data.draw(st.integers(0, len(kept))), Item({}, data.draw(st.sampled_from(["user", "tool"]))))
     ends = list(accumulate(map(len, split_turns(history))))
     fast, fast_cut = whole_turns(history, kept, ends)
-    slow, slow_cut = whole_turns(history, kept)
+    slow, slow_cut = whole_turns_item_by_item(history, kept)
     assert list(map(id, fast)) == list(map(id, slow))
     assert list(map(id, fast_cut)) == list(map(id, slow_cut))
+    derived, derived_cut = whole_turns(history, kept)  # the ends made from the history
+    assert list(map(id, derived)) == list(map(id, slow)) and list(map(id, derived_cut)) == list(map(id, slow_cut))
+
+
+def whole_turns_item_by_item(history: list[Item], kept: list[Item]) -> tuple[list[Item], list[Item]]:
+    """The whole-turns check as it was first written: item by item, a turn starting at each user item."""
+    if not kept:
+        return kept, []
+    present = {id(item) for item in kept}
+    orphans: set[int] = set()
+    start_kept, first = True, True
+    for item in history:
+        if first or item.role == "user":
+            first, start_kept = False, id(item) in present
+        elif not start_kept and id(item) in present:
+            orphans.add(id(item))
+    if not orphans:
+        return kept, []
+    out: list[Item] = []
+    cut: list[Item] = []
+    for group in tool_groups(kept):
+        orphaned = any(id(item) in orphans for item in group)
+        (cut if orphaned and not any(item.pinned for item in group) else out).extend(group)
+    return (out, cut) if cut else (kept, cut)

@@ -69,9 +69,9 @@ class Item:
         # observation masking's copy of this result, kept for the next request that resumes the conversation
         # (``plugins.masking``): (the call's content key, the copy, its record: call id, tool, tokens removed)
         self.masked: tuple[int, Item | None, dict[str, Any]] | None = None
+        self.unkept = False  # a new item of a request the warm memory did not keep (``Conversations.keep``)
         # observation masking's last walk of a history this item begins (``plugins.masking``): its turns, the
         # results found in them (turn, position, result, call) and the calls by id
-        self.unkept = False  # a new item of a request the warm memory did not keep (``proxy.core.warm.not_kept``)
         self.walk: tuple[tuple[list[Item], ...], tuple[tuple[int, int, Item, Item | None], ...], dict[str, Item]] \
             | None = None
 

@@ -111,12 +111,15 @@ class Conversations:
         return best
 
     def keep(self, tenant: str, wire: str, keys: list[int], items: list[Item], size: int, extra: int = 0,
-             elements: tuple[Any, ...] = ()) -> bool:
+             elements: tuple[Any, ...] = (), new: list[Item] | None = None) -> None:
         """Remember a parsed request (``items`` must not change afterwards; ``size``: its elements' JSON, in
-        bytes; ``elements``: the elements); it replaces the ones it extends. False: it was not kept (too large, or
-        too short to be found again)."""
+        bytes; ``elements``: the elements); it replaces the ones it extends. A request not kept (too large, or too
+        short to be found again) has its ``new`` items marked (``Item.unkept``): what is remembered with the items
+        kept before it (a walk of the history, a render) must not hold them, uncounted."""
         if len(keys) < 2 or len(items) > self._max_items or size > self._max_bytes // 4:
-            return False
+            for item in new or ():
+                item.unkept = True
+            return
         entry = (tenant, wire, keys[0], keys[1])
         known = Known(keys, items, size, extra, elements)
         with self._lock:
@@ -138,14 +141,6 @@ class Conversations:
                 _, dropped = self._known.popitem(last=False)
                 self._items -= sum(len(k.items) for k in dropped)
                 self._bytes -= sum(k.size for k in dropped)
-        return True
-
-
-def not_kept(items: list[Item]) -> None:
-    """Mark the new items of a request the warm memory did not keep (``Item.unkept``): what is remembered with the
-    items it kept (a walk of the history, a render) must not hold them."""
-    for item in items:
-        item.unkept = True
 
 
 def _same_objects(elements: list[Any], known: tuple[Any, ...]) -> int:

@@ -28,7 +28,6 @@ from proxy.core.tokens import (
     resumed_content_keys,
 )
 from proxy.core.usage import UsageForm
-from proxy.core.warm import not_kept
 from proxy.wire.chat.errors import error_body
 from proxy.wire.chat.items import LEGACY, SALT, ChatItem, Message, build_items, count_message
 from proxy.wire.chat.shape import fast_scan
@@ -104,8 +103,8 @@ class ChatWire:
         else:
             items = tail
         assign_groups(items, self.merge_call_runs, start)  # numbered before anyone else may resume from them
-        if not memory.keep(tenant, self.name, keys, items[:], size, elements=tuple(messages)):  # (copies: the
-            not_kept(tail)  # request may change its own lists)
+        memory.keep(tenant, self.name, keys, items[:], size, elements=tuple(messages), new=tail)  # copies: the
+        # request may change its own lists
         return Conversation(items, _fixed(body, counter), True, grouped=len(items))
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:

@@ -45,7 +45,6 @@ from proxy.core.tokens import (
     resumed_content_keys,
 )
 from proxy.core.usage import UsageForm
-from proxy.core.warm import not_kept
 from proxy.wire.messages.errors import error_body
 from proxy.wire.messages.items import SALT, THINKING, AnthropicItem, Block, count_raw
 from proxy.wire.messages.shape import check_body
@@ -125,12 +124,11 @@ def render_messages(items: list[Item], sent: list[Any] | None = None) -> list[Me
     re-pointing would change none of their items, and a fresh render gives the same).
     """
     render = _Render(items)
-    anchor = next((i for i in range(min(ANCHORS, len(items)))
-                   if isinstance(item := items[i], AnthropicItem) and item.remembered and item.role != OTHER), -1)
     if type(sent) is not list:
-        render.feed(0, len(items))
-        return render.finish()
-    if anchor < 0:
+        sent = None
+    anchor = -1 if sent is None else next((i for i in range(min(ANCHORS, len(items))) if isinstance(
+        item := items[i], AnthropicItem) and item.remembered and item.role != OTHER), -1)
+    if sent is None or anchor < 0:
         render.feed(0, len(items), sent)
         return render.finish()
     render.feed(0, anchor, sent)
@@ -159,11 +157,11 @@ def render_messages(items: list[Item], sent: list[Any] | None = None) -> list[Me
 
 
 UNKEPT = attrgetter("unkept")
-ANCHORS = 2  # where the item a render is remembered with may be: first, or after a summary
+ANCHORS = 2  # where the first remembered item, from which a render is remembered, may be: first, or after a summary
 
 
 class _Memo(NamedTuple):
-    """A render remembered with its anchor item (``render_messages``)."""
+    """A conversation's last render, from its anchor item on (``render_messages``)."""
 
     items: tuple[Item, ...]  # the items rendered, from the anchor on
     sent: tuple[Any, ...]  # the client's messages they were re-pointed to
@@ -461,8 +459,8 @@ class MessagesWire:
             return Conversation(own, _fixed(body, counter), False)
         items = [*known.items, *tail] if known is not None else tail  # the known ones re-pointed when rendered
         assign_groups(items, self.merge_call_runs, len(known.items) if known is not None else 0)
-        if not memory.keep(tenant, self.name, keys, items[:], size, marks, tuple(messages)):  # (copies: the
-            not_kept(tail)  # request may change its own lists)
+        memory.keep(tenant, self.name, keys, items[:], size, marks, tuple(messages), new=tail)  # copies: the
+        # request may change its own lists
         root = items[0] if isinstance(items[0], AnthropicItem) else None
         for new in split:
             new.remembered = True

@@ -38,7 +38,6 @@ from proxy.core.tokens import (
     resumed_content_keys,
 )
 from proxy.core.usage import UsageForm
-from proxy.core.warm import not_kept
 from proxy.wire.protocol import STANDARD_KEY_HEADERS, model_field_changes, top_level_limits
 from proxy.wire.responses.errors import error_body
 from proxy.wire.responses.items import (
@@ -158,8 +157,8 @@ class ResponsesWire:
         else:
             items = tail
         assign_groups(items, self.merge_call_runs, len(known.items) if known is not None else 0)
-        if not memory.keep(tenant, self.name, keys, items[:], size, elements=tuple(value)):  # (copies: the
-            not_kept(tail)  # request may change its own lists)
+        memory.keep(tenant, self.name, keys, items[:], size, elements=tuple(value), new=tail)  # copies: the
+        # request may change its own lists
         return Conversation(items, _fixed(body, counter), True, grouped=len(items))
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
