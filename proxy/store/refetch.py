@@ -29,6 +29,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import attrgetter, is_not
 
 from proxy.core.items import TOOL, Item
 from proxy.store.prefix import conversation_head
@@ -37,6 +39,8 @@ HOW = ("masked", "summarised", "dropped")
 CONVERSATIONS = 4096  # per tenant
 PER_CONVERSATION = 256
 SIGNATURES = 65_536  # per tenant: removed and re-fetched ids remembered in all (~10 MB)
+KEY = attrgetter("key")
+RESULT_ID = attrgetter("result_id")
 
 
 def signature(name: str, arguments: str) -> int:
@@ -65,23 +69,27 @@ def removed_outputs(received: list[Item], forwarded: list[Item],
     """
     if forwarded is received:
         return []
-    sent = set(map(id, forwarded))
-    if sent.issuperset(map(id, received)):
+    sent = set(map(id, forwarded))  # (what is forwarded is usually far shorter than what was received)
+    results = [item for item in _with_result_id(received) if item.role == TOOL]
+    verbatim = [item for item in results if id(item) in sent]
+    if len(verbatim) == len(results):
         return []
-    mine = set(map(id, received))
-    copies: set[str] = set()
-    answered: set[str] = set()
-    for item in forwarded:
-        if item.role == TOOL and item.result_id is not None:
-            (answered if id(item) in mine else copies).add(item.result_id)
-    inside = set(map(id, summarised))
+    answered = {item.result_id for item in verbatim}
+    # the ids results forwarded answer (the received ones' are answered: only copies masking made count below)
+    copies = {item.result_id for item in _with_result_id(forwarded) if item.role == TOOL}
+    inside = set(map(id, _with_result_id(summarised)))
     out: list[tuple[Item, str]] = []
-    for item in received:
-        if item.role != TOOL or item.result_id is None or id(item) in sent or item.result_id in answered:
+    for item in results:
+        if id(item) in sent or item.result_id in answered:
             continue
         how = "masked" if item.result_id in copies else "summarised" if id(item) in inside else "dropped"
         out.append((item, how))
     return out
+
+
+def _with_result_id(items: Collection[Item]) -> Iterator[Item]:
+    """The items that answer a call (``result_id`` set), in order (the others are passed over at C speed)."""
+    return compress(items, map(is_not, map(RESULT_ID, items), repeat(None)))
 
 
 @dataclass
@@ -114,7 +122,7 @@ class RefetchTracker:
         if not received:
             return {}
         conversation = hash(tuple(conversation_head(received)))
-        keys = tuple(item.key for item in received)
+        keys = tuple(map(KEY, received))
         with self._lock:
             mine = self._tenants.get(tenant)
             previous = mine.get(conversation) if mine is not None else None
@@ -123,21 +131,22 @@ class RefetchTracker:
                 and hash(keys[: previous.length]) == previous.digest:
             new = [call for item in received[previous.length:] if item.call_ids for call in calls_of(item)]
         removed = removed_outputs(received, forwarded, summarised)
-        calls: dict[str, Item] = {}
-        if removed:
-            for item in received:
-                for call_id in item.call_ids:
-                    calls[call_id] = item
         known = previous.removed if previous is not None else {}
+        calls: dict[str, Item] | None = None  # call id -> the item that makes it: read only for a result not known
         remembered: dict[int, tuple[int, str]] = {}
         for result, how in removed[-self._per:]:
             ident = hash(result.result_id)
-            sig = known[ident][0] if ident in known else _answered(result, calls.get(result.result_id or ""))
+            if ident in known:
+                sig: int | None = known[ident][0]
+            else:
+                if calls is None:
+                    calls = {call_id: item for item in received if item.call_ids for call_id in item.call_ids}
+                sig = _answered(result, calls.get(result.result_id or ""))
             if sig is not None:
                 remembered[ident] = (sig, how)
         by_signature: dict[int, list[int]] = {}
-        for ident, (sig, _) in known.items():
-            by_signature.setdefault(sig, []).append(ident)
+        for ident, (sig_, _) in known.items() if new else ():
+            by_signature.setdefault(sig_, []).append(ident)
         counts: dict[str, int] = {}
         with self._lock:
             refetched = previous.refetched if previous is not None else OrderedDict()
