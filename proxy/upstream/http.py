@@ -69,9 +69,11 @@ class UpstreamPool:
             connector = aiohttp.TCPConnector(limit=upstream.max_connections, ttl_dns_cache=300,
                                              enable_cleanup_closed=True, keepalive_timeout=upstream.keepalive_seconds)
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.server.connect_timeout)
+            # no cookie jar: a provider's Set-Cookie (a CDN's session cookie) answered to one client's request
+            # must never go out with another's; the proxy relays no cookies either way (HOP_BY_HOP, RESPONSE_DROP)
             session = aiohttp.ClientSession(
                 connector=connector, timeout=timeout, auto_decompress=True, skip_auto_headers=("User-Agent",),
-                json_serialize=lambda obj: orjson.dumps(obj).decode(),
+                json_serialize=lambda obj: orjson.dumps(obj).decode(), cookie_jar=aiohttp.DummyCookieJar(),
             )
             self._sessions[key] = session
         return session

@@ -553,3 +553,37 @@ async def test_raw_upstream_faults(start_proxy: Any, mode: str, stream: bool, st
         assert await eventually(lambda: Resources.take(proxy).acquired == 0)
     finally:
         await raw_up.stop()
+
+
+async def test_a_cookie_one_upstream_answer_sets_is_never_sent_with_another_request(
+    serve_routes: Callable[[dict[str, Handler]], Awaitable[str]], start_proxy: StartProxy
+) -> None:
+    """The proxy's upstream sessions keep no cookies: a provider's ``Set-Cookie`` (a CDN's session cookie) answered
+    to one tenant's request would otherwise go out with every later request, any tenant's, on that connection pool.
+    (A cookie jar ignores cookies of an IP address: the upstream is named ``localhost`` here.)"""
+    cookies: list[str | None] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        cookies.append(request.headers.get("Cookie"))
+        return web.json_response({"id": "chatcmpl-1", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]},
+            headers={"Set-Cookie": "__cf_bm=tenant-a-session; Path=/; HttpOnly"})
+
+    async def models(request: web.Request) -> web.Response:
+        cookies.append(request.headers.get("Cookie"))
+        return web.json_response({"object": "list", "data": []})
+
+    base = (await serve_routes({"/v1/chat/completions": completions, "/v1/models": models})).replace(
+        "127.0.0.1", "localhost")
+    tenants = [{"name": "a", "keys": ["sk-tenant-a"]}, {"name": "b", "keys": ["sk-tenant-b"]}]
+    proxy = await start_proxy(base_config(base, tenants=tenants))
+    async with aiohttp.ClientSession() as s:
+        for key in ("sk-tenant-a", "sk-tenant-b"):
+            body = chat_body([{"role": "user", "content": "hi"}], MODEL)
+            async with s.post(proxy.base_url + "/chat/completions", json=body,
+                              headers={"Authorization": f"Bearer {key}"}) as r:
+                assert r.status == 200, await r.text()
+                assert "Set-Cookie" not in r.headers
+        async with s.get(proxy.base_url + "/models", headers={"Authorization": "Bearer sk-tenant-b"}) as r:
+            assert r.status == 200, await r.text()
+    assert cookies == [None, None, None]
