@@ -2,7 +2,8 @@
 # Side-by-side overhead benchmark: the harness in this folder (compare.py: fake upstream + wrk, direct vs
 # proxy, alternating) run for ctxproxy in two configurations (agent_long under budget = pure pass-through;
 # over budget = summarising with a cached summary) and, when a LiteLLM venv is given, for LiteLLM in the
-# same run, and for context-guardian when a venv of it is given. `make bench` calls it.
+# same run, and for context-guardian when a venv of it is given; and the HTTP stack's floor (floor_relay.py:
+# aiohttp relaying bytes, nothing else). `make bench` calls it.
 #
 # usage: bench/compare.sh [LITELLM_VENV] [extra compare.py options, e.g. --rounds 3 --duration 10s]
 #        (LITELLM_VENV and CG_VENV may also come from the environment; BENCH_OUT sets the output folder)
@@ -40,6 +41,8 @@ run() {  # label, proxy command, extra options...
 cache="$(mktemp -d)"
 trap 'rm -rf "$cache"' EXIT
 export CTXPROXY_CACHE_DIR="$cache"
+# the floor: the same HTTP stack relaying bytes and nothing else (floor_relay.py)
+run floor "$py $here/floor_relay.py --port {port}" "$@"
 run ctxproxy-under "$root/.venv/bin/ctxproxy serve --config $here/configs/under_budget.yaml --port {port}" "$@"
 run ctxproxy-over "$root/.venv/bin/ctxproxy serve --config $here/configs/over_budget.yaml --port {port}" "$@"
 if [ -n "$litellm_venv" ]; then

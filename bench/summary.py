@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """The proxies of one `bench/compare.sh` run side by side: CPU per request and requests per second.
 
-Reads the raw measurements compare.sh wrote (``<label>.json`` in the folder given) for ctxproxy under
-and over budget, context-guardian and LiteLLM (those that ran), and prints one markdown table: per
-payload and number of connections, the direct path's rps, then each proxy's median CPU time per
-request of its process tree and median rps (min–max over the rounds), and ctxproxy's rps as a
-multiple of LiteLLM's.
+Reads the raw measurements compare.sh wrote (``<label>.json`` in the folder given) for the HTTP stack's
+floor (``floor_relay.py``), ctxproxy under and over budget, context-guardian and LiteLLM (those that ran),
+and prints one markdown table: per payload and number of connections, the direct path's rps, then each
+one's median CPU time per request of its process tree and median rps (min–max over the rounds), and
+ctxproxy's rps as a multiple of LiteLLM's.
 
     .venv/bin/python bench/summary.py bench/results/latest
 """
@@ -17,7 +17,8 @@ import statistics
 import sys
 from pathlib import Path
 
-LABELS = (("ctxproxy-under", "ctxproxy (under budget)"), ("ctxproxy-over", "ctxproxy (over budget, cached summary)"),
+LABELS = (("floor", "floor (aiohttp relaying bytes)"), ("ctxproxy-under", "ctxproxy (under budget)"),
+          ("ctxproxy-over", "ctxproxy (over budget, cached summary)"),
           ("context-guardian", "context-guardian"), ("litellm", "LiteLLM"))
 
 
