@@ -45,18 +45,22 @@ def main() -> int:
     print("| payload | conns | direct rps | " + " | ".join(f"{n} CPU/req, rps" for _, n in names)
           + (" | ctxproxy rps / LiteLLM rps |" if "litellm" in runs and "ctxproxy-under" in runs else " |"))
     print("|---|---|---|" + "---|" * len(names) + ("---|" if "litellm" in runs and "ctxproxy-under" in runs else ""))
-    first = next(iter(runs.values()))
-    for payload, conns in sorted(first, key=lambda pc: (pc[0] != "small.json", pc)):
-        direct = statistics.median(r["rps"] for run in runs.values() for r in run[(payload, conns)]["direct"])
-        line = f"| {payload.split('.')[0]} | {conns} | {direct:,.0f} |"
+    every = {cell for run in runs.values() for cell in run}  # (a run that lacks a cell shows a dash there)
+    for payload, conns in sorted(every, key=lambda pc: (pc[0] != "small.json", pc)):
+        directs = [r["rps"] for run in runs.values() for r in run.get((payload, conns), {}).get("direct", [])]
+        line = f"| {payload.split('.')[0]} | {conns} | {statistics.median(directs):,.0f} |" if directs \
+            else f"| {payload.split('.')[0]} | {conns} | – |"
         for label, _ in names:
-            proxy = runs[label][(payload, conns)]["proxy"]
+            proxy = runs[label].get((payload, conns), {}).get("proxy")
+            if not proxy:
+                line += " – |"
+                continue
             cpu, rps = figure(proxy, "cpu_ms_per_req"), figure(proxy, "rps")
             line += f" {cpu[0]:.2f} ms ({cpu[1]:.2f}–{cpu[2]:.2f}), {rps[0]:,.0f} ({rps[1]:,.0f}–{rps[2]:,.0f}) |"
         if "litellm" in runs and "ctxproxy-under" in runs:
-            mine = figure(runs["ctxproxy-under"][(payload, conns)]["proxy"], "rps")[0]
-            theirs = figure(runs["litellm"][(payload, conns)]["proxy"], "rps")[0]
-            line += f" {mine / theirs:.1f}× |"
+            mine = runs["ctxproxy-under"].get((payload, conns), {}).get("proxy")
+            theirs = runs["litellm"].get((payload, conns), {}).get("proxy")
+            line += f" {figure(mine, 'rps')[0] / figure(theirs, 'rps')[0]:.1f}× |" if mine and theirs else " – |"
         print(line)
     return 0
 

@@ -89,6 +89,8 @@ def removed_outputs(received: list[Item], forwarded: list[Item],
 
 def _with_result_id(items: Collection[Item]) -> Iterator[Item]:
     """The items that answer a call (``result_id`` set), in order (the others are passed over at C speed)."""
+    if not isinstance(items, (list, tuple)):  # (read twice below: a one-pass iterable is read once, here)
+        items = list(items)
     return compress(items, map(is_not, map(RESULT_ID, items), repeat(None)))
 
 

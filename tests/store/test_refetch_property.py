@@ -71,3 +71,7 @@ def test_removed_outputs_is_its_definition(request: tuple[list[Item], list[Item]
     received, forwarded, summarised = request
     assert removed_outputs(received, forwarded, summarised) == removed_by_definition(received, forwarded, summarised)
     assert removed_outputs(received, received, summarised) == []
+    # ``summarised`` as any collection (a set) or a one-pass iterable reads the same
+    expected = removed_by_definition(received, forwarded, summarised)
+    assert removed_outputs(received, forwarded, set(summarised)) == expected
+    assert removed_outputs(received, forwarded, iter(summarised)) == expected  # type: ignore[arg-type]
