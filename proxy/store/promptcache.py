@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from operator import attrgetter
 
 from proxy.core.items import SYSTEM, Item
 from proxy.core.usage import Usage
@@ -69,8 +68,8 @@ class PromptCacheTracker:
             if item.role != SYSTEM:
                 break
         conversation = (tenant, hash(tuple(head)))
-        received_keys = tuple(map(KEY, received))
-        forwarded_keys = received_keys if forwarded is received else tuple(map(KEY, forwarded))
+        received_keys = tuple([item.key for item in received])
+        forwarded_keys = received_keys if forwarded is received else tuple([item.key for item in forwarded])
         previous = self._last.get(conversation)
         effect = CacheEffect()
         hit = previous.hit if previous is not None else None
@@ -99,7 +98,6 @@ class PromptCacheTracker:
         return effect
 
 
-KEY = attrgetter("key")
 
 
 def _extends(keys: tuple[int, ...], previous: tuple[int, int]) -> bool:

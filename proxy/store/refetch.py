@@ -29,8 +29,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
-from itertools import compress, repeat
-from operator import attrgetter, is_not
 
 from proxy.core.items import TOOL, Item
 from proxy.store.prefix import conversation_head
@@ -39,8 +37,6 @@ HOW = ("masked", "summarised", "dropped")
 CONVERSATIONS = 4096  # per tenant
 PER_CONVERSATION = 256
 SIGNATURES = 65_536  # per tenant: removed and re-fetched ids remembered in all (~10 MB)
-KEY = attrgetter("key")
-RESULT_ID = attrgetter("result_id")
 
 
 def signature(name: str, arguments: str) -> int:
@@ -69,15 +65,15 @@ def removed_outputs(received: list[Item], forwarded: list[Item],
     """
     if forwarded is received:
         return []
-    sent = set(map(id, forwarded))  # (what is forwarded is usually far shorter than what was received)
-    results = [item for item in _with_result_id(received) if item.role == TOOL]
+    sent = {id(item) for item in forwarded}  # (what is forwarded is usually far shorter than what was received)
+    results = [item for item in received if item.result_id is not None and item.role == TOOL]
     verbatim = [item for item in results if id(item) in sent]
     if len(verbatim) == len(results):
         return []
     answered = {item.result_id for item in verbatim}
     # the ids results forwarded answer (the received ones' are answered: only copies masking made count below)
-    copies = {item.result_id for item in _with_result_id(forwarded) if item.role == TOOL}
-    inside = set(map(id, _with_result_id(summarised)))
+    copies = {item.result_id for item in forwarded if item.result_id is not None and item.role == TOOL}
+    inside = {id(item) for item in summarised if item.result_id is not None}
     out: list[tuple[Item, str]] = []
     for item in results:
         if id(item) in sent or item.result_id in answered:
@@ -85,13 +81,6 @@ def removed_outputs(received: list[Item], forwarded: list[Item],
         how = "masked" if item.result_id in copies else "summarised" if id(item) in inside else "dropped"
         out.append((item, how))
     return out
-
-
-def _with_result_id(items: Collection[Item]) -> Iterator[Item]:
-    """The items that answer a call (``result_id`` set), in order (the others are passed over at C speed)."""
-    if not isinstance(items, (list, tuple)):  # (read twice below: a one-pass iterable is read once, here)
-        items = list(items)
-    return compress(items, map(is_not, map(RESULT_ID, items), repeat(None)))
 
 
 @dataclass
@@ -124,7 +113,7 @@ class RefetchTracker:
         if not received:
             return {}
         conversation = hash(tuple(conversation_head(received)))
-        keys = tuple(map(KEY, received))
+        keys = tuple([item.key for item in received])
         with self._lock:
             mine = self._tenants.get(tenant)
             previous = mine.get(conversation) if mine is not None else None

@@ -129,3 +129,17 @@ def test_media_digest(x: str, y: str, same: bool) -> None:
 def test_media_digest_without_a_comma_keeps_the_whole_string() -> None:
     assert media_digest("data:abc") != media_digest("abc")
     assert media_digest("x\ud800") != media_digest("x")  # a lone surrogate is hashed, not an error
+
+
+def test_items_compare_by_identity() -> None:
+    """The pipeline tells a forwarded list from the received one by list equality (``final != received``): one C pass
+    of identity tests, which holds only while no item class defines its own ``__eq__`` (two items with the same
+    content are still two items: a masked copy is not the result it replaced)."""
+    from proxy.wire.chat.items import ChatItem
+    from proxy.wire.messages.items import AnthropicItem
+    from proxy.wire.responses.items import ResponsesItem
+
+    for cls in (Item, ChatItem, AnthropicItem, ResponsesItem):
+        assert cls.__eq__ is object.__eq__, cls
+    a, b = Item({"role": "user", "content": "x"}, "user"), Item({"role": "user", "content": "x"}, "user")
+    assert [a] != [b] and [a] == [a]
