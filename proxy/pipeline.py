@@ -326,8 +326,6 @@ def _tokens(items: list[Item]) -> int:
     return sum([item.tokens for item in items])  # (a comprehension: faster than map with an attrgetter)
 
 
-
-
 def new_report(wire: WireAdapter, route: ModelRoute, policy: Policy, calibration: float,
                provider_window: int | None = None) -> Report:
     return Report(model=route.name, tenant=policy.tenant, context_manager=policy.binding.type, wire=wire.name,

@@ -98,8 +98,6 @@ class PromptCacheTracker:
         return effect
 
 
-
-
 def _extends(keys: tuple[int, ...], previous: tuple[int, int]) -> bool:
     n, digest = previous
     return len(keys) >= n and hash(keys[:n]) == digest

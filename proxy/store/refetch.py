@@ -135,9 +135,10 @@ class RefetchTracker:
                 sig = _answered(result, calls.get(result.result_id or ""))
             if sig is not None:
                 remembered[ident] = (sig, how)
-        by_signature: dict[int, list[int]] = {}
-        for ident, (sig_, _) in known.items() if new else ():
-            by_signature.setdefault(sig_, []).append(ident)
+        by_signature: dict[int, list[int]] = {}  # (read only when the request makes new calls)
+        if new:
+            for ident, (made, _) in known.items():
+                by_signature.setdefault(made, []).append(ident)
         counts: dict[str, int] = {}
         with self._lock:
             refetched = previous.refetched if previous is not None else OrderedDict()
