@@ -77,6 +77,8 @@ PLACEHOLDERS: dict[str, dict[str, Any]] = {
 }
 # outputs observation masking may replace by a text (the others are screenshots, tool lists, approvals …)
 TEXT_OUTPUTS = frozenset({*STRING_OUTPUTS, "apply_patch_call_output"})
+# the type of an item's ``raw`` when it is one input element as the client sent it (``render``'s fast path)
+ONLY_ELEMENTS = frozenset({dict})
 
 
 class ResponsesWire:
@@ -166,18 +168,17 @@ class ResponsesWire:
         source = body.get("input")
         if not (isinstance(source, str) and len(items) == 1 and items[0].raw is source) \
                 and not (source is None and not items):
-            rendered: list[Any] = []
-            append = rendered.append
-            for item in items:
-                raw = item.raw
-                if type(raw) is dict:  # (the usual case first: one element of the client's own)
-                    append(raw)
-                elif isinstance(raw, list):
-                    rendered.extend(raw)
-                elif isinstance(raw, str):
-                    append({"role": "user", "content": raw})
-                else:
-                    append(raw)
+            rendered: list[Any] = [item.raw for item in items]  # the usual case: each one element of the client's
+            if not ONLY_ELEMENTS.issuperset(map(type, rendered)):  # (a C pass, stopping at the first other type)
+                rendered = []
+                for item in items:
+                    raw = item.raw
+                    if isinstance(raw, list):
+                        rendered.extend(raw)
+                    elif isinstance(raw, str):
+                        rendered.append({"role": "user", "content": raw})
+                    else:
+                        rendered.append(raw)
             out["input"] = rendered
         out.update(changes)
         return out
