@@ -173,6 +173,14 @@ def test_string_input_is_one_user_turn_kept_as_a_string() -> None:
     assert recount(body) == conversation.fixed_tokens + conversation.items[0].tokens
 
 
+def test_a_string_input_rendered_beside_other_items_becomes_a_user_message() -> None:
+    body = body_of("what is 2+2?")
+    conversation = RESPONSES.parse(body, COUNTER)
+    summary = RESPONSES.summary("earlier: nothing", 0, COUNTER)
+    rendered = RESPONSES.render(body, [summary, *conversation.items], {})
+    assert rendered["input"] == [summary.raw, {"role": "user", "content": "what is 2+2?"}]
+
+
 def test_trailing_reasoning_is_dropped_as_a_counted_repair() -> None:
     items = [{"role": "user", "content": "hi"}, {"type": "reasoning", "id": "rs_9", "summary": []}]
     a = Setup().run_sync(body_of(items))
