@@ -209,7 +209,11 @@ class Services:
 
 @dataclass
 class HistoryView:
-    """The committed history of one request, as the pipeline prepared it."""
+    """The committed history of one request, as the pipeline prepared it.
+
+    A context manager reads it and returns new lists (``HistoryResult``): it never changes the turns' lists or
+    their items in place (a turn's list may be one that observation masking remembers for the next request).
+    """
 
     turns: list[list[Item]]
     turn_tokens: list[int]

@@ -88,39 +88,95 @@ class Masking:
 
 
 def mask_observations(view: HistoryView, keep_recent: int, step: int) -> Masking | None:
-    """The history with older outputs masked on the grid; None when nothing is (under T, nothing old enough)."""
+    """The history with older outputs masked on the grid; None when nothing is (under T, nothing old enough).
+
+    What an earlier request of the conversation worked out for the results it shares (``_Memo``) is read back:
+    a request that only appends turns works out its new results alone, and one whose masked set did not move
+    from the last one's takes that one's masked turns whole.
+    """
     mask = view.mask
     budget = view.budget
     total = view.payload_tokens()
     if mask is None or total <= budget.threshold:
         return None
-    results = _results(view.turns)
+    results, memo, walk = _results(view.turns)
     maskable = len(results) - max(0, keep_recent - view.working_memory_results)
-    lines = grid(results, maskable, step, budget.step)
+    lines, grid_state = _grid(results, maskable, step, budget.step, memo.grid)
     line = lines[-1]  # the last grid line that keeps keep_recent
     need = total - budget.threshold
-    copies: list[tuple[_Result, Item, dict[str, Any]]] = []
+    outcomes = list(memo.outcomes)
+    saved = list(memo.saved)  # saved[j]: the tokens masking results[:j] saves
     names: dict[int, dict[str, str]] = {}  # per call item (by identity): its call ids' tool names, read once
-    saved = 0
-    count = 0
-    while count < line and saved < need:
-        saved += _mask_one(results[count], mask, copies, names)
-        count += 1
-    end = lines[bisect.bisect_left(lines, count)]  # the first grid line at or past what T needs
-    while count < end:
-        saved += _mask_one(results[count], mask, copies, names)
-        count += 1
-    if not copies:
+    while len(outcomes) < line and saved[-1] < need:
+        _work_out(results, outcomes, saved, mask, names)
+    count = min(line, bisect.bisect_left(saved, need))  # the fewest results that bring it under T (or the line)
+    end = lines[bisect.bisect_left(lines, count)]  # the first grid line at or past that
+    while len(outcomes) < end:
+        _work_out(results, outcomes, saved, mask, names)
+    applied = memo.applied
+    if saved[end] and (applied is None or applied[0] != end):
+        applied = _apply(view, results, outcomes, end)
+    if walk is not None:  # (its results are those the outcomes are of; ``walk``: the first item's)
+        view.turns[0][0].walk = (*walk, _Memo(tuple(outcomes), tuple(saved), grid_state, applied or memo.applied))
+    if not saved[end] or applied is None:
         return None
+    _, masked_turns, masked_tokens, records = applied
+    known = len(masked_turns)
+    turns = [*masked_turns, *view.turns[known:]]
+    turn_tokens = [*masked_tokens, *view.turn_tokens[known:]]
+    # (records are shared with the requests that mask them again: never changed)
+    return Masking(dataclasses.replace(view, turns=turns, turn_tokens=turn_tokens), list(records), saved[end])
+
+
+# What masking worked out for one result: its masked copy, the copy's record and the tokens it saves (None: it stays).
+_Outcome = tuple[Item, dict[str, Any], int] | None
+
+
+@dataclass(frozen=True)
+class _Memo:
+    """What masking worked out for the first results of a history's walk, remembered with the walk (``Item.walk``)
+    and never changed: a request makes a new one. Each figure is a function of those results alone (the same items
+    answering the same calls at the same places), so a later request whose walk repeats them reads it back.
+
+    ``applied``: (the results masked, the history's turns up to the last one with a masked copy, as masked, their
+    tokens, the records): the masked set of the last request, which the next one repeats until the grid moves.
+    """
+
+    outcomes: tuple[_Outcome, ...] = ()
+    saved: tuple[int, ...] = (0,)  # saved[j]: the tokens masking results[:j] saves
+    grid: tuple[int, int, int, int, int, tuple[int, ...]] | None = None  # (step, tokens, results, count, size, lines)
+    applied: tuple[int, tuple[list[Item], ...], tuple[int, ...], tuple[dict[str, Any], ...]] | None = None
+
+
+NO_MEMO = _Memo()
+
+
+def _work_out(results: list[_Result], outcomes: list[_Outcome], saved: list[int],
+              mask: Callable[[Item, str], Item | None], names: dict[int, dict[str, str]]) -> None:
+    """Work out the outcome of the next result (``results[len(outcomes)]``)."""
+    outcome = _mask_one(results[len(outcomes)], mask, names)
+    outcomes.append(outcome)
+    saved.append(saved[-1] + (outcome[2] if outcome is not None else 0))
+
+
+def _apply(view: HistoryView, results: list[_Result], outcomes: list[_Outcome],
+           end: int) -> tuple[int, tuple[list[Item], ...], tuple[int, ...], tuple[dict[str, Any], ...]]:
+    """The history's turns with its first ``end`` results masked (as ``_Memo.applied`` holds them)."""
     turns = list(view.turns)
     turn_tokens = list(view.turn_tokens)
-    for (t, at, _item, _call), copy, record in copies:
+    records: list[dict[str, Any]] = []
+    last = 0
+    for (t, at, _item, _call), outcome in zip(results[:end], outcomes):
+        if outcome is None:
+            continue
+        copy, record, gain = outcome
         if turns[t] is view.turns[t]:
             turns[t] = list(turns[t])
         turns[t][at] = copy
-        turn_tokens[t] -= record["tokens_removed"]
-    records = [record for _, _, record in copies]  # shared with the requests that mask it again: never changed
-    return Masking(dataclasses.replace(view, turns=turns, turn_tokens=turn_tokens), records, saved)
+        turn_tokens[t] -= gain
+        records.append(record)
+        last = t + 1
+    return end, tuple(turns[:last]), tuple(turn_tokens[:last]), tuple(records)
 
 
 def grid(results: list[_Result], maskable: int, step: int, tokens: int) -> list[int]:
@@ -130,36 +186,54 @@ def grid(results: list[_Result], maskable: int, step: int, tokens: int) -> list[
     output, counted from the conversation's first result: a function of the content alone, so a
     growing conversation keeps its lines (and a line never moves once placed).
     """
-    lines = [0]
-    count = size = 0
-    for j in range(max(0, maskable)):
+    return _grid(results, maskable, step, tokens, None)[0]
+
+
+def _grid(results: list[_Result], maskable: int, step: int, tokens: int,
+          known: tuple[int, int, int, int, int, tuple[int, ...]] | None,
+          ) -> tuple[list[int], tuple[int, int, int, int, int, tuple[int, ...]]]:
+    """``grid``, going on from where ``known`` (the same results' grid, as ``_Memo.grid`` holds it) stopped; and
+    where this one stops."""
+    if known is not None and known[:2] == (step, tokens):
+        _, _, done, count, size, placed = known
+    else:
+        done, count, size, placed = 0, 0, 0, (0,)
+    if maskable <= done:  # (lines are placed from the first result on: those up to ``maskable`` are its own)
+        return list(placed[:bisect.bisect_right(placed, max(0, maskable))]), (step, tokens, done, count, size, placed)
+    lines = list(placed)
+    for j in range(done, maskable):
         count += 1
         size += results[j][2].tokens
         if count >= step and size >= tokens:
             lines.append(j + 1)
             count = size = 0
-    return lines
+    return lines, (step, tokens, maskable, count, size, tuple(lines))
 
 
 UNKEPT = attrgetter("unkept")
+_Walk = tuple[tuple[list[Item], ...], tuple[_Result, ...], dict[str, Item]]
 
 
-def _results(turns: list[list[Item]]) -> list[_Result]:
-    """Every tool result of the history, in order, with the call it answers.
+def _results(turns: list[list[Item]]) -> tuple[list[_Result], _Memo, _Walk | None]:
+    """Every tool result of the history, in order, with the call it answers; what masking worked out for them (as
+    far as an earlier request did); and the walk to remember that with (None: not remembered).
 
     The walk is remembered with the history's first item (``Item.walk``: one per conversation, replaced by the next
     walk): a later request whose history begins with the same turns (the very same items, in the same order) walks
     only the turns after them. The result list it returns is its own.
     """
     holder = turns[0][0] if turns and turns[0] else None
-    walk = holder.walk if holder is not None else None
+    remembered = holder.walk if holder is not None else None
     start = 0
-    if walk is not None:
-        known, results, calls = walk
+    memo = NO_MEMO
+    if remembered is not None:
+        known, results, calls, memo = remembered
         if len(known) <= len(turns) and all(map(eq, known, turns)):  # (lists of items: compared by identity)
             start = len(known)
     if start == 0:
-        known, results, calls = (), (), {}
+        known, results, calls, memo = (), (), {}, NO_MEMO
+    if start == len(turns):  # (nothing new: the remembered walk is this one)
+        return list(results), memo, (known, results, calls) if holder is not None else None
     out = list(results)
     calls = dict(calls)
     for t in range(start, len(turns)):
@@ -169,18 +243,19 @@ def _results(turns: list[list[Item]]) -> list[_Result]:
                     calls[call_id] = item
             if item.result_id is not None and item.role == TOOL:
                 out.append((t, i, item, calls.get(item.result_id)))
-    if holder is not None and start < len(turns) and not any(map(UNKEPT, chain.from_iterable(turns[start:]))):
+    walk: _Walk | None = None
+    if holder is not None and not any(map(UNKEPT, chain.from_iterable(turns[start:]))):
         # (a request the warm memory did not keep is not remembered here either: it would hold it uncounted)
-        holder.walk = (known + tuple([list(turn) for turn in turns[start:]]), tuple(out), calls)
-    return out
+        walk = (known + tuple([list(turn) for turn in turns[start:]]), tuple(out), calls)
+        holder.walk = (*walk, memo)
+    return out, memo, walk
 
 
-def _mask_one(result: _Result, mask: Callable[[Item, str], Item | None],
-              copies: list[tuple[_Result, Item, dict[str, Any]]], names: dict[int, dict[str, str]]) -> int:
-    """Mask one result if that saves tokens (appended to ``copies`` with its record); the tokens saved."""
+def _mask_one(result: _Result, mask: Callable[[Item, str], Item | None], names: dict[int, dict[str, str]]) -> _Outcome:
+    """The outcome of masking one result: its copy, record and the tokens saved, if that saves tokens."""
     _turn, at, item, call = result
     if item.pinned or at == 0:  # a turn is kept from its first item: that one stays the client's
-        return 0
+        return None
     call_key = 0 if call is None else call.key
     known = item.masked
     if known is not None and known[0] == call_key and (call is None or call_key != 0):
@@ -194,10 +269,9 @@ def _mask_one(result: _Result, mask: Callable[[Item, str], Item | None],
                   "tokens_removed": item.tokens - copy.tokens if copy is not None else 0}
         item.masked = (call_key, copy, record)
     if copy is None or copy.tokens >= item.tokens:
-        return 0
+        return None
     copy.group = item.group
-    copies.append((result, copy, record))
-    return item.tokens - copy.tokens
+    return copy, record, item.tokens - copy.tokens
 
 
 def _tool_name(result: _Result, names: dict[int, dict[str, str]]) -> str:

@@ -38,7 +38,7 @@ from proxy.core.errors import (
 from proxy.core.fields import case_variant
 from proxy.core.items import USER, Item, atom_digests, turn_digest
 from proxy.core.offload import run_step
-from proxy.core.pairing import check, repair
+from proxy.core.pairing import check, check_known, repair
 from proxy.core.tokens import TokenCounter
 from proxy.policy import ModelRoute, Policy
 
@@ -467,7 +467,7 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     report.tokens_after = size
     report.turns_kept = [item.role for item in history].count(USER)  # (a turn starts at a user item)
     _fits(size, budget, wire)
-    check(final, wire.merge_call_runs, wire.field)
+    check_known(final, wire.merge_call_runs, wire.field)
     # (items compare by identity, having no __eq__ of their own: list equality is one C pass of identity tests)
     changed = final != received or bool(changes) or bool(repairs)
     out = wire.render(body, final, changes) if changed else body
@@ -491,13 +491,15 @@ def whole_turns(history: list[Item], kept: list[Item], ends: list[int] | None = 
         return kept, []
     if ends is None:
         ends = list(accumulate(map(len, split_turns(history))))
-    present = set(map(id, kept))
+    # sets of the items themselves: an item hashes and compares by identity (no __eq__ of its own), 3× faster to
+    # hash than the large integers id() makes
+    present = set(kept)
     contains = present.__contains__
-    orphans: set[int] = set()  # kept items whose turn's first item was cut
+    orphans: set[Item] = set()  # kept items whose turn's first item was cut
     start = 0
     for end in ends:
-        if id(history[start]) not in present:
-            rest = list(map(id, history[start + 1:end]))
+        if history[start] not in present:
+            rest = history[start + 1:end]
             if any(map(contains, rest)):
                 orphans.update(filter(contains, rest))
         start = end
@@ -506,7 +508,7 @@ def whole_turns(history: list[Item], kept: list[Item], ends: list[int] | None = 
     out: list[Item] = []
     cut: list[Item] = []
     for group in tool_groups(kept):
-        orphaned = any(id(item) in orphans for item in group)
+        orphaned = any(item in orphans for item in group)
         if orphaned and not any(item.pinned for item in group):
             cut.extend(group)
         else:
@@ -592,8 +594,8 @@ def _keep_pinned(before: list[Item], after: list[Item]) -> list[Item]:
     pinned = _pinned(before)
     if not pinned:
         return after
-    kept = set(map(id, after))
-    missing = [item for item in pinned if id(item) not in kept]
+    kept = set(after)  # (by identity, as in ``whole_turns``)
+    missing = [item for item in pinned if item not in kept]
     return missing + after if missing else after
 
 

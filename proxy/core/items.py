@@ -40,11 +40,11 @@ class Item:
     or summarised away. ``key``/``tokens``: content key and token count, set by the wire.
     ``group``: items with the same group are one atomic tool group (set after pairing repair).
     ``masked``: observation masking's copy of a result, remembered with the item; ``walk``: its walk of a history
-    this item begins.
+    this item begins; ``verified``: the last forwarded list it begins whose pairing was checked.
     """
 
     __slots__ = ("call_ids", "group", "key", "masked", "pinned", "raw", "result_id", "role", "source", "tokens",
-                 "unkept", "walk")
+                 "unkept", "verified", "walk")
 
     def __init__(
         self,
@@ -71,9 +71,10 @@ class Item:
         self.masked: tuple[int, Item | None, dict[str, Any]] | None = None
         self.unkept = False  # a new item of a request the warm memory did not keep (``Conversations.keep``)
         # observation masking's last walk of a history this item begins (``plugins.masking``): its turns, the
-        # results found in them (turn, position, result, call) and the calls by id
-        self.walk: tuple[tuple[list[Item], ...], tuple[tuple[int, int, Item, Item | None], ...], dict[str, Item]] \
-            | None = None
+        # results found in them (turn, position, result, call), the calls by id, and what masking worked out
+        self.walk: tuple[Any, ...] | None = None
+        # the last list this item begins whose pairing ``proxy.core.pairing.check_known`` checked (never changed)
+        self.verified: tuple[Item, ...] | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.role}, calls={self.call_ids}, result={self.result_id}, src={self.source})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from operator import attrgetter, is_
 from typing import Any
 
 from proxy.core.errors import PayloadError
@@ -179,6 +180,32 @@ def check(items: list[Item], merge_call_runs: bool = False, where: str = "messag
     if pending:
         raise PayloadError(f"tool call(s) {sorted(pending)[:5]} got no result", param=where,
                            code="unpaired_tool_call")
+
+
+UNKEPT = attrgetter("unkept")
+
+
+def check_known(items: list[Item], merge_call_runs: bool = False, where: str = "messages") -> None:
+    """``check``, reading back what an earlier check of the same conversation verified (the same outcome).
+
+    The list its first item began when last checked (``Item.verified``: consecutive requests of a conversation
+    forward much the same list) is valid, so its part that ``items`` repeats, as the very items, is valid up to
+    its last item that neither calls nor answers: after such an item nothing is pending, the state ``check``
+    starts from. Only what follows is checked. A list with a new item the warm memory did not keep
+    (``Item.unkept``) is not remembered: its first item would hold it, uncounted. One wire's items only, so
+    ``merge_call_runs`` is the same every time.
+    """
+    holder = items[0] if items else None
+    known = holder.verified if holder is not None else None
+    start = 0
+    if known is not None:
+        same = list(map(is_, items, known))
+        start = same.index(False) if False in same else len(same)
+        while start > 0 and (items[start - 1].call_ids or items[start - 1].result_id is not None):
+            start -= 1
+    check(items[start:] if start else items, merge_call_runs, where)
+    if holder is not None and not any(map(UNKEPT, items[start:])):
+        holder.verified = tuple(items)
 
 
 def _param(where: str, item: Item) -> str:

@@ -20,7 +20,7 @@ from xxhash import xxh3_128_intdigest
 
 from proxy.core.errors import PayloadError
 from proxy.core.modelinfo import offline_environment
-from proxy.core.warm import Conversations
+from proxy.core.warm import Conversations, Known
 
 REPLY_PRIMING = 3
 # keys looked up per hold of a counter's lock: a worker thread counting a large body lets a small request on
@@ -106,22 +106,23 @@ def sized_content_keys(raws: list[Any], salt: int = 0) -> tuple[list[int], int] 
 
 
 def resumed_content_keys(memory: Conversations, tenant: str, wire: str, raws: list[Any],
-                         salt: int = 0) -> tuple[list[int], int] | None:
+                         salt: int = 0) -> tuple[list[int], int, Known | None] | None:
     """``sized_content_keys(raws, salt)``, with the keys of the leading elements that are the very objects a
-    remembered request of the conversation had (``Conversations.shared``) read from it."""
+    remembered request of the conversation had (``Conversations.shared``) read from it; and that request when
+    ``raws`` begins with all of its elements (its items' elements are then this request's already)."""
     first = sized_content_keys(raws[:2], salt)
     if first is None:
         return None
     shared = memory.shared(tenant, wire, raws, first[0]) if len(raws) >= 2 else None
     if shared is None:  # the first two keyed once, not twice
         after = sized_content_keys(raws[2:], salt)
-        return None if after is None else (first[0] + after[0], first[1] + after[1])
+        return None if after is None else (first[0] + after[0], first[1] + after[1], None)
     known, n = shared
     rest = sized_content_keys(raws[n:], salt)
     dropped = sized_content_keys(list(known.elements[n:]), salt)  # what it sends anew: keyed once already
     if rest is None or dropped is None:
         return None
-    return known.keys[:n] + rest[0], known.size - dropped[1] + rest[1]
+    return known.keys[:n] + rest[0], known.size - dropped[1] + rest[1], known if n == len(known.elements) else None
 
 
 class TokenCounter:

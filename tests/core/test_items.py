@@ -143,3 +143,16 @@ def test_items_compare_by_identity() -> None:
         assert cls.__eq__ is object.__eq__, cls
     a, b = Item({"role": "user", "content": "x"}, "user"), Item({"role": "user", "content": "x"}, "user")
     assert [a] != [b] and [a] == [a]
+
+
+def test_every_items_class_compares_and_hashes_by_identity() -> None:
+    """The pipeline keeps sets and list comparisons of items (``whole_turns``, ``_keep_pinned``, "did anything
+    change"): they mean "the very same item" only while no items class defines equality or a hash of its own."""
+    from proxy.wire.chat.items import ChatItem
+    from proxy.wire.messages.items import AnthropicItem
+    from proxy.wire.responses.items import ResponsesItem
+
+    for cls in (Item, ChatItem, AnthropicItem, ResponsesItem):
+        assert cls.__eq__ is object.__eq__ and cls.__hash__ is object.__hash__, cls
+    a, b = Item({"role": "user", "content": "hi"}, USER), Item({"role": "user", "content": "hi"}, USER)
+    assert a != b and len({a, b}) == 2 and [a] == [a] and [a] != [b]

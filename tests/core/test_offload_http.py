@@ -228,7 +228,7 @@ async def test_every_synchronous_step_of_a_large_request_runs_off_the_event_loop
             return real(*args, **kwargs)
         monkeypatch.setattr(module, name, wrapper)
 
-    for module, name in [(pipeline, "prepare"), (pipeline, "_trim"), (pipeline, "check"),
+    for module, name in [(pipeline, "prepare"), (pipeline, "_trim"), (pipeline, "check_known"),
                          (handler, "forward_bytes"), (emulate, "clear_tool_uses"), (compact, "split_bands")]:
         spy(module, name)
     upstream.compact_mode = "404"  # compact: relayed, then emulated
@@ -239,7 +239,7 @@ async def test_every_synchronous_step_of_a_large_request_runs_off_the_event_loop
         status, _, raw = await post(s, proxy.url + path, json.dumps(body).encode())
     assert status == 200, raw[:300]
     assert seen and all(not on_loop for calls in seen.values() for on_loop in calls), seen
-    managed = {"prepare", "_trim", "check", "forward_bytes"}
+    managed = {"prepare", "_trim", "check_known", "forward_bytes"}
     expected = {"compact": {"split_bands"}, "count-tokens": {"prepare", "_trim"}, "explain": {"prepare", "_trim"},
                 "messages-context-management": {"clear_tool_uses", *managed}}.get(case, managed)
     assert expected <= set(seen), seen

@@ -25,6 +25,7 @@ from proxy.core.pairing import (
     PLACEHOLDER_FILLED,
     REPAIR_KINDS,
     check,
+    check_known,
     is_paired,
     repair,
 )
@@ -304,6 +305,47 @@ def test_repair_output_always_passes_check(xs: list[Item], merge: bool, texts: b
     check(out, merge_call_runs=merge)
     assert (out is xs) == (not got)
     assert is_paired(xs, merge) == (not got)
+
+
+def _outcome(run: Any, *args: Any) -> Any:
+    try:
+        run(*args)
+    except PayloadError as exc:
+        return (exc.code, exc.param, exc.message)
+    return "valid"
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.tuples(item_lists(), st.integers(0, 16), st.integers(0, 3)), min_size=1, max_size=5),
+       st.booleans(), st.data())
+def test_check_known_gives_what_check_gives_whatever_was_checked_before(
+        steps: list[tuple[list[Item], int, int]], merge: bool, data: st.DataObject) -> None:
+    """Consecutive lists of one conversation share a prefix of the very same items, then differ (an appended round,
+    an edit, a masked copy in the middle, a different summary): whatever was checked before with the same first
+    item, ``check_known`` refuses or passes exactly as ``check`` does, with the same error."""
+    first = Item({}, SYSTEM, source=0)
+    previous: list[Item] = [first]
+    for fresh, keep, drop in steps:
+        if data.draw(st.booleans()):  # mostly valid lists: those are the ones remembered
+            fresh = repair(fresh, Factory(), merge_call_runs=merge)[0]
+        kept = previous[1:1 + keep]
+        kept = kept[:max(0, len(kept) - drop)] if data.draw(st.booleans()) else kept
+        xs = [first, *kept, *fresh[1:]] if data.draw(st.booleans()) else [first, *fresh]
+        assert _outcome(check_known, xs, merge) == _outcome(check, xs, merge)
+        previous = xs
+    valid = [first, *items("u c1 t1 a u c2,3 t2 t3")]
+    check_known(valid, merge)
+    assert first.verified == tuple(valid)
+    broken = [*valid[:5], Item({}, TOOL, result_id="9", source=9)]  # shares a verified prefix, then is refused
+    assert _outcome(check_known, broken, merge) == _outcome(check, broken, merge) != "valid"
+    assert first.verified == tuple(valid)  # a refused list is not remembered
+
+
+def test_check_known_does_not_remember_a_list_with_unkept_items() -> None:
+    xs = items("s u c1 t1 a")
+    xs[-1].unkept = True
+    check_known(xs)
+    assert xs[0].verified is None
 
 
 @settings(max_examples=300, deadline=None)

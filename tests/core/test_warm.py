@@ -163,11 +163,18 @@ def test_the_keys_of_elements_a_request_shares_as_objects_are_read_back(monkeypa
     monkeypatch.setattr(orjson, "dumps", dumps)
     got = tokens.resumed_content_keys(memory, "t", "chat", second, 7)
     monkeypatch.undo()
-    assert got == tokens.sized_content_keys(second, 7)
+    assert got is not None and got[:2] == tokens.sized_content_keys(second, 7)
+    assert got[2] is None  # it does not begin with all of the remembered request's elements (one was sent anew)
     # the first two (which name the conversation), the three new ones and the one they replace
     assert [e for e in dumped if e not in first[:2]] == [resent, second[6], second[7], first[5]]
     # equal elements that are not the same objects are keyed (a fresh parse), and another tenant finds nothing
     fresh = copy.deepcopy(second)
-    assert tokens.resumed_content_keys(memory, "t", "chat", fresh, 7) == tokens.sized_content_keys(fresh, 7)
+    cold = tokens.sized_content_keys(fresh, 7)
+    assert cold is not None and tokens.resumed_content_keys(memory, "t", "chat", fresh, 7) == (*cold, None)
+    # a body that begins with every element of the remembered request, as the very objects, is told which request
+    longer = [*first, _element(6)]
+    got = tokens.resumed_content_keys(memory, "t", "chat", longer, 7)
+    assert got is not None and got[:2] == tokens.sized_content_keys(longer, 7)
+    assert got[2] is not None and got[2].elements == tuple(first)
     assert memory.shared("other", "chat", second, keys[:2]) is None
     assert memory.shared("t", "chat", fresh, keys[:2]) is None

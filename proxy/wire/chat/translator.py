@@ -85,7 +85,7 @@ class ChatWire:
         sized = resumed_content_keys(counter.conversations, tenant, self.name, messages, SALT)
         if sized is None:  # an element nested too deeply: the full parse refuses it as a cold request is refused
             return self.parse(body, counter)
-        keys, size = sized
+        keys, size, same = sized
         memory = counter.conversations
         known = memory.find(tenant, self.name, keys)
         start = len(known.keys) if known is not None else 0
@@ -97,8 +97,9 @@ class ChatWire:
             return Conversation(items, _fixed(body, counter), is_paired(items) if scanned is None else False)
         tail = build_items(messages, keys[start:], counter.many(keys[start:], messages[start:], count_message), start)
         if known is not None:
-            for item, message in zip(known.items, messages):  # each its own element's JSON (the same bytes)
-                item.raw = message
+            if known is not same:  # (else its items hold this request's elements already)
+                for item, message in zip(known.items, messages):  # each its own element's JSON (the same bytes)
+                    item.raw = message
             items = known.items + tail
         else:
             items = tail

@@ -444,7 +444,7 @@ class MessagesWire:
         sized = resumed_content_keys(counter.conversations, tenant, self.name, messages, SALT)
         if sized is None:  # an element nested too deeply: the full parse refuses it as a cold request is refused
             return self.parse(body, counter)
-        keys, size = sized
+        keys, size, _ = sized  # (the known items are re-pointed when rendered)
         memory = counter.conversations
         known = memory.find(tenant, self.name, keys)
         start = len(known.keys) if known is not None else 0

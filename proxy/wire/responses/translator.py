@@ -137,7 +137,7 @@ class ResponsesWire:
         sized = resumed_content_keys(counter.conversations, tenant, self.name, value, SALT)
         if sized is None:  # an element nested too deeply: the full parse refuses it as a cold request is refused
             return self.parse(body, counter)
-        keys, size = sized
+        keys, size, same = sized
         memory = counter.conversations
         known = memory.find(tenant, self.name, keys)
         start = len(known.keys) if known is not None else 0
@@ -150,14 +150,12 @@ class ResponsesWire:
         tail_keys = [keys[item.source] if type(item.raw) is dict else content_key(item.raw) ^ SALT for item in tail]
         for item, key, n in zip(tail, tail_keys, counter.many(tail_keys, [item.raw for item in tail], count_raw)):
             item.key, item.tokens = key, n
-        if known is not None:
+        if known is not None and known is not same:  # (else its items hold this request's elements already)
             for item in known.items:  # each its own elements' JSON (the same bytes)
                 raw = item.raw
                 item.raw = value[item.source] if type(raw) is not list \
                     else value[item.source - len(raw) + 1:item.source + 1]
-            items = known.items + tail
-        else:
-            items = tail
+        items = known.items + tail if known is not None else tail
         assign_groups(items, self.merge_call_runs, len(known.items) if known is not None else 0)
         memory.keep(tenant, self.name, keys, items[:], size, elements=tuple(value), new=tail)  # copies: the
         # request may change its own lists
