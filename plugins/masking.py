@@ -113,12 +113,14 @@ def mask_observations(view: HistoryView, keep_recent: int, step: int) -> Masking
     end = lines[bisect.bisect_left(lines, count)]  # the first grid line at or past that
     while len(outcomes) < end:
         _work_out(results, outcomes, saved, mask, names)
-    applied = memo.applied
-    if saved[end] and (applied is None or applied[0] != end):
+    kept = memo.applied
+    applied = next((entry for entry in kept if entry[0] == end), None) if saved[end] else None
+    if saved[end] and applied is None:
         applied = _apply(view, results, outcomes, end)
+        kept = (applied, *kept[:APPLIED - 1])
     if walk is not None:  # (its results are those the outcomes are of; ``walk``: the first item's)
-        view.turns[0][0].walk = (*walk, _Memo(tuple(outcomes), tuple(saved), grid_state, applied or memo.applied))
-    if not saved[end] or applied is None:
+        view.turns[0][0].walk = (*walk, _Memo(tuple(outcomes), tuple(saved), grid_state, kept))
+    if applied is None:
         return None
     _, masked_turns, masked_tokens, records = applied
     known = len(masked_turns)
@@ -130,6 +132,7 @@ def mask_observations(view: HistoryView, keep_recent: int, step: int) -> Masking
 
 # What masking worked out for one result: its masked copy, the copy's record and the tokens it saves (None: it stays).
 _Outcome = tuple[Item, dict[str, Any], int] | None
+_Applied = tuple[int, tuple[list[Item], ...], tuple[int, ...], tuple[dict[str, Any], ...]]
 
 
 @dataclass(frozen=True)
@@ -138,14 +141,18 @@ class _Memo:
     and never changed: a request makes a new one. Each figure is a function of those results alone (the same items
     answering the same calls at the same places), so a later request whose walk repeats them reads it back.
 
-    ``applied``: (the results masked, the history's turns up to the last one with a masked copy, as masked, their
-    tokens, the records): the masked set of the last request, which the next one repeats until the grid moves.
+    ``applied``: the last masked sets, newest first (the request's own and, a summarising manager's look-ahead
+    masking further, that one's: ``APPLIED``), each as (the results masked, the history's turns up to the last
+    one with a masked copy, as masked, their tokens, the records). The next request repeats them until the grid moves.
     """
 
     outcomes: tuple[_Outcome, ...] = ()
     saved: tuple[int, ...] = (0,)  # saved[j]: the tokens masking results[:j] saves
     grid: tuple[int, int, int, int, int, tuple[int, ...]] | None = None  # (step, tokens, results, count, size, lines)
-    applied: tuple[int, tuple[list[Item], ...], tuple[int, ...], tuple[dict[str, Any], ...]] | None = None
+    applied: tuple[_Applied, ...] = ()
+
+
+APPLIED = 2  # masked sets remembered per conversation
 
 
 NO_MEMO = _Memo()
@@ -159,8 +166,7 @@ def _work_out(results: list[_Result], outcomes: list[_Outcome], saved: list[int]
     saved.append(saved[-1] + (outcome[2] if outcome is not None else 0))
 
 
-def _apply(view: HistoryView, results: list[_Result], outcomes: list[_Outcome],
-           end: int) -> tuple[int, tuple[list[Item], ...], tuple[int, ...], tuple[dict[str, Any], ...]]:
+def _apply(view: HistoryView, results: list[_Result], outcomes: list[_Outcome], end: int) -> _Applied:
     """The history's turns with its first ``end`` results masked (as ``_Memo.applied`` holds them)."""
     turns = list(view.turns)
     turn_tokens = list(view.turn_tokens)

@@ -25,7 +25,7 @@ from itertools import accumulate
 from typing import Any
 
 from plugins.base import HistoryResult, HistoryView, Services, stable_cut
-from proxy.core.bands import Bands, assign_groups, split_bands, split_turns, tool_groups
+from proxy.core.bands import Bands, assign_groups, known_turns, split_bands, split_turns, tool_groups
 from proxy.core.budget import Budget, compute_budget, why
 from proxy.core.conversation import Resume, WireAdapter
 from proxy.core.errors import (
@@ -363,9 +363,9 @@ def _plan(
     report.hard_budget, report.threshold = budget.hard_budget, budget.threshold
 
     bands = split_bands(repaired)
-    # a turn starts at each user item of the history (items before the first one are a preamble, not a turn)
-    report.turns_total = report.turns_kept = [item.role for item in bands.history].count(USER)
     if total <= budget.threshold:
+        # a turn starts at each user item of the history (items before the first one are a preamble, not a turn)
+        report.turns_total = report.turns_kept = [item.role for item in bands.history].count(USER)
         report.tokens_after = total
         _fits(total, budget, wire)
         changed = bool(repairs) or bool(changes)
@@ -377,10 +377,11 @@ def _plan(
         turns = split_turns(bands.history)  # (only here: a request forwarded as sent needs no turns)
         return _Ahead(done, _view(wire, counter, services, budget, bands, turns, fixed, offload))
 
-    turns = split_turns(bands.history)
+    turns, turn_tokens = known_turns(bands.history)
+    report.turns_total = report.turns_kept = len(turns) - (turns[0][0].role != USER) if turns else 0
     ends = list(accumulate(map(len, turns)))  # (before a context manager sees the turns, which it may change)
     live = WorkingMemory(bands.working_memory)
-    view = _view(wire, counter, services, budget, bands, turns, fixed, offload)
+    view = _view(wire, counter, services, budget, bands, turns, fixed, offload, turn_tokens)
     # what can never be dropped: refuse now, before a summariser is called (and billed) for nothing
     _fits(view.pinned_tokens - _tokens(bands.working_memory) + _tokens(live.pinned_items())
           + _tokens(_pinned(bands.history)), budget, wire)
@@ -388,8 +389,8 @@ def _plan(
 
 
 def _view(wire: WireAdapter, counter: TokenCounter, services: Services, budget: Budget, bands: Bands,
-          turns: list[list[Item]], fixed: int, offload: bool) -> HistoryView:
-    """The committed history as the context manager sees it."""
+          turns: list[list[Item]], fixed: int, offload: bool, turn_tokens: list[int] | None = None) -> HistoryView:
+    """The committed history as the context manager sees it (``turn_tokens``: the turns' tokens, when known)."""
     pinned = fixed + _tokens(bands.system) + _tokens(bands.working_memory)
     if bands.current is not None:
         pinned += bands.current.tokens
@@ -402,7 +403,7 @@ def _view(wire: WireAdapter, counter: TokenCounter, services: Services, budget: 
 
     return HistoryView(
         turns=turns,
-        turn_tokens=[sum([item.tokens for item in t]) for t in turns],
+        turn_tokens=[sum([item.tokens for item in t]) for t in turns] if turn_tokens is None else turn_tokens,
         chain_fn=lambda: chain_hashes(turns, counter),
         pinned_tokens=pinned,
         budget=budget,

@@ -8,9 +8,14 @@ with the results right after it; groups are atomic for trimming and caps.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import attrgetter, is_
 
 from proxy.core.items import NO_GROUP, SYSTEM, USER, Item
+
+UNKEPT = attrgetter("unkept")
 
 
 @dataclass
@@ -60,6 +65,37 @@ def split_turns(history: list[Item]) -> list[list[Item]]:
         else:
             current.append(item)
     return turns
+
+
+def known_turns(history: list[Item]) -> tuple[list[list[Item]], list[int]]:
+    """``split_turns(history)`` and each turn's tokens, reading back the split its first item last began.
+
+    Consecutive requests of a conversation send the same history with turns appended (``Item.split``: the last
+    history this item began, its turns, their tokens and ends). Every turn that ends before the first item where
+    the two histories differ (as the very items) is the same turn: it ends where the same user item starts the
+    next. Only the turns from there are split and counted. The turns' lists are shared with the requests that
+    read them back: they are never changed (``plugins.base.HistoryView``). A history with a new item the warm
+    memory did not keep (``Item.unkept``) is not remembered: its first item would hold it, uncounted.
+    """
+    holder = history[0] if history else None
+    known = holder.split if holder is not None else None
+    start = reused = 0
+    turns: list[list[Item]] = []
+    tokens: list[int] = []
+    if known is not None:
+        items, old_turns, old_tokens, old_ends = known
+        same = list(map(is_, history, items))
+        differ = same.index(False) if False in same else len(same)
+        reused = bisect.bisect_left(old_ends, differ)  # the turns that end before it
+        if reused:
+            start = old_ends[reused - 1]
+            turns, tokens = list(old_turns[:reused]), list(old_tokens[:reused])
+    rest = split_turns(history[start:] if start else history)
+    turns += rest
+    tokens += [sum([item.tokens for item in turn]) for turn in rest]
+    if holder is not None and not any(map(UNKEPT, history[start:])):
+        holder.split = (tuple(history), tuple(turns), tuple(tokens), tuple(accumulate(map(len, turns))))
+    return turns, tokens
 
 
 def assign_groups(items: list[Item], merge_call_runs: bool, start: int = 0) -> None:

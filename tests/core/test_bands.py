@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core.bands import Bands, assign_groups, split_bands, split_turns, tool_groups
+from proxy.core.bands import Bands, assign_groups, known_turns, split_bands, split_turns, tool_groups
 from proxy.core.items import ASSISTANT, NO_GROUP, OTHER, SYSTEM, TOOL, USER, Item
 
 
@@ -135,3 +135,44 @@ def test_numbering_from_a_start_gives_the_numbers_of_the_whole_list(tokens: list
     assign_groups(resumed[:start], merge)
     assign_groups(resumed, merge, start)
     assert [i.group for i in resumed] == [i.group for i in whole]
+
+
+def _item(data: st.DataObject) -> Item:
+    return Item({}, data.draw(st.sampled_from([USER, ASSISTANT, TOOL, USER])), tokens=data.draw(st.integers(0, 9)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_known_turns_gives_what_split_turns_gives_whatever_came_before(data: st.DataObject) -> None:
+    """A history that repeats the one its first item began last time (the very items) reuses the turns that end
+    before they differ; whatever the next history appends, edits, truncates or extends its last turn with, the
+    turns and their tokens are those of a fresh split."""
+    history = [_item(data) for _ in range(data.draw(st.integers(1, 8)))]
+    for _ in range(data.draw(st.integers(1, 8))):
+        edit = data.draw(st.sampled_from(["append", "append", "edit", "truncate", "same", "unkept"]))
+        history = list(history)
+        if edit == "append":
+            history += [_item(data) for _ in range(data.draw(st.integers(1, 4)))]
+        elif edit == "edit":
+            history[data.draw(st.integers(0, len(history) - 1))] = _item(data)
+        elif edit == "truncate":
+            history = history[:data.draw(st.integers(1, len(history)))]
+        elif edit == "unkept":
+            new = _item(data)
+            new.unkept = True
+            history.append(new)
+        turns, tokens = known_turns(history)
+        fresh = split_turns(history)
+        assert [[id(i) for i in t] for t in turns] == [[id(i) for i in t] for t in fresh], edit
+        assert tokens == [sum(i.tokens for i in t) for t in fresh], edit
+        if edit == "unkept":
+            assert history[0].split is None or history[-1] not in history[0].split[0]
+
+
+def test_known_turns_splits_only_what_follows_the_turns_it_knows() -> None:
+    history = [Item({}, USER if i % 3 == 0 else ASSISTANT, tokens=1) for i in range(30)]
+    first, _ = known_turns(history)
+    grown = [*history, Item({}, ASSISTANT, tokens=1), Item({}, USER, tokens=1)]
+    turns, tokens = known_turns(grown)
+    assert all(a is b for a, b in zip(turns[:9], first))  # the turns that ended before the growth: the same lists
+    assert turns[9] is not first[9] and len(turns[9]) == 4 and tokens[-2:] == [4, 1]

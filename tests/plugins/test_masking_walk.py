@@ -164,3 +164,7 @@ def test_what_masking_remembers_gives_what_masking_afresh_gives(data: st.DataObj
         holder.walk = remembered
         assert _shape(masking.mask_observations(view, keep, grid_step), turns) == afresh, step
         assert _shape(masking.mask_observations(view, keep, grid_step), turns) == afresh, step  # and read back at once
+        # a look-ahead masking further on the same turns (the summarising manager's), then the request's own again
+        ahead = replace(view, budget=replace(budget, threshold=data.draw(st.integers(0, max(1, sum(tokens))))))
+        masking.mask_observations(ahead, keep, grid_step)
+        assert _shape(masking.mask_observations(view, keep, grid_step), turns) == afresh, step
