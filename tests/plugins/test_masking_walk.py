@@ -154,8 +154,9 @@ def test_what_masking_remembers_gives_what_masking_afresh_gives(data: st.DataObj
         budget = replace(base, threshold=data.draw(st.integers(0, max(1, sum(tokens)))),
                          hard_budget=data.draw(st.sampled_from([100, 1_000, 5_000])))
         view = HistoryView(turns=turns, turn_tokens=tokens, chain_fn=lambda: [], pinned_tokens=0, budget=budget,
-                           counter=None, services=services(None), summary_item=lambda text, n: Item({}, "system"),
-                           mask=mask, working_memory_results=data.draw(st.integers(0, 2)))  # type: ignore[arg-type]
+                           counter=None,  # type: ignore[arg-type]
+                           services=services(None), summary_item=lambda text, n: Item({}, "system"),
+                           mask=mask, working_memory_results=data.draw(st.integers(0, 2)))
         keep, grid_step = data.draw(st.integers(0, 6)), data.draw(st.sampled_from([1, 2, 10]))
         holder = turns[0][0]
         remembered = holder.walk
