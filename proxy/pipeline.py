@@ -320,6 +320,7 @@ class _Plan:
     live: WorkingMemory
     view: HistoryView
     ends: list[int]  # where each turn of the history ends (``whole_turns``)
+    pinned: list[Item]  # the history's pinned items
 
 
 def _tokens(items: list[Item]) -> int:
@@ -383,9 +384,10 @@ def _plan(
     live = WorkingMemory(bands.working_memory)
     view = _view(wire, counter, services, budget, bands, turns, fixed, offload, turn_tokens)
     # what can never be dropped: refuse now, before a summariser is called (and billed) for nothing
-    _fits(view.pinned_tokens - _tokens(bands.working_memory) + _tokens(live.pinned_items())
-          + _tokens(_pinned(bands.history)), budget, wire)
-    return _Plan(body, wire, policy, report, prepared, changes, budget, bands, live, view, ends)
+    pinned = _pinned(bands.history)
+    _fits(view.pinned_tokens - _tokens(bands.working_memory) + _tokens(live.pinned_items()) + _tokens(pinned),
+          budget, wire)
+    return _Plan(body, wire, policy, report, prepared, changes, budget, bands, live, view, ends, pinned)
 
 
 def _view(wire: WireAdapter, counter: TokenCounter, services: Services, budget: Budget, bands: Bands,
@@ -430,7 +432,7 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     report.masked = list(result.masked)
     removed: Counter[str] = Counter(result.removed)
     history = [item for t in result.turns for item in t]
-    history = _keep_pinned(bands.history, history)
+    history = _keep_pinned(plan.pinned, history)
     history, cut = whole_turns(bands.history, history, plan.ends)
     removed["windowed"] += _tokens(cut)
 
@@ -590,9 +592,9 @@ def _pinned(items: list[Item]) -> list[Item]:
     return [item for item in items if item.pinned]
 
 
-def _keep_pinned(before: list[Item], after: list[Item]) -> list[Item]:
-    """Put back pinned items a context manager dropped: at the head of the kept history (they were older)."""
-    pinned = _pinned(before)
+def _keep_pinned(pinned: list[Item], after: list[Item]) -> list[Item]:
+    """Put back the ``pinned`` items (the history's) a context manager dropped: at the head of the kept history
+    (they were older)."""
     if not pinned:
         return after
     kept = set(after)  # (by identity, as in ``whole_turns``)
