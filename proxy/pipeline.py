@@ -230,6 +230,7 @@ class Prepared:
     fixed: int
     notes: list[str]
     unmanaged: str | None = None
+    tokens: int | None = None  # the repaired items' tokens in all, when the wire knew them
 
 
 def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter, tenant: str | None = None) -> Prepared:
@@ -256,7 +257,8 @@ def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter, tena
                            param=wire.field, code="empty_after_repair")
     # the items a wire resumed from an earlier request carry their group numbers already
     assign_groups(repaired, wire.merge_call_runs, conversation.grouped if repaired is items else 0)
-    return Prepared(items, repaired, repairs, conversation.fixed_tokens, conversation.notes, conversation.unmanaged)
+    return Prepared(items, repaired, repairs, conversation.fixed_tokens, conversation.notes, conversation.unmanaged,
+                    conversation.tokens if repaired is items else None)
 
 
 async def assemble(
@@ -356,7 +358,7 @@ def _plan(
             "tool-call pairing is invalid (" + ", ".join(f"{k}={v}" for k, v in sorted(repairs.items()))
             + ") and this policy is pairing: strict", param=wire.field, code="invalid_tool_pairing")
 
-    total = fixed + _tokens(repaired)
+    total = fixed + (_tokens(repaired) if prepared.tokens is None else prepared.tokens)
     report.tokens_before = total
 
     budget = _budget(route, policy, max_tokens, calibration, provider_window)

@@ -41,6 +41,7 @@ class Conversation:
     unmanaged: str | None = None
     repairs: Counter[str] = field(default_factory=Counter)
     grouped: int = 0  # the first items were resumed from an earlier request: they carry their group numbers
+    tokens: int | None = None  # the items' tokens in all, when the wire knows them (a resumed conversation)
 
 
 # why a history is left unmanaged (a bounded metric label)

@@ -49,6 +49,12 @@ class Known:
     size: int  # bytes of its elements' JSON
     extra: int = 0  # what else the wire needs to resume from it (Messages: the cache_control marks of its messages)
     elements: tuple[Any, ...] = ()  # the elements themselves, as objects (``shared``)
+    tokens: int = -1  # its items' tokens in all (-1: not known)
+
+    def tokens_with(self, tail: list[Item]) -> int:
+        """The tokens of its items and ``tail``'s, in all."""
+        known = self.tokens if self.tokens >= 0 else sum([item.tokens for item in self.items])
+        return known + sum([item.tokens for item in tail])
 
 
 class Conversations:
@@ -111,17 +117,18 @@ class Conversations:
         return best
 
     def keep(self, tenant: str, wire: str, keys: list[int], items: list[Item], size: int, extra: int = 0,
-             elements: tuple[Any, ...] = (), new: list[Item] | None = None) -> None:
+             elements: tuple[Any, ...] = (), new: list[Item] | None = None, tokens: int = -1) -> None:
         """Remember a parsed request (``items`` must not change afterwards; ``size``: its elements' JSON, in
         bytes; ``elements``: the elements); it replaces the ones it extends. A request not kept (too large, or too
         short to be found again) has its ``new`` items marked (``Item.unkept``): what is remembered with the items
-        kept before it (a walk of the history, a render) must not hold them, uncounted."""
+        kept before it (a walk of the history, a render) must not hold them, uncounted. ``tokens``: the items' tokens
+        in all (-1: not known)."""
         if len(keys) < 2 or len(items) > self._max_items or size > self._max_bytes // 4:
             for item in new or ():
                 item.unkept = True
             return
         entry = (tenant, wire, keys[0], keys[1])
-        known = Known(keys, items, size, extra, elements)
+        known = Known(keys, items, size, extra, elements, tokens)
         with self._lock:
             branches = self._known.get(entry, [])
             kept = [known]

@@ -565,7 +565,9 @@ RESUME_EDITS = ("append", "same", "edit_middle", "truncate", "reorder", "other_t
 
 
 def _parsed(conversation: Any, messages: list[Message]) -> Any:
-    """Everything a parse gives, with each item's JSON compared by identity to the request's own message."""
+    """Everything a parse gives, with each item's JSON compared by identity to the request's own message (and the
+    tokens in all a resumed parse gives, checked against its items')."""
+    assert conversation.tokens is None or conversation.tokens == sum(i.tokens for i in conversation.items)
     return ([(type(i).__name__, i.role, i.call_ids, i.result_id, i.source, i.pinned, i.key, i.tokens,
               i.raw is messages[i.source]) for i in conversation.items],
             conversation.fixed_tokens, conversation.paired, dict(conversation.repairs), conversation.notes)

@@ -664,7 +664,9 @@ def test_a_screenshot_and_a_generated_image_count_by_their_size() -> None:
 
 
 def _parsed(conversation: Any, elements: list[Any]) -> Any:
-    """Everything a parse gives, with each item's JSON compared to the request's own elements."""
+    """Everything a parse gives, with each item's JSON compared to the request's own elements (and the tokens in
+    all a resumed parse gives, checked against its items')."""
+    assert conversation.tokens is None or conversation.tokens == sum(i.tokens for i in conversation.items)
     def own(item: Any) -> bool:
         raw = item.raw
         if isinstance(raw, list):

@@ -101,12 +101,14 @@ class ChatWire:
                 for item, message in zip(known.items, messages):  # each its own element's JSON (the same bytes)
                     item.raw = message
             items = known.items + tail
+            tokens = known.tokens_with(tail)
         else:
             items = tail
+            tokens = sum([item.tokens for item in tail])
         assign_groups(items, self.merge_call_runs, start)  # numbered before anyone else may resume from them
-        memory.keep(tenant, self.name, keys, items[:], size, elements=tuple(messages), new=tail)  # copies: the
-        # request may change its own lists
-        return Conversation(items, _fixed(body, counter), True, grouped=len(items))
+        memory.keep(tenant, self.name, keys, items[:], size, elements=tuple(messages), new=tail,
+                    tokens=tokens)  # (a copy: the request may change its own list)
+        return Conversation(items, _fixed(body, counter), True, grouped=len(items), tokens=tokens)
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
         out = dict(body)

@@ -458,16 +458,17 @@ class MessagesWire:
                 pin_turn_thinking(own)  # type: ignore[arg-type]
             return Conversation(own, _fixed(body, counter), False)
         items = [*known.items, *tail] if known is not None else tail  # the known ones re-pointed when rendered
+        tokens = known.tokens_with(tail) if known is not None else sum([item.tokens for item in tail])
         assign_groups(items, self.merge_call_runs, len(known.items) if known is not None else 0)
-        memory.keep(tenant, self.name, keys, items[:], size, marks, tuple(messages), new=tail)  # copies: the
-        # request may change its own lists
+        memory.keep(tenant, self.name, keys, items[:], size, marks, tuple(messages), new=tail,
+                    tokens=tokens)  # (a copy: the request may change its own list)
         root = items[0] if isinstance(items[0], AnthropicItem) else None
         for new in split:
             new.remembered = True
             new.root = root
         if thinking_enabled(body):
-            items = _pinned(items)
-        return Conversation(items, _fixed(body, counter), True, grouped=len(items))
+            items = _pinned(items)  # (a copy of one item, pinned: the same tokens)
+        return Conversation(items, _fixed(body, counter), True, grouped=len(items), tokens=tokens)
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
         messages = render_messages(items, body.get("messages"))

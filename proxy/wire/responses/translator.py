@@ -156,10 +156,11 @@ class ResponsesWire:
                 item.raw = value[item.source] if type(raw) is not list \
                     else value[item.source - len(raw) + 1:item.source + 1]
         items = known.items + tail if known is not None else tail
+        tokens = known.tokens_with(tail) if known is not None else sum([item.tokens for item in tail])
         assign_groups(items, self.merge_call_runs, len(known.items) if known is not None else 0)
-        memory.keep(tenant, self.name, keys, items[:], size, elements=tuple(value), new=tail)  # copies: the
-        # request may change its own lists
-        return Conversation(items, _fixed(body, counter), True, grouped=len(items))
+        memory.keep(tenant, self.name, keys, items[:], size, elements=tuple(value), new=tail,
+                    tokens=tokens)  # (a copy: the request may change its own list)
+        return Conversation(items, _fixed(body, counter), True, grouped=len(items), tokens=tokens)
 
     def render(self, body: dict[str, Any], items: list[Item], changes: dict[str, Any]) -> dict[str, Any]:
         out = dict(body)
