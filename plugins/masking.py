@@ -31,7 +31,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter, eq
+from operator import attrgetter
 from typing import Any
 
 from plugins.base import HistoryResult, HistoryView
@@ -217,7 +217,7 @@ def _grid(results: list[_Result], maskable: int, step: int, tokens: int,
 
 
 UNKEPT = attrgetter("unkept")
-_Walk = tuple[tuple[list[Item], ...], tuple[_Result, ...], dict[str, Item]]
+_Walk = tuple[list[list[Item]], tuple[_Result, ...], dict[str, Item]]
 
 
 def _results(turns: list[list[Item]]) -> tuple[list[_Result], _Memo, _Walk | None]:
@@ -234,10 +234,10 @@ def _results(turns: list[list[Item]]) -> tuple[list[_Result], _Memo, _Walk | Non
     memo = NO_MEMO
     if remembered is not None:
         known, results, calls, memo = remembered
-        if len(known) <= len(turns) and all(map(eq, known, turns)):  # (lists of items: compared by identity)
+        if turns[:len(known)] == known:  # (lists of items, compared by identity: one C pass)
             start = len(known)
     if start == 0:
-        known, results, calls, memo = (), (), {}, NO_MEMO
+        known, results, calls, memo = [], (), {}, NO_MEMO
     if start == len(turns):  # (nothing new: the remembered walk is this one)
         return list(results), memo, (known, results, calls) if holder is not None else None
     out = list(results)
@@ -252,7 +252,7 @@ def _results(turns: list[list[Item]]) -> tuple[list[_Result], _Memo, _Walk | Non
     walk: _Walk | None = None
     if holder is not None and not any(map(UNKEPT, chain.from_iterable(turns[start:]))):
         # (a request the warm memory did not keep is not remembered here either: it would hold it uncounted)
-        walk = (known + tuple([list(turn) for turn in turns[start:]]), tuple(out), calls)
+        walk = (known + turns[start:], tuple(out), calls)  # (turn lists are never changed: ``HistoryView``)
         holder.walk = (*walk, memo)
     return out, memo, walk
 

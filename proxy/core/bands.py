@@ -11,9 +11,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from itertools import accumulate
-from operator import attrgetter, is_
+from operator import attrgetter
 
-from proxy.core.items import NO_GROUP, SYSTEM, USER, Item
+from proxy.core.items import NO_GROUP, SYSTEM, USER, Item, same_prefix
 
 UNKEPT = attrgetter("unkept")
 
@@ -84,8 +84,7 @@ def known_turns(history: list[Item]) -> tuple[list[list[Item]], list[int]]:
     tokens: list[int] = []
     if known is not None:
         items, old_turns, old_tokens, old_ends = known
-        same = list(map(is_, history, items))
-        differ = same.index(False) if False in same else len(same)
+        differ = same_prefix(history, items)
         reused = bisect.bisect_left(old_ends, differ)  # the turns that end before it
         if reused:
             start = old_ends[reused - 1]
@@ -94,7 +93,7 @@ def known_turns(history: list[Item]) -> tuple[list[list[Item]], list[int]]:
     turns += rest
     tokens += [sum([item.tokens for item in turn]) for turn in rest]
     if holder is not None and not any(map(UNKEPT, history[start:])):
-        holder.split = (tuple(history), tuple(turns), tuple(tokens), tuple(accumulate(map(len, turns))))
+        holder.split = (history[:], tuple(turns), tuple(tokens), tuple(accumulate(map(len, turns))))
     return turns, tokens
 
 

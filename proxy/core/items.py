@@ -14,7 +14,8 @@ encrypted content, cache markers, signatures) are forwarded byte for byte.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from operator import is_
 from typing import Any, Protocol
 
 import orjson
@@ -76,9 +77,9 @@ class Item:
         self.walk: tuple[Any, ...] | None = None
         # the last history this item begins as ``proxy.core.bands.known_turns`` split it: (its items, its turns,
         # their tokens, where they end)
-        self.split: tuple[tuple[Item, ...], tuple[list[Item], ...], tuple[int, ...], tuple[int, ...]] | None = None
+        self.split: tuple[list[Item], tuple[list[Item], ...], tuple[int, ...], tuple[int, ...]] | None = None
         # the last list this item begins whose pairing ``proxy.core.pairing.check_known`` checked (never changed)
-        self.verified: tuple[Item, ...] | None = None
+        self.verified: list[Item] | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.role}, calls={self.call_ids}, result={self.result_id}, src={self.source})"
@@ -111,6 +112,20 @@ class Item:
         arguments for nothing (observation masking asks for the tool's name of every result it masks).
         """
         return [(atom[1], atom[2]) for atom in self.atoms() if atom[0] == "call" and len(atom) > 2]
+
+
+def same_prefix(items: Sequence[Item], known: list[Item]) -> int:
+    """How many leading items of ``items`` are the very items ``known`` begins with.
+
+    Items compare by identity (no ``__eq__`` of their own), so when ``known`` is a prefix of ``items`` (a growing
+    conversation) one list comparison says so, a C pass that calls no comparison; only otherwise are the two walked
+    to the first difference.
+    """
+    n = len(known)
+    if len(items) >= n and items[:n] == known:
+        return n
+    same = list(map(is_, items, known))
+    return same.index(False) if False in same else len(same)
 
 
 class ItemFactory(Protocol):

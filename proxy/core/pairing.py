@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from operator import attrgetter, is_
+from operator import attrgetter
 from typing import Any
 
 from proxy.core.errors import PayloadError
-from proxy.core.items import Item, ItemFactory
+from proxy.core.items import Item, ItemFactory, same_prefix
 
 PLACEHOLDER = "[ctxproxy: no result was recorded for this tool call]"
 
@@ -199,13 +199,12 @@ def check_known(items: list[Item], merge_call_runs: bool = False, where: str = "
     known = holder.verified if holder is not None else None
     start = 0
     if known is not None:
-        same = list(map(is_, items, known))
-        start = same.index(False) if False in same else len(same)
+        start = same_prefix(items, known)
         while start > 0 and (items[start - 1].call_ids or items[start - 1].result_id is not None):
             start -= 1
     check(items[start:] if start else items, merge_call_runs, where)
     if holder is not None and not any(map(UNKEPT, items[start:])):
-        holder.verified = tuple(items)
+        holder.verified = items[:]
 
 
 def _param(where: str, item: Item) -> str:

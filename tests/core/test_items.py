@@ -156,3 +156,14 @@ def test_every_items_class_compares_and_hashes_by_identity() -> None:
         assert cls.__eq__ is object.__eq__ and cls.__hash__ is object.__hash__, cls
     a, b = Item({"role": "user", "content": "hi"}, USER), Item({"role": "user", "content": "hi"}, USER)
     assert a != b and len({a, b}) == 2 and [a] == [a] and [a] != [b]
+
+
+@given(st.lists(st.integers(0, 5), max_size=12), st.lists(st.integers(0, 5), max_size=12))
+def test_same_prefix_counts_the_leading_items_that_are_the_very_same(a: list[int], b: list[int]) -> None:
+    """``same_prefix``: identity, never equality (equal items that are not the same item differ)."""
+    from proxy.core.items import same_prefix
+
+    pool = [Item({"n": 0}, USER) for _ in range(6)]  # six equal-looking items, each its own
+    items, known = [pool[i] for i in a], [pool[i] for i in b]
+    expected = next((i for i, (x, y) in enumerate(zip(items, known)) if x is not y), min(len(items), len(known)))
+    assert same_prefix(items, known) == expected
