@@ -55,9 +55,10 @@ def calls_of(item: Item) -> Iterator[tuple[str, int]]:
             yield atom[1], signature(atom[2], atom[3])
 
 
-def removed_outputs(received: list[Item], forwarded: list[Item],
-                    summarised: Collection[Item]) -> list[tuple[Item, str]]:
-    """The tool results of ``received`` not forwarded verbatim, each with how it was removed.
+def removed_outputs(received: list[Item], forwarded: list[Item], summarised: Collection[Item],
+                    last: int | None = None) -> list[tuple[Item, str]]:
+    """The tool results of ``received`` not forwarded verbatim, each with how it was removed (``last``: the last
+    ones of them only, found from the end).
 
     A result whose id a new item of ``forwarded`` answers was masked; one in ``summarised`` (the turns a
     summary covers) was summarised; any other was dropped. One that a received result with the same id
@@ -65,21 +66,31 @@ def removed_outputs(received: list[Item], forwarded: list[Item],
     """
     if forwarded is received:
         return []
-    sent = {id(item) for item in forwarded}  # (what is forwarded is usually far shorter than what was received)
+    # sets of the items themselves: an item hashes by identity (3× faster to hash than the integers id() makes)
+    sent = set(forwarded)
     results = [item for item in received if item.result_id is not None and item.role == TOOL]
-    verbatim = [item for item in results if id(item) in sent]
+    verbatim = [item for item in results if item in sent]
     if len(verbatim) == len(results):
         return []
     answered = {item.result_id for item in verbatim}
     # the ids results forwarded answer (the received ones' are answered: only copies masking made count below)
     copies = {item.result_id for item in forwarded if item.result_id is not None and item.role == TOOL}
-    inside = {id(item) for item in summarised if item.result_id is not None}
+    inside: set[Item] | None = None  # (made when a result neither forwarded nor masked is met)
     out: list[tuple[Item, str]] = []
-    for item in results:
-        if id(item) in sent or item.result_id in answered:
+    wanted = len(results) if last is None else last
+    for item in reversed(results):
+        if len(out) >= wanted:
+            break
+        if item in sent or item.result_id in answered:
             continue
-        how = "masked" if item.result_id in copies else "summarised" if id(item) in inside else "dropped"
+        if item.result_id in copies:
+            how = "masked"
+        else:
+            if inside is None:
+                inside = set(summarised)
+            how = "summarised" if item in inside else "dropped"
         out.append((item, how))
+    out.reverse()
     return out
 
 
@@ -121,11 +132,11 @@ class RefetchTracker:
         if previous is not None and previous.removed and len(keys) >= previous.length \
                 and hash(keys[: previous.length]) == previous.digest:
             new = [call for item in received[previous.length:] if item.call_ids for call in calls_of(item)]
-        removed = removed_outputs(received, forwarded, summarised)
+        removed = removed_outputs(received, forwarded, summarised, self._per)  # (only the last ones are kept)
         known = previous.removed if previous is not None else {}
         calls: dict[str, Item] | None = None  # call id -> the item that makes it: read only for a result not known
         remembered: dict[int, tuple[int, str]] = {}
-        for result, how in removed[-self._per:]:
+        for result, how in removed:
             ident = hash(result.result_id)
             if ident in known:
                 sig: int | None = known[ident][0]

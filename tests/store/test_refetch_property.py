@@ -75,3 +75,5 @@ def test_removed_outputs_is_its_definition(request: tuple[list[Item], list[Item]
     expected = removed_by_definition(received, forwarded, summarised)
     assert removed_outputs(received, forwarded, set(summarised)) == expected
     assert removed_outputs(received, forwarded, iter(summarised)) == expected  # type: ignore[arg-type]
+    for last in (0, 1, 2, 5):  # the last ones only, found from the end
+        assert removed_outputs(received, forwarded, summarised, last) == (expected[-last:] if last else [])
