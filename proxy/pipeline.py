@@ -21,7 +21,7 @@ import dataclasses
 import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from itertools import accumulate
+from itertools import accumulate, chain
 from typing import Any
 
 from plugins.base import HistoryResult, HistoryView, Services, stable_cut
@@ -433,7 +433,7 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     report.turns_dropped = result.turns_dropped
     report.masked = list(result.masked)
     removed: Counter[str] = Counter(result.removed)
-    history = [item for t in result.turns for item in t]
+    history = list(chain.from_iterable(result.turns))  # (C speed: faster than a comprehension)
     history = _keep_pinned(plan.pinned, history)
     history, cut = whole_turns(bands.history, history, plan.ends)
     removed["windowed"] += _tokens(cut)
