@@ -22,6 +22,7 @@ import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from itertools import accumulate, chain
+from operator import attrgetter
 from typing import Any
 
 from plugins.base import HistoryResult, HistoryView, Services, stable_cut
@@ -176,26 +177,38 @@ def limit_output(
 
 
 LINKS = 200_000  # chained-hash links a counter remembers (then it starts again)
+UNKEPT = attrgetter("unkept")
+chain_items = chain.from_iterable
 
 
 def chain_hashes(turns: list[list[Item]], counter: TokenCounter | None = None) -> list[str]:
     """chain[i] identifies turns[0..i] by their wire-neutral meaning, chained (stable across hosts and wires).
 
     Each item's atom digests are remembered by the counter under its content key, so a growing
-    conversation only digests its new items.
+    conversation only digests its new items. The chain of the turns the first item last began is read back for
+    the leading turns that are the same lists of the very same items (``Item.chained``: a link is a function of
+    the items before it alone); the links a counter remembers serve the turns after them.
     """
     links = counter.links if counter is not None else None
-    out: list[str] = []
-    link = b""
-    known = 0  # turns whose links were remembered (a growing conversation: all but the new ones)
+    holder = turns[0][0] if turns and turns[0] else None
+    remembered = holder.chained if holder is not None else None
+    reused: list[bytes] = []
+    if remembered is not None:
+        old_turns, old_links = remembered
+        reused = old_links[:same_turns(turns, old_turns)]
+    out = [link.hex() for link in reused]
+    chain = list(reused)
+    link = reused[-1] if reused else b""
+    known = len(reused)  # turns whose links were remembered (a growing conversation: all but the new ones)
     if links is not None:
-        for turn in turns:
+        for turn in turns[known:]:
             keys = tuple([item.key for item in turn])
             found = links.get((link, keys)) if 0 not in keys else None
             if found is None:
                 break
             link = found
             out.append(link.hex())
+            chain.append(link)
             known += 1
     rest = turns[known:]
     flat = [item for turn in rest for item in turn]
@@ -208,12 +221,24 @@ def chain_hashes(turns: list[list[Item]], counter: TokenCounter | None = None) -
         end = start + len(turn)
         before, link = link, turn_digest(link, digests[start:end])
         out.append(link.hex())
+        chain.append(link)
         start = end
         if links is not None and all(item.key for item in turn):
             if len(links) >= LINKS:
                 links.clear()
             links[(before, tuple([item.key for item in turn]))] = link
+    if holder is not None and not any(map(UNKEPT, chain_items(turns[len(reused):]))):
+        holder.chained = (turns[:], chain)  # (a request the warm memory did not keep is not remembered)
     return out
+
+
+def same_turns(turns: list[list[Item]], known: list[list[Item]]) -> int:
+    """How many leading turns of ``turns`` are ``known``'s: the same lists (``known_turns`` gives a growing
+    conversation's), or lists of the very same items."""
+    n = len(known)
+    if len(turns) >= n and turns[:n] == known:  # (item lists compare by identity: one C pass)
+        return n
+    return next((i for i, (a, b) in enumerate(zip(turns, known)) if a != b), min(len(turns), len(known)))
 
 
 @dataclass

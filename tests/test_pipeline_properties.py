@@ -278,6 +278,36 @@ def test_remembered_chain_links_give_the_chain_a_fresh_count_gives(
         assert chain(messages, counter) == chain(messages, None)
 
 
+@PROPERTY
+@given(messages=conversations(), data=st.data())
+def test_the_chain_read_back_from_the_first_item_is_the_chain_made_afresh(
+        messages: list[dict[str, Any]], data: st.DataObject) -> None:
+    """The chained hashes of the turns the history's first item last began (``Item.chained``) are read back for the
+    leading turns that are the same lists, or lists of the very same items: whatever the next history of those
+    items keeps, drops, reorders or appends, the chain is the one made with nothing remembered."""
+    items = CHAT.parse({"model": MODEL, "messages": messages}, TokenCounter("o200k_base")).items
+    turns = split_turns(items)
+    counter = TokenCounter("o200k_base")
+    for _ in range(data.draw(st.integers(1, 6))):
+        edit = data.draw(st.sampled_from(["same", "copies", "truncate", "swap", "extend_last", "drop_item"]))
+        turns = list(turns) if edit == "same" else [list(turn) for turn in turns]
+        if edit == "truncate" and turns:
+            turns = turns[:data.draw(st.integers(1, len(turns)))]
+        elif edit == "swap" and len(turns) > 2:
+            turns[1], turns[2] = turns[2], turns[1]
+        elif edit == "extend_last" and turns and len(items) > 1:
+            turns[-1] = [*turns[-1], items[-1]]
+        elif edit == "drop_item" and turns and len(turns[-1]) > 1:
+            turns[-1] = turns[-1][:-1]
+        if not turns:
+            return
+        holder = turns[0][0]
+        remembered, holder.chained = holder.chained, None
+        afresh = chain_hashes(turns, TokenCounter("o200k_base"))
+        holder.chained = remembered
+        assert chain_hashes(turns, counter) == afresh == chain_hashes(turns, None), edit
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_whole_turns_with_the_turns_ends_is_whole_turns(data: st.DataObject) -> None:

@@ -41,12 +41,12 @@ class Item:
     or summarised away. ``key``/``tokens``: content key and token count, set by the wire.
     ``group``: items with the same group are one atomic tool group (set after pairing repair).
     ``masked``: observation masking's copy of a result, remembered with the item; ``walk``: its walk of a history
-    this item begins; ``split``: the last history it begins, in turns; ``verified``: the last forwarded list it
-    begins whose pairing was checked.
+    this item begins; ``split``: the last history it begins, in turns; ``chained``: that history's chained hashes;
+    ``verified``: the last forwarded list it begins whose pairing was checked.
     """
 
-    __slots__ = ("call_ids", "group", "key", "masked", "pinned", "raw", "result_id", "role", "source", "split",
-                 "tokens", "unkept", "verified", "walk")
+    __slots__ = ("call_ids", "chained", "group", "key", "masked", "pinned", "raw", "result_id", "role", "source",
+                 "split", "tokens", "unkept", "verified", "walk")
 
     def __init__(
         self,
@@ -78,6 +78,9 @@ class Item:
         # the last history this item begins as ``proxy.core.bands.known_turns`` split it: (its items, its turns,
         # their tokens, where they end)
         self.split: tuple[list[Item], tuple[list[Item], ...], tuple[int, ...], tuple[int, ...]] | None = None
+        # the chained hashes of the last history this item begins (``proxy.pipeline.chain_hashes``): its turns, their
+        # links
+        self.chained: tuple[list[list[Item]], list[bytes]] | None = None
         # the last list this item begins whose pairing ``proxy.core.pairing.check_known`` checked (never changed)
         self.verified: list[Item] | None = None
 
