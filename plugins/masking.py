@@ -31,11 +31,10 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter
 from typing import Any
 
 from plugins.base import HistoryResult, HistoryView
-from proxy.core.items import TOOL, Item
+from proxy.core.items import TOOL, UNKEPT, Item
 
 TOOL_CHARS = 32  # a longer tool name is shortened in the placeholder
 ID_CHARS = 16  # a longer call id is shown by its first 15 characters (the call itself, kept, has it whole)
@@ -216,7 +215,6 @@ def _grid(results: list[_Result], maskable: int, step: int, tokens: int,
     return lines, (step, tokens, maskable, count, size, tuple(lines))
 
 
-UNKEPT = attrgetter("unkept")
 _Walk = tuple[list[list[Item]], tuple[_Result, ...], dict[str, Item]]
 
 

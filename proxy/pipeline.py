@@ -22,7 +22,6 @@ import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from itertools import accumulate, chain
-from operator import attrgetter
 from typing import Any
 
 from plugins.base import HistoryResult, HistoryView, Services, stable_cut
@@ -37,7 +36,7 @@ from proxy.core.errors import (
     PayloadError,
 )
 from proxy.core.fields import case_variant
-from proxy.core.items import USER, Item, atom_digests, turn_digest
+from proxy.core.items import UNKEPT, USER, Item, atom_digests, same_prefix, turn_digest
 from proxy.core.offload import run_step
 from proxy.core.pairing import check, check_known, repair
 from proxy.core.tokens import TokenCounter
@@ -177,7 +176,6 @@ def limit_output(
 
 
 LINKS = 200_000  # chained-hash links a counter remembers (then it starts again)
-UNKEPT = attrgetter("unkept")
 chain_items = chain.from_iterable
 
 
@@ -195,7 +193,7 @@ def chain_hashes(turns: list[list[Item]], counter: TokenCounter | None = None) -
     reused: list[bytes] = []
     if remembered is not None:
         old_turns, old_links = remembered
-        reused = old_links[:same_turns(turns, old_turns)]
+        reused = old_links[:same_prefix(turns, old_turns)]
     out = [link.hex() for link in reused]
     chain = list(reused)
     link = reused[-1] if reused else b""
@@ -230,15 +228,6 @@ def chain_hashes(turns: list[list[Item]], counter: TokenCounter | None = None) -
     if holder is not None and not any(map(UNKEPT, chain_items(turns[len(reused):]))):
         holder.chained = (turns[:], chain)  # (a request the warm memory did not keep is not remembered)
     return out
-
-
-def same_turns(turns: list[list[Item]], known: list[list[Item]]) -> int:
-    """How many leading turns of ``turns`` are ``known``'s: the same lists (``known_turns`` gives a growing
-    conversation's), or lists of the very same items."""
-    n = len(known)
-    if len(turns) >= n and turns[:n] == known:  # (item lists compare by identity: one C pass)
-        return n
-    return next((i for i, (a, b) in enumerate(zip(turns, known)) if a != b), min(len(turns), len(known)))
 
 
 @dataclass

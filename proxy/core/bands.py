@@ -11,11 +11,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from itertools import accumulate
-from operator import attrgetter
 
-from proxy.core.items import NO_GROUP, SYSTEM, USER, Item, same_prefix
-
-UNKEPT = attrgetter("unkept")
+from proxy.core.items import NO_GROUP, SYSTEM, UNKEPT, USER, Item, same_prefix
 
 
 @dataclass

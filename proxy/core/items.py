@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from operator import is_
-from typing import Any, Protocol
+from operator import attrgetter, is_
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
@@ -117,12 +117,18 @@ class Item:
         return [(atom[1], atom[2]) for atom in self.atoms() if atom[0] == "call" and len(atom) > 2]
 
 
-def same_prefix(items: Sequence[Item], known: list[Item]) -> int:
-    """How many leading items of ``items`` are the very items ``known`` begins with.
+T = TypeVar("T")
+# whether an item is a new one of a request the warm memory did not keep (what no memo may hold, uncounted)
+UNKEPT = attrgetter("unkept")
+
+
+def same_prefix(items: Sequence[T], known: list[T]) -> int:
+    """How many leading items of ``items`` are the very items ``known`` begins with (or, for lists of items, lists
+    of the very same items).
 
     Items compare by identity (no ``__eq__`` of their own), so when ``known`` is a prefix of ``items`` (a growing
     conversation) one list comparison says so, a C pass that calls no comparison; only otherwise are the two walked
-    to the first difference.
+    to the first difference, by identity.
     """
     n = len(known)
     if len(items) >= n and items[:n] == known:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any
 
 from proxy.core.errors import PayloadError
-from proxy.core.items import Item, ItemFactory, same_prefix
+from proxy.core.items import UNKEPT, Item, ItemFactory, same_prefix
 
 PLACEHOLDER = "[ctxproxy: no result was recorded for this tool call]"
 
@@ -182,7 +181,6 @@ def check(items: list[Item], merge_call_runs: bool = False, where: str = "messag
                            code="unpaired_tool_call")
 
 
-UNKEPT = attrgetter("unkept")
 
 
 def check_known(items: list[Item], merge_call_runs: bool = False, where: str = "messages") -> None:

@@ -29,13 +29,13 @@ from __future__ import annotations
 import bisect
 import copy
 from collections.abc import Mapping
-from operator import attrgetter, is_
+from operator import is_
 from typing import Any, NamedTuple
 
 from proxy.core.bands import assign_groups
 from proxy.core.conversation import Conversation
 from proxy.core.errors import CtxProxyError, OutputLimitExceeded, PayloadError
-from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, USER, Item
+from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, UNKEPT, USER, Item
 from proxy.core.pairing import PLACEHOLDER, is_paired
 from proxy.core.tokens import (
     REPLY_PRIMING,
@@ -156,7 +156,6 @@ def render_messages(items: list[Item], sent: list[Any] | None = None) -> list[Me
     return out
 
 
-UNKEPT = attrgetter("unkept")
 ANCHORS = 2  # where the first remembered item, from which a render is remembered, may be: first, or after a summary
 
 
