@@ -413,8 +413,19 @@ def _view(wire: WireAdapter, counter: TokenCounter, services: Services, budget: 
     if bands.current is not None:
         pinned += bands.current.tokens
 
+    holder = turns[0][0] if turns and turns[0] else None
+
     def summary_item(text: str, covered: int) -> Item:
-        return wire.summary(text, covered, counter)
+        # the history's first item remembers the last one made: the next requests that use the same summary forward
+        # the very same item, so what is read back by the first items of the forwarded list (the pairing checked,
+        # the render) reaches past it
+        made = holder.summary if holder is not None else None
+        if made is not None and made[1] == covered and made[0] == text:
+            return made[2]
+        item = wire.summary(text, covered, counter)
+        if holder is not None and not holder.unkept:
+            holder.summary = (text, covered, item)
+        return item
 
     def mask(item: Item, text: str) -> Item | None:
         return wire.mask(item, text, counter)
@@ -490,7 +501,7 @@ def _finish(plan: _Plan, result: HistoryResult) -> Assembly:
     # (items compare by identity, having no __eq__ of their own: list equality is one C pass of identity tests)
     changed = final != received or bool(changes) or bool(repairs)
     out = wire.render(body, final, changes) if changed else body
-    summarised = [item for turn in plan.view.turns[: result.turns_summarised] for item in turn]
+    summarised = list(chain.from_iterable(plan.view.turns[: result.turns_summarised]))
     return Assembly(out, final, changed, report, received, wire.field, changes, summarised=summarised)
 
 

@@ -771,3 +771,37 @@ async def test_a_stray_n_on_another_wire_does_not_shrink_its_cap(
                                  path="/v1/responses")
     assert status == 200, body
     assert upstream.responses[-1].body["max_output_tokens"] == 100
+
+
+async def test_requests_that_use_one_summary_forward_the_very_same_summary_item() -> None:
+    """Consecutive requests of a conversation that use the same cached summary forward the very item made for the
+    first (remembered by the history's first item): what the pipeline reads back from the forwarded list's first
+    items (the pairing it checked) then reaches past the summary. A summary of other turns is an item of its own."""
+    from tests.helpers import FakeEngine, summary_service
+
+    h = Harness(window=200_000, max_tokens=1_500, context_manager={"type": "summarising",
+                                                                   "params": {"keep_turns": 2}})
+    counter = TokenCounter("o200k_base")
+    svc = services(counter, engine=FakeEngine(), summaries=summary_service())
+    messages = [system()]
+    for i in range(12):
+        messages += [user(words(60, seed=i)), assistant(words(60, seed=100 + i))]
+
+    async def run(messages: list[dict[str, Any]]) -> Assembly:
+        return await assemble({"model": MODEL, "messages": copy.deepcopy([*messages, user("next?")])}, wire=CHAT,
+                              route=h.route, policy=h.policy, counter=counter, services=svc)
+
+    def summary_of(a: Assembly) -> Any:
+        (item,) = [i for i in a.items if str(i.raw.get("content")).startswith("[Conversation summary")]
+        return item
+
+    first = await run(messages)
+    second = await run(messages)
+    assert first.report.summary in ("created", "waited") and second.report.summary == "reused"
+    assert summary_of(second) is summary_of(first)
+    assert first.body == second.body
+    messages += [user(words(300, seed=50)), assistant(words(300, seed=51))] * 3  # past B: a new summary is made
+    third = await run(messages)
+    assert third.report.summary in ("created", "waited")
+    assert summary_of(third) is not summary_of(first)
+    assert summary_of(third).raw["content"] != summary_of(first).raw["content"]

@@ -13,6 +13,7 @@ service appends those it leaves out (``proxy.core.values``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -50,10 +51,14 @@ class LLMSummarizer(Summarizer):
         params: Any = self.params
         return str(params.model or services.summarizer_model or services.model)
 
-    def settings_id(self, services: Services) -> str:
+    @functools.cached_property
+    def _instructions(self) -> str:
+        """The digest of the instructions (a plugin's params never change: a reload makes a new plugin)."""
         params: Any = self.params
-        instructions = hashlib.sha256((params.instructions or "").encode()).hexdigest()[:16]
-        return f"llm/v{PROMPT_VERSION}/{self._model(services)}/{instructions}"
+        return hashlib.sha256((params.instructions or "").encode()).hexdigest()[:16]
+
+    def settings_id(self, services: Services) -> str:
+        return f"llm/v{PROMPT_VERSION}/{self._model(services)}/{self._instructions}"
 
     def bind(self, services: Services) -> SummarizeFn | None:
         engine = services.engine

@@ -42,11 +42,12 @@ class Item:
     ``group``: items with the same group are one atomic tool group (set after pairing repair).
     ``masked``: observation masking's copy of a result, remembered with the item; ``walk``: its walk of a history
     this item begins; ``split``: the last history it begins, in turns; ``chained``: that history's chained hashes;
-    ``verified``: the last forwarded list it begins whose pairing was checked.
+    ``verified``: the last forwarded list it begins whose pairing was checked; ``summary``: the last summary item made
+    for a history it begins.
     """
 
     __slots__ = ("call_ids", "chained", "group", "key", "masked", "pinned", "raw", "result_id", "role", "source",
-                 "split", "tokens", "unkept", "verified", "walk")
+                 "split", "summary", "tokens", "unkept", "verified", "walk")
 
     def __init__(
         self,
@@ -83,6 +84,9 @@ class Item:
         self.chained: tuple[list[list[Item]], list[bytes]] | None = None
         # the last list this item begins whose pairing ``proxy.core.pairing.check_known`` checked (never changed)
         self.verified: list[Item] | None = None
+        # the last summary item made for a history this item begins (``proxy.pipeline``): its text, the turns it
+        # covers, the item (never changed: the requests that use the same summary forward the very same item)
+        self.summary: tuple[str, int, Item] | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.role}, calls={self.call_ids}, result={self.result_id}, src={self.source})"

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 from proxy.core.bands import assign_groups
 from proxy.core.conversation import Conversation
 from proxy.core.errors import CtxProxyError, OutputLimitExceeded, PayloadError
-from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, UNKEPT, USER, Item
+from proxy.core.items import ASSISTANT, OTHER, SYSTEM, TOOL, UNKEPT, USER, Item, same_prefix
 from proxy.core.pairing import PLACEHOLDER, is_paired
 from proxy.core.tokens import (
     REPLY_PRIMING,
@@ -146,13 +146,13 @@ def render_messages(items: list[Item], sent: list[Any] | None = None) -> list[Me
         reused = _reusable(memo, items, anchor, sent)
         if reused:
             render.reuse(memo, reused, anchor)
-            restart = anchor + memo.starts[reused]
+            restart = anchor + memo.starts[reused] - memo.anchor
     render.feed(restart, len(items), sent)
     out = render.finish()
     if any(map(UNKEPT, items[restart:])):  # a request the warm memory did not keep: not held here either
         return out
-    holder.memo = _Memo(tuple(items[anchor:]), tuple(sent), tuple(out[head:]),
-                       tuple([i - anchor for i in render.starts[head:]]), tuple(render.reach[head:]))
+    holder.memo = _Memo(items[anchor:], tuple(sent), tuple(out[head:]), anchor, tuple(render.starts[head:]),
+                        tuple(render.reach[head:]))
     return out
 
 
@@ -162,22 +162,19 @@ ANCHORS = 2  # where the first remembered item, from which a render is remembere
 class _Memo(NamedTuple):
     """A conversation's last render, from its anchor item on (``render_messages``)."""
 
-    items: tuple[Item, ...]  # the items rendered, from the anchor on
+    items: list[Item]  # the items rendered, from the anchor on (never changed)
     sent: tuple[Any, ...]  # the client's messages they were re-pointed to
     out: tuple[Message, ...]  # the messages rendered from them
-    starts: tuple[int, ...]  # where each message's items begin (an index into ``items``)
+    anchor: int  # where the anchor was in that render's items
+    starts: tuple[int, ...]  # where each message's items began in that render's items (``anchor`` included)
     reach: tuple[int, ...]  # with each message, 1 + the highest client message index it and those before came from
 
 
 def _reusable(memo: _Memo, items: list[Item], anchor: int, sent: list[Any]) -> int:
     """How many of ``memo``'s messages this render reuses (``render_messages``)."""
-    same = list(map(is_, memo.items, items[anchor:]))  # (C-speed: one pass of identity tests)
-    try:
-        common = same.index(False)
-    except ValueError:
-        common = len(same)
+    common = same_prefix(items[anchor:], memo.items)
     # the messages that begin before the first different item, but the last (items after it may join it)
-    reused = max(0, bisect.bisect_left(memo.starts, common) - 1)
+    reused = max(0, bisect.bisect_left(memo.starts, memo.anchor + common) - 1)
     if reused == 0:
         return 0
     reach = memo.reach[reused - 1]
@@ -239,7 +236,8 @@ class _Render:
     def reuse(self, memo: _Memo, count: int, anchor: int) -> None:
         """Append the first ``count`` messages of an earlier render (``memo``) of the items from ``anchor`` on."""
         self.out.extend(memo.out[:count])
-        self.starts.extend([anchor + start for start in memo.starts[:count]])
+        shift = anchor - memo.anchor  # (none when the anchor is where it was: the starts are taken as they are)
+        self.starts.extend([shift + start for start in memo.starts[:count]] if shift else memo.starts[:count])
         self.reach.extend(memo.reach[:count])
         self.high = max(self.high, memo.reach[count - 1])
 
