@@ -176,7 +176,6 @@ def limit_output(
 
 
 LINKS = 200_000  # chained-hash links a counter remembers (then it starts again)
-chain_items = chain.from_iterable
 
 
 def chain_hashes(turns: list[list[Item]], counter: TokenCounter | None = None) -> list[str]:
@@ -195,7 +194,7 @@ def chain_hashes(turns: list[list[Item]], counter: TokenCounter | None = None) -
         old_turns, old_links = remembered
         reused = old_links[:same_prefix(turns, old_turns)]
     out = [link.hex() for link in reused]
-    chain = list(reused)
+    made = list(reused)  # the links, as bytes (what the first item remembers)
     link = reused[-1] if reused else b""
     known = len(reused)  # turns whose links were remembered (a growing conversation: all but the new ones)
     if links is not None:
@@ -206,7 +205,7 @@ def chain_hashes(turns: list[list[Item]], counter: TokenCounter | None = None) -
                 break
             link = found
             out.append(link.hex())
-            chain.append(link)
+            made.append(link)
             known += 1
     rest = turns[known:]
     flat = [item for turn in rest for item in turn]
@@ -219,14 +218,14 @@ def chain_hashes(turns: list[list[Item]], counter: TokenCounter | None = None) -
         end = start + len(turn)
         before, link = link, turn_digest(link, digests[start:end])
         out.append(link.hex())
-        chain.append(link)
+        made.append(link)
         start = end
         if links is not None and all(item.key for item in turn):
             if len(links) >= LINKS:
                 links.clear()
             links[(before, tuple([item.key for item in turn]))] = link
-    if holder is not None and not any(map(UNKEPT, chain_items(turns[len(reused):]))):
-        holder.chained = (turns[:], chain)  # (a request the warm memory did not keep is not remembered)
+    if holder is not None and not any(map(UNKEPT, chain.from_iterable(turns[len(reused):]))):
+        holder.chained = (turns[:], made)  # (a request the warm memory did not keep is not remembered)
     return out
 
 

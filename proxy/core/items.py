@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from operator import attrgetter, is_
+from operator import attrgetter, eq
 from typing import Any, Protocol, TypeVar
 
 import orjson
@@ -132,12 +132,13 @@ def same_prefix(items: Sequence[T], known: list[T]) -> int:
 
     Items compare by identity (no ``__eq__`` of their own), so when ``known`` is a prefix of ``items`` (a growing
     conversation) one list comparison says so, a C pass that calls no comparison; only otherwise are the two walked
-    to the first difference, by identity.
+    to the first difference, with the same equality (an item is equal to itself alone, a list of items to a list of
+    the very same items).
     """
     n = len(known)
     if len(items) >= n and items[:n] == known:
         return n
-    same = list(map(is_, items, known))
+    same = list(map(eq, items, known))
     return same.index(False) if False in same else len(same)
 
 

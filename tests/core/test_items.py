@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.core.items import (
@@ -167,3 +167,21 @@ def test_same_prefix_counts_the_leading_items_that_are_the_very_same(a: list[int
     items, known = [pool[i] for i in a], [pool[i] for i in b]
     expected = next((i for i, (x, y) in enumerate(zip(items, known)) if x is not y), min(len(items), len(known)))
     assert same_prefix(items, known) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.lists(st.lists(st.integers(0, 3), max_size=3), max_size=6),
+       b=st.lists(st.lists(st.integers(0, 3), max_size=3), max_size=6), copies=st.booleans())
+def test_same_prefix_of_turns_counts_lists_of_the_very_same_items(a: list[list[int]], b: list[list[int]],
+                                                                   copies: bool) -> None:
+    """``same_prefix`` on turns (lists of items): a turn is the same as a list of the very same items, copy or not,
+    on the walk to the first difference as in the one-comparison case (``chain_hashes`` reads back that many)."""
+    from proxy.core.items import same_prefix
+
+    pool = [Item({"n": 0}, USER) for _ in range(4)]
+    turns = [[pool[i] for i in t] for t in a]
+    # a turn of ``known`` equal to the same turn of ``turns`` is that very list, or (``copies``) a copy of it
+    same = [k < len(a) and a[k] == t and not copies for k, t in enumerate(b)]
+    known = [turns[k] if same[k] else [pool[i] for i in t] for k, t in enumerate(b)]
+    expected = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert same_prefix(turns, known) == expected
