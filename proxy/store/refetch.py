@@ -29,6 +29,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 from proxy.core.items import TOOL, Item
 from proxy.store.prefix import conversation_head
@@ -72,26 +73,16 @@ def removed_outputs(received: list[Item], forwarded: list[Item], summarised: Col
     verbatim = [item for item in results if item in sent]
     if len(verbatim) == len(results):
         return []
-    answered = {item.result_id for item in verbatim}
+    answered = {item.result_id for item in verbatim}  # (every result forwarded verbatim: none of these is removed)
+    gone = [item for item in results if item.result_id not in answered]
+    if last is not None:
+        gone = gone[-last:] if last > 0 else []
     # the ids results forwarded answer (the received ones' are answered: only copies masking made count below)
     copies = {item.result_id for item in forwarded if item.result_id is not None and item.role == TOOL}
-    inside: set[Item] | None = None  # (made when a result neither forwarded nor masked is met)
-    out: list[tuple[Item, str]] = []
-    wanted = len(results) if last is None else last
-    for item in reversed(results):
-        if len(out) >= wanted:
-            break
-        if item in sent or item.result_id in answered:
-            continue
-        if item.result_id in copies:
-            how = "masked"
-        else:
-            if inside is None:
-                inside = set(summarised)
-            how = "summarised" if item in inside else "dropped"
-        out.append((item, how))
-    out.reverse()
-    return out
+    masked = [item.result_id in copies for item in gone]
+    inside = set(summarised) if not all(masked) else set()  # (made when a result neither forwarded nor masked is met)
+    return [(item, "masked" if was_masked else "summarised" if item in inside else "dropped")
+            for item, was_masked in zip(gone, masked)]
 
 
 @dataclass
@@ -134,21 +125,26 @@ class RefetchTracker:
             new = [call for item in received[previous.length:] if item.call_ids for call in calls_of(item)]
         removed = removed_outputs(received, forwarded, summarised, self._per)  # (only the last ones are kept)
         known = previous.removed if previous is not None else {}
-        calls: dict[str, Item] | None = None  # call id -> the item that makes it: read only for a result not known
-        remembered: dict[int, tuple[int, str]] = {}
+        counted = previous.refetched if previous is not None else {}
+        calls = _Calls(received)
+        remembered: dict[int, tuple[int, str] | None] = {}
+        later: list[tuple[int, Item, str]] = []  # results counted already: forgotten below (their place kept)
         for result, how in removed:
             ident = hash(result.result_id)
-            if ident in known:
-                sig: int | None = known[ident][0]
+            entry = known.get(ident)
+            if entry is not None:
+                remembered[ident] = (entry[0], how)
+            elif ident in counted:
+                remembered[ident] = None
+                later.append((ident, result, how))
             else:
-                if calls is None:
-                    calls = {call_id: item for item in received if item.call_ids for call_id in item.call_ids}
-                sig = _answered(result, calls.get(result.result_id or ""))
-            if sig is not None:
-                remembered[ident] = (sig, how)
+                sig = calls.answered(result)
+                if sig is not None:
+                    remembered[ident] = (sig, how)
         by_signature: dict[int, list[int]] = {}  # (read only when the request makes new calls)
         if new:
-            for ident, (made, _) in known.items():
+            wanted = {sig for _, sig in new}
+            for ident, made in [(ident, entry[0]) for ident, entry in known.items() if entry[0] in wanted]:
                 by_signature.setdefault(made, []).append(ident)
         counts: dict[str, int] = {}
         with self._lock:
@@ -165,7 +161,15 @@ class RefetchTracker:
                 refetched.popitem(last=False)
             for ident in refetched:
                 remembered.pop(ident, None)
-            self._remember(tenant, conversation, _Conversation(len(keys), hash(keys), remembered, refetched))
+            for ident, result, how in later:  # (one the bound above made forget it was counted: remembered again)
+                if ident in remembered:
+                    sig = calls.answered(result)
+                    if sig is None:
+                        del remembered[ident]
+                    else:
+                        remembered[ident] = (sig, how)
+            kept = cast("dict[int, tuple[int, str]]", remembered)
+            self._remember(tenant, conversation, _Conversation(len(keys), hash(keys), kept, refetched))
         return counts
 
 
@@ -197,6 +201,20 @@ class RefetchTracker:
         """The tenant's remembered conversations, oldest first (for tests and debugging)."""
         with self._lock:
             return list(self._tenants.get(tenant, {}).values())
+
+
+class _Calls:
+    """The calls of a request's items by id, made when first asked (most requests never ask)."""
+
+    def __init__(self, received: list[Item]) -> None:
+        self._received = received
+        self._by_id: dict[str, Item] | None = None
+
+    def answered(self, result: Item) -> int | None:
+        """The signature of the call ``result`` answers (``_answered``)."""
+        if self._by_id is None:
+            self._by_id = {call_id: item for item in self._received if item.call_ids for call_id in item.call_ids}
+        return _answered(result, self._by_id.get(result.result_id or ""))
 
 
 def _answered(result: Item, call: Item | None) -> int | None:
