@@ -111,7 +111,12 @@ class RefetchTracker:
     def observe(self, tenant: str, received: list[Item], forwarded: list[Item],
                 summarised: Collection[Item] = ()) -> dict[str, int]:
         """Count the new calls of this request that repeat a call whose output the previous request removed,
-        then remember what this request removed. Linear in the items; the lock is held only for the bookkeeping."""
+        then remember what this request removed. Linear in the items; the lock is held only for the bookkeeping
+        (and for reading the call of a result whose re-fetch the bound on counted ids forgot: rare).
+
+        A removed result the previous request removed too keeps the signature found then; one it had counted as
+        re-fetched is not looked up again (it is forgotten below, unless the bound forgets it was counted); only
+        the others' calls are read, and the request's calls are gathered only when one is."""
         if not received:
             return {}
         conversation = hash(tuple(conversation_head(received)))

@@ -120,7 +120,7 @@ class PlainTracker:
         counts: dict[str, int] = {}
         refetched = OrderedDict.fromkeys(self.refetched)
         for _, sig in new:
-            hits = [ident for ident, (made_sig, _) in self.removed.items() if made_sig == sig and ident not in refetched]
+            hits = [ident for ident, (made, _) in self.removed.items() if made == sig and ident not in refetched]
             if hits:
                 how = self.removed[hits[-1]][1]
                 counts[how] = counts.get(how, 0) + 1
