@@ -153,7 +153,8 @@ class RefetchTracker:
                 by_signature.setdefault(made, []).append(ident)
         counts: dict[str, int] = {}
         with self._lock:
-            refetched = previous.refetched if previous is not None else OrderedDict()
+            # a copy: an entry is never changed once kept (what it holds is counted against the tenant's bound)
+            refetched = OrderedDict(previous.refetched) if previous is not None else OrderedDict()
             for _, sig in new:
                 hits = [ident for ident in by_signature.get(sig, ()) if ident not in refetched]
                 if not hits:

@@ -150,6 +150,22 @@ def test_one_tenants_traffic_never_evicts_another_tenants_conversations() -> Non
     assert quiet.conversations("acme") == []
 
 
+def test_the_bound_on_signatures_counts_the_ids_counted_as_refetched() -> None:
+    """What a conversation holds counts against its tenant's bound, its counted re-fetches included: a conversation
+    whose re-fetch was counted holds one id, so another's removal takes the tenant past a bound of one."""
+    tracker = RefetchTracker(signatures=1)
+    first = [system("one"), user("go"), call(("a", "read", "{}")), tool("a", "x")]
+    received = items(first)
+    tracker.observe("acme", received, [item for item in received if item.result_id is None])  # its output dropped
+    again = items([*first, call(("b", "read", "{}"))])
+    assert tracker.observe("acme", again, again) == {"dropped": 1}
+    [held] = tracker.conversations("acme")
+    assert (dict(held.removed), list(held.refetched)) == ({}, [hash("a")])
+    other = items([system("two"), user("go"), call(("c", "read", "{}")), tool("c", "y")])
+    tracker.observe("acme", other, [item for item in other if item.result_id is None])
+    assert [list(c.removed) for c in tracker.conversations("acme")] == [[hash("c")]]  # the first one evicted
+
+
 # --------------------------------------------------------------------------- over HTTP, on each wire
 
 
