@@ -36,7 +36,7 @@ from proxy.core.errors import (
     PayloadError,
 )
 from proxy.core.fields import case_variant
-from proxy.core.items import UNKEPT, USER, Item, atom_digests, same_prefix, turn_digest
+from proxy.core.items import UNKEPT, USER, Item, ItemKeys, atom_digests, keys_of, same_prefix, turn_digest
 from proxy.core.offload import run_step
 from proxy.core.pairing import check, check_known, repair
 from proxy.core.tokens import TokenCounter
@@ -106,6 +106,14 @@ class Assembly:
     body_changes: dict[str, Any] = field(default_factory=dict)  # output caps and the upstream model name
     summarised: list[Item] = field(default_factory=list)  # the items of the turns a summary covers (re-fetches)
     sent_tokens: int | None = None  # observe: ctxproxy's count of the client's payload, which is what is forwarded
+    _keys: tuple[ItemKeys, ItemKeys] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def item_keys(self) -> tuple[ItemKeys, ItemKeys]:
+        """The content keys of the received and of the forwarded items, made once for the trackers that compare the
+        request with its conversation's previous one (``keys_of``; the items never change once assembled)."""
+        if self._keys is None:
+            self._keys = keys_of(self.received, self.items)
+        return self._keys
 
     @property
     def forwarded_tokens(self) -> int:

@@ -152,6 +152,39 @@ class ItemFactory(Protocol):
         """An explicit "no result was recorded" result for ``call_id`` (None: this kind of call has none)."""
 
 
+class ItemKeys:
+    """The content keys of a list of items as one tuple, and the hashes of its prefixes, each made once: the trackers
+    that compare a request with its conversation's previous one by length and hash (``proxy.store.prefix``,
+    ``proxy.store.promptcache``, ``proxy.store.refetch``) share them (``keys_of``)."""
+
+    __slots__ = ("_hashes", "keys")
+
+    def __init__(self, items: Sequence[Item]) -> None:
+        self.keys = tuple([item.key for item in items])
+        self._hashes: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def digest(self, n: int | None = None) -> int:
+        """The hash of the first ``n`` keys (None: of all of them)."""
+        n = len(self.keys) if n is None else min(n, len(self.keys))
+        found = self._hashes.get(n)
+        if found is None:
+            found = self._hashes[n] = hash(self.keys[:n])
+        return found
+
+    def extends(self, length: int, digest: int) -> bool:
+        """Whether these keys begin with the ``length`` keys whose hash is ``digest``."""
+        return len(self.keys) >= length and self.digest(length) == digest
+
+
+def keys_of(received: Sequence[Item], forwarded: Sequence[Item]) -> tuple[ItemKeys, ItemKeys]:
+    """The keys of a request's received and forwarded items: one object when they are the same list."""
+    mine = ItemKeys(received)
+    return mine, mine if forwarded is received else ItemKeys(forwarded)
+
+
 def atom_digests(item: Item) -> bytes:
     """16 bytes per atom of ``item``: what chained hashes are built from (boundary-free across items)."""
     out = bytearray()

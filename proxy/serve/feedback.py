@@ -44,7 +44,7 @@ def settle(shared: Shared, metrics: Metrics, route: ModelRoute, assembly: Assemb
     cached = answered if answered is not None and answered.consistent else None
     # observe mode removed nothing: the provider's cache saw the client's payload
     effect = shared.prompt_cache.observe(tenant, assembly.received, assembly.items, cached,
-                                         0 if observed else removed_tokens(report))
+                                         0 if observed else removed_tokens(report), assembly.item_keys())
     if observed:  # what enforce would have saved: gross only (its summaries and cache effect are not known)
         cost = request_cost(report, route.upstream_model, shared.model_map, None)
         cost.summarizer_usd = cost.net_usd = None

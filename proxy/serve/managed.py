@@ -71,8 +71,9 @@ def _outgoing(st: State, raw: bytes | None, assembly: Assembly,
               tenant: str) -> tuple[bool | None, dict[str, int], bytes]:
     """Whether the forwarded prefix is stable, the re-fetches this request shows (``proxy.store.refetch``), and
     the bytes to forward (all linear in the items)."""
-    stable = st.prefix.observe(assembly.received, assembly.items, tenant)
-    refetched = st.refetch.observe(tenant, assembly.received, assembly.items, assembly.summarised)
+    received, sent = assembly.item_keys()
+    stable = st.prefix.observe(assembly.received, assembly.items, tenant, sent)
+    refetched = st.refetch.observe(tenant, assembly.received, assembly.items, assembly.summarised, received)
     return stable, refetched, forward_bytes(raw, assembly)
 
 
@@ -197,5 +198,5 @@ class _Upstream:
 
 def _again(st: State, assembly: Assembly, tenant: str) -> bytes:
     """A retry's bytes; the prefix tracker now remembers what it forwarded (its figure was counted for the first)."""
-    st.prefix.observe(assembly.received, assembly.items, tenant)
+    st.prefix.observe(assembly.received, assembly.items, tenant, assembly.item_keys()[1])
     return forward_bytes(None, assembly)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from proxy.core.items import SYSTEM, Item
+from proxy.core.items import SYSTEM, Item, ItemKeys
 
 
 def conversation_head(received: list[Item]) -> list[object]:
@@ -31,18 +31,21 @@ class PrefixTracker:
         self._size = size
         self._lock = threading.Lock()  # a large request is observed from a worker thread
 
-    def observe(self, received: list[Item], forwarded: list[Item], tenant: str = "") -> bool | None:
+    def observe(self, received: list[Item], forwarded: list[Item], tenant: str = "",
+                sent: ItemKeys | None = None) -> bool | None:
         """True/False: the forwarded list does/does not extend the previous one; None: first request seen.
 
         Conversations are told apart by tenant, system band and first item (identical agent runs of one
         tenant share a record: the share they report is still that of the forwarded prefixes). The
-        linear part (the keys and their hashes) runs outside the lock.
+        linear part (the keys and their hashes) runs outside the lock. ``sent``: the keys of ``forwarded``, when the
+        request has them already (``Assembly.item_keys``).
         """
         if not received or not forwarded:
             return None
         conversation = hash((tenant, *conversation_head(received)))
-        sent = tuple([item.key for item in forwarded])  # (a list comprehension: faster than a generator)
-        digest = hash(sent)
+        if sent is None:
+            sent = ItemKeys(forwarded)
+        digest = sent.digest()
         with self._lock:
             previous = self._last.get(conversation)
             self._last[conversation] = (len(sent), digest)
@@ -51,5 +54,4 @@ class PrefixTracker:
                 self._last.popitem(last=False)
         if previous is None:
             return None
-        n, before = previous
-        return len(sent) >= n and hash(sent[:n]) == before
+        return sent.extends(*previous)

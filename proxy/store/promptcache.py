@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from proxy.core.items import SYSTEM, Item
+from proxy.core.items import SYSTEM, Item, ItemKeys, keys_of
 from proxy.core.usage import Usage
 
 
@@ -58,8 +58,9 @@ class PromptCacheTracker:
         self._size = size
 
     def observe(self, tenant: str, received: list[Item], forwarded: list[Item], usage: Usage | None,
-                removed_tokens: int) -> CacheEffect:
-        """Compare this answered request with the conversation's previous one, then remember it."""
+                removed_tokens: int, keys: tuple[ItemKeys, ItemKeys] | None = None) -> CacheEffect:
+        """Compare this answered request with the conversation's previous one, then remember it. ``keys``: the keys
+        of ``received`` and ``forwarded``, when the request has them already (``Assembly.item_keys``)."""
         if not received or not forwarded:
             return CacheEffect()
         head: list[int] = []
@@ -68,14 +69,13 @@ class PromptCacheTracker:
             if item.role != SYSTEM:
                 break
         conversation = (tenant, hash(tuple(head)))
-        received_keys = tuple([item.key for item in received])
-        forwarded_keys = received_keys if forwarded is received else tuple([item.key for item in forwarded])
+        received_keys, forwarded_keys = keys if keys is not None else keys_of(received, forwarded)
         previous = self._last.get(conversation)
         effect = CacheEffect()
         hit = previous.hit if previous is not None else None
         if previous is not None and usage is not None and previous.input is not None \
-                and _extends(received_keys, previous.received):
-            stable = _extends(forwarded_keys, previous.forwarded)
+                and received_keys.extends(*previous.received):
+            stable = forwarded_keys.extends(*previous.forwarded)
             if stable and previous.input > 0:
                 hit = min(1.0, usage.cached_tokens / previous.input)
             lost = writes = 0
@@ -84,10 +84,8 @@ class PromptCacheTracker:
                 writes = max(0, usage.cache_write_tokens - previous.writes)
             removed_reads = round(previous.removed * hit) if hit else 0
             effect = CacheEffect(True, not stable, lost, writes, removed_reads, hit)
-        received_hash = hash(received_keys)
-        forwarded_hash = received_hash if forwarded_keys is received_keys else hash(forwarded_keys)
         self._last[conversation] = _Last(
-            (len(received_keys), received_hash), (len(forwarded_keys), forwarded_hash),
+            (len(received_keys), received_keys.digest()), (len(forwarded_keys), forwarded_keys.digest()),
             usage.input_tokens if usage is not None else None,
             usage.cached_tokens if usage is not None else 0,
             usage.cache_write_tokens if usage is not None else 0,
@@ -96,8 +94,3 @@ class PromptCacheTracker:
         if len(self._last) > self._size:
             self._last.popitem(last=False)
         return effect
-
-
-def _extends(keys: tuple[int, ...], previous: tuple[int, int]) -> bool:
-    n, digest = previous
-    return len(keys) >= n and hash(keys[:n]) == digest

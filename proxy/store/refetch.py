@@ -31,7 +31,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
-from proxy.core.items import TOOL, Item
+from proxy.core.items import TOOL, Item, ItemKeys
 from proxy.store.prefix import conversation_head
 
 HOW = ("masked", "summarised", "dropped")
@@ -109,26 +109,29 @@ class RefetchTracker:
         self._lock = threading.Lock()  # a large request is observed from a worker thread
 
     def observe(self, tenant: str, received: list[Item], forwarded: list[Item],
-                summarised: Collection[Item] = ()) -> dict[str, int]:
+                summarised: Collection[Item] = (), keys: ItemKeys | None = None) -> dict[str, int]:
         """Count the new calls of this request that repeat a call whose output the previous request removed,
         then remember what this request removed. Linear in the items; the lock is held only for the bookkeeping
         (and for reading the call of a result whose re-fetch the bound on counted ids forgot: rare).
 
         A removed result the previous request removed too keeps the signature found then; one it had counted as
         re-fetched is not looked up again (it is forgotten below, unless the bound forgets it was counted); only
-        the others' calls are read, and the request's calls are gathered only when one is."""
+        the others' calls are read, and the request's calls are gathered only when one is. ``keys``: the keys of
+        ``received``, when the request has them already (``Assembly.item_keys``)."""
         if not received:
             return {}
         conversation = hash(tuple(conversation_head(received)))
-        keys = tuple([item.key for item in received])
         with self._lock:
             mine = self._tenants.get(tenant)
             previous = mine.get(conversation) if mine is not None else None
-        new: list[tuple[str, int]] = []
-        if previous is not None and previous.removed and len(keys) >= previous.length \
-                and hash(keys[: previous.length]) == previous.digest:
-            new = [call for item in received[previous.length:] if item.call_ids for call in calls_of(item)]
         removed = removed_outputs(received, forwarded, summarised, self._per)  # (only the last ones are kept)
+        if previous is None and not removed:
+            return {}  # nothing to count, and nothing to remember (a request that removed nothing starts no entry)
+        if keys is None:
+            keys = ItemKeys(received)
+        new: list[tuple[str, int]] = []
+        if previous is not None and previous.removed and keys.extends(previous.length, previous.digest):
+            new = [call for item in received[previous.length:] if item.call_ids for call in calls_of(item)]
         known = previous.removed if previous is not None else {}
         counted = previous.refetched if previous is not None else {}
         calls = _Calls(received)
@@ -175,7 +178,7 @@ class RefetchTracker:
                     else:
                         remembered[ident] = (sig, how)
             kept = cast("dict[int, tuple[int, str]]", remembered)
-            self._remember(tenant, conversation, _Conversation(len(keys), hash(keys), kept, refetched))
+            self._remember(tenant, conversation, _Conversation(len(keys), keys.digest(), kept, refetched))
         return counts
 
 

@@ -124,6 +124,9 @@ async def test_a_compaction_that_breaks_a_cached_prefix_shows_the_cache_effect(
     text = await scrape(proxy)
     t = {"tenant": "default", "model": ALIAS}
     assert metric_total(text, "ctxproxy_prompt_cache_effect_tokens_total", **t, kind="break") == lost
+    # the forwarded list shifted although the client's history only grew (the prefix tracker reads what went out)
+    assert metric_total(text, "ctxproxy_prefix_stable_total", **t, result="stable") == 1
+    assert metric_total(text, "ctxproxy_prefix_stable_total", **t, result="shifted") == 1
     assert metric_total(text, "ctxproxy_prompt_cache_effect_usd_total", **t, kind="break") == pytest.approx(effect)
     gross = metric_total(text, "ctxproxy_estimated_savings_usd_total", **t)
     summariser = metric_total(text, "ctxproxy_request_summarizer_cost_usd_total", **t)

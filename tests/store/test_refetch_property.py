@@ -18,7 +18,7 @@ from collections import OrderedDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core.items import TOOL, Item
+from proxy.core.items import TOOL, Item, ItemKeys
 from proxy.core.tokens import TokenCounter
 from proxy.store.refetch import RefetchTracker, calls_of, removed_outputs
 from tests.helpers import assistant, call, system, tool, user
@@ -167,14 +167,15 @@ def conversations(draw: st.DrawFn) -> tuple[int, list[tuple[list[Item], list[Ite
 
 
 @settings(max_examples=200, deadline=None)
-@given(conversations())
+@given(conversations(), st.booleans())
 def test_the_tracker_counts_what_reading_everything_again_counts(
-        conversation: tuple[int, list[tuple[list[Item], list[Item], list[Item]]]]) -> None:
+        conversation: tuple[int, list[tuple[list[Item], list[Item], list[Item]]]], handed: bool) -> None:
     per, requests = conversation
     tracker, plain = RefetchTracker(per_conversation=per), PlainTracker(per)
     for received, forwarded, summarised in requests:
-        assert tracker.observe("acme", received, forwarded, summarised) == plain.observe(received, forwarded,
-                                                                                          summarised)
+        keys = ItemKeys(received) if handed else None  # the request's keys, as the server hands them, or its own
+        assert tracker.observe("acme", received, forwarded, summarised, keys) == plain.observe(received, forwarded,
+                                                                                                summarised)
         kept = tracker.conversations("acme")
         assert [(list(c.removed.items()), list(c.refetched)) for c in kept] == \
             ([(list(plain.removed.items()), plain.refetched)] if plain.removed or plain.refetched else [])
