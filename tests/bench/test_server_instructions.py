@@ -37,7 +37,7 @@ def test_a_growing_conversation_gains_one_turn_a_request_after_the_first_body() 
 @needs_valgrind
 def test_switching_a_part_off_takes_its_instructions_off_the_count(tmp_path: Path) -> None:
     patch = tmp_path / "off.py"
-    # the request log's fields: work every request does after its answer, and nothing else depends on
+    # the feedback after each answer (calibration, prompt-cache tracker, prices, the request log): nothing waits on it
     patch.write_text("import proxy.serve.scope as s\ns._after_answer = lambda *a, **k: None\n")
     whole = count("--requests", "5")
     without = count("--requests", "5", "--patch", str(patch))
