@@ -133,11 +133,11 @@ async def _upstream_models(request: web.Request) -> list[Any]:
     url = upstream.base_url + "/models"
     if upstream.api == "anthropic":  # the API root, and its key in x-api-key
         url = upstream.base_url + "/v1/models"
-        headers = anthropic_headers(request.headers, upstream, request_id=request_id(request),
+        headers = anthropic_headers(request.headers, upstream, request_id=request_id(request, st.ids),
                                     forward_client_auth=config.forwards_client_auth(upstream))
     else:
         headers = upstream_headers(request.headers, upstream, forward_client_auth=config.forwards_client_auth(upstream),
-                                   request_id=request_id(request))
+                                   request_id=request_id(request, st.ids))
     try:
         response = await open_request(st.shared.pool.session(upstream), "GET", url,
                                       data=None, headers=headers, first_byte_timeout=3)

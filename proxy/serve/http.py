@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import re
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ from proxy.core.errors import (
     UpstreamStatus,
 )
 from proxy.serve.decoding import content_codings, decode_body
+from proxy.serve.ids import RequestIds
 from proxy.serve.state import STATE, State
 from proxy.store.guard import cache_budget
 from proxy.wire import WIRES
@@ -173,7 +173,7 @@ def header_safe(text: str, limit: int = 1000) -> str:
     return "".join(c if " " <= c <= "~" else "?" for c in text)[:limit]
 
 
-def request_id(request: web.Request) -> str:
-    """The client's own ``x-request-id`` when it is a plain token, else a new UUID (sent upstream too)."""
+def request_id(request: web.Request, ids: RequestIds) -> str:
+    """The client's own ``x-request-id`` when it is a plain token, else a new UUID of ``ids`` (sent upstream too)."""
     given = request.headers.get("x-request-id", "")
-    return given if REQUEST_ID.match(given) else str(uuid.uuid4())
+    return given if REQUEST_ID.match(given) else ids.new()

@@ -82,11 +82,11 @@ async def _relay(request: web.Request, path: str) -> web.StreamResponse:
     forward = config.forwards_client_auth(upstream)
     if upstream.api == "anthropic":  # base_url is the API root, and the key goes in x-api-key
         headers = anthropic_headers(request.headers, upstream, forward_client_auth=forward,
-                                    request_id=request_id(request))
+                                    request_id=request_id(request, st.ids))
         url = relay_url(upstream.base_url + "/v1", request.raw_path)
     else:
         headers = upstream_headers(request.headers, upstream, forward_client_auth=forward,
-                                   request_id=request_id(request))
+                                   request_id=request_id(request, st.ids))
         url = relay_url(upstream.base_url, request.raw_path)
     if "Content-Type" in request.headers:
         headers["Content-Type"] = request.headers["Content-Type"]

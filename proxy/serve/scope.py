@@ -114,7 +114,7 @@ async def request_scope(request: web.Request, wire: Wire, *, event: str = "reque
     forwards nothing and bills nobody, is logged but not counted). ``key_headers``: where the client's key may
     be when the wire is not known yet (default: the wire's own)."""
     st = state(request)
-    rid = request_id(request)
+    rid = request_id(request, st.ids)
     headers: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
     request[RESPONSE_HEADERS] = headers
     request[ERROR_WIRE] = wire

@@ -23,6 +23,7 @@ from proxy.core.modelinfo import ModelMap, PriceOverride
 from proxy.core.tokens import Tokenizers
 from proxy.runtime import Runtime
 from proxy.serve.bodies import KnownBodies
+from proxy.serve.ids import RequestIds
 from proxy.serve.metrics import Metrics
 from proxy.serve.workers import Status, Supervised
 from proxy.settings import Config, load_config
@@ -199,6 +200,7 @@ class State:
     prefix: PrefixTracker = field(default_factory=PrefixTracker)
     refetch: RefetchTracker = field(default_factory=RefetchTracker)  # re-fetches of removed outputs, per conversation
     bodies: KnownBodies = field(default_factory=KnownBodies)  # bodies read from where they differ
+    ids: RequestIds = field(default_factory=RequestIds)  # ids of requests that came without one
     draining: bool = False
     drain_timeout: float = 0.0  # how long shutdown waits for in-flight work (the runner's, ``make_runner``)
     drain_started: float | None = None  # when shutdown began (time.monotonic)

@@ -34,11 +34,14 @@ from proxy.serve.http import (
     openai_body,
     request_id,
 )
+from proxy.serve.ids import RequestIds
 from proxy.wire import WIRES
 from tests.conftest import RunningProxy, StartProxy, base_config
 from tests.fake_upstream import FakeUpstream, is_uuid
 from tests.outside import post, request
 from tests.store.test_summaries_http import config
+
+IDS = RequestIds()
 
 
 def req(headers: dict[str, str] | list[tuple[str, str]] | None = None, method: str = "POST",
@@ -81,7 +84,7 @@ def test_header_safe_is_always_a_valid_header_value(text: str) -> None:
     "01HZX4Y5Z6ABCDEFGHJKMNPQRS",
 ])
 def test_plain_client_request_ids_are_kept(given_id: str) -> None:
-    assert request_id(req({"X-Request-ID": given_id})) == given_id
+    assert request_id(req({"X-Request-ID": given_id}), IDS) == given_id
 
 
 @pytest.mark.parametrize("given_id", [
@@ -89,13 +92,13 @@ def test_plain_client_request_ids_are_kept(given_id: str) -> None:
     "new\r\nline",
 ])
 def test_other_request_ids_are_replaced_with_uuids(given_id: str) -> None:
-    rid = request_id(make_mocked_request("POST", "/", headers=CIMultiDict({"x-request-id": given_id})))
+    rid = request_id(make_mocked_request("POST", "/", headers=CIMultiDict({"x-request-id": given_id})), IDS)
     assert rid != given_id
     assert uuid.UUID(rid).version == 4
 
 
 def test_a_missing_request_id_gets_a_fresh_uuid_each_time() -> None:
-    a, b = request_id(req()), request_id(req())
+    a, b = request_id(req(), IDS), request_id(req(), IDS)
     assert a != b
     assert uuid.UUID(a) and uuid.UUID(b)
 
