@@ -9,7 +9,7 @@ summary cache, calibration); requests in flight keep the Runtime they started on
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any, Protocol
 
 from plugins.base import Compactor, Engine, Services, SummaryStore
@@ -28,8 +28,9 @@ class Calibration(Protocol):
     """The provider-over-proxy token ratio per tenant and (upstream, model) (``proxy.store.calibration``).
 
     ``tenant`` is the tenant's name (``default`` without tenants): one tenant's traffic never widens
-    another's budget. ``factor`` is on every request's path and must be a dict lookup; ``prime`` makes
-    sure the factor is known (it awaits the shared cache only the first time a tenant's route is seen).
+    another's budget. ``factor`` is on every request's path and must be a dict lookup; ``prime`` says what to
+    await before the factor is known (the shared cache, only the first time a tenant's route is seen; None:
+    nothing, and no coroutine is made on a request's path).
     """
 
     def factor(self, route: ModelRoute, tenant: str) -> float: ...
@@ -37,7 +38,7 @@ class Calibration(Protocol):
     def window(self, route: ModelRoute) -> int | None:
         """The provider's real window where its refusals showed it narrower than the route's (None: not)."""
 
-    async def prime(self, route: ModelRoute, tenant: str) -> None: ...
+    def prime(self, route: ModelRoute, tenant: str) -> Awaitable[object] | None: ...
 
 
 def model_of(wire: WireAdapter, body: dict[str, Any], params: Mapping[str, str] | None = None) -> str:
@@ -138,7 +139,9 @@ class Runtime:
         """The route's provider-over-proxy token ratio for ``tenant`` (1.0 without calibration)."""
         if self.calibration is None:
             return 1.0
-        await self.calibration.prime(route, tenant)
+        loading = self.calibration.prime(route, tenant)
+        if loading is not None:
+            await loading
         return self.calibration.factor(route, tenant)
 
     async def assemble(

@@ -104,8 +104,9 @@ async def _calibration(runtime: Runtime, models: list[str], tenant: str) -> dict
             route = runtime.route(name)
         except ModelNotFound:
             continue
-        if runtime.calibration is not None:
-            await runtime.calibration.prime(route, tenant)
+        loading = runtime.calibration.prime(route, tenant) if runtime.calibration is not None else None
+        if loading is not None:
+            await loading
         out[name] = calibration_detail(runtime, route, tenant)
     return out
 

@@ -72,7 +72,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -243,6 +243,19 @@ def publish(bound: float, current: float | None) -> float:
     return current
 
 
+def _choose(default: float, learned: float | None, samples: int, shared: float | None) -> tuple[float, str]:
+    """A tenant's factor and its source, from its family's default, its own samples and the pooled factor."""
+    if learned is not None and samples >= MIN_SAMPLES:
+        return learned, "learned"
+    # until its own samples rule, a tenant's factor is the highest of the default, its first samples and the
+    # pool: other tenants' evidence can tighten its budget, never widen it
+    if shared is not None and shared > max(default, learned or 0.0):
+        return shared, "shared"
+    if learned is not None and learned > default:
+        return learned, "learned"
+    return default, "default"
+
+
 def spread(ratios: list[float]) -> float | None:
     """How far apart the recent ratios are (the highest less the lowest; None below two)."""
     return round(max(ratios) - min(ratios), 2) if len(ratios) >= 2 else None
@@ -335,27 +348,33 @@ class CalibrationStore:
         learned = own.published if own is not None else None
         shared = pooled.learned if pooled is not None else None
         samples = len(own.samples) if own is not None else 0
-        known = (samples, family, default, learned, shared, spread(own.ratios) if own is not None else None)
-        if learned is not None and samples >= MIN_SAMPLES:
-            return Calibrated(learned, "learned", *known)
-        # until its own samples rule, a tenant's factor is the highest of the default, its first samples and the
-        # pool: other tenants' evidence can tighten its budget, never widen it
-        if shared is not None and shared > max(default, learned or 0.0):
-            return Calibrated(shared, "shared", *known)
-        if learned is not None and learned > default:
-            return Calibrated(learned, "learned", *known)
-        return Calibrated(default, "default", *known)
+        factor, source = _choose(default, learned, samples, shared)
+        return Calibrated(factor, source, samples, family, default, learned, shared,
+                          spread(own.ratios) if own is not None else None)
 
     def factor(self, tenant: str, upstream: str, model: str) -> float:
-        return self.get(tenant, upstream, model).factor
+        """``get``'s factor alone (every request's budget needs it; explain the rest)."""
+        own = self._entries.get((tenant, upstream, model))
+        pooled = self._entries.get((POOLED, upstream, model))
+        if own is None:
+            return _choose(family_default(model)[1], None, 0, pooled.learned if pooled is not None else None)[0]
+        return _choose(own.default, own.published, len(own.samples), pooled.learned if pooled is not None else None)[0]
 
     async def load(self, tenant: str, upstream: str, model: str) -> None:
         """Make sure the tenant's and the pooled record are known: awaited the first time, refreshed in the
         background after."""
-        waits = [task for key in ((tenant, upstream, model), (POOLED, upstream, model))
-                 if (task := self._load_key(key)) is not None]
-        if waits:
-            await asyncio.shield(asyncio.gather(*waits))
+        loading = self.loading(tenant, upstream, model)
+        if loading is not None:
+            await loading
+
+    def loading(self, tenant: str, upstream: str, model: str) -> Awaitable[object] | None:
+        """What to await before the tenant's and the pooled record are known (None: both are; a stale one is
+        refreshed in the background)."""
+        own = self._load_key((tenant, upstream, model))
+        pooled = self._load_key((POOLED, upstream, model))
+        if own is None and pooled is None:
+            return None
+        return asyncio.shield(asyncio.gather(*(task for task in (own, pooled) if task is not None)))
 
     def _load_key(self, key: Key) -> asyncio.Task[None] | None:
         """Start loading ``key`` if it is unknown or stale; the task to await if it is unknown."""
@@ -599,10 +618,10 @@ class ConfiguredCalibration:
             return self.store.factor(tenant, route.upstream, route.upstream_model)
         return 1.0 if mode == "off" else float(mode)
 
-    async def prime(self, route: ModelRoute, tenant: str) -> None:
-        """Know the tenant's factor and the route's learned window (whatever the mode: a pinned factor does not
-        make the provider's window any larger)."""
-        await self.store.load(tenant, route.upstream, route.upstream_model)
+    def prime(self, route: ModelRoute, tenant: str) -> Awaitable[object] | None:
+        """What to await to know the tenant's factor and the route's learned window, whatever the mode: a pinned
+        factor does not make the provider's window any larger (None: both are known)."""
+        return self.store.loading(tenant, route.upstream, route.upstream_model)
 
     def window(self, route: ModelRoute) -> int | None:
         """The provider's real window where it is narrower than the route's (learned from its refusals)."""

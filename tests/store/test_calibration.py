@@ -8,6 +8,8 @@ import itertools
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.policy import ModelRoute
 from proxy.settings import load_config
@@ -305,6 +307,25 @@ async def test_one_tenants_samples_never_loosen_another_tenants_factor() -> None
     assert (a.factor, a.source) == (0.5, "learned")
     assert (b.factor, b.source, b.shared) == (1.20, "default", 0.5)
     await s.flush()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.sampled_from([0.5, 0.9, 1.0, 1.1, 1.2, 1.25, 1.5, 2.0])),
+                max_size=3 * WINDOW),
+       st.sampled_from([MODEL, "gpt-4o-mini", "small"]))
+def test_the_request_paths_factor_is_the_factor_get_reports(samples: list[tuple[str, float]], model: str) -> None:
+    """``factor`` (every request's budget) decides as ``get`` (explain, the gauge) does, for tenants with and
+    without samples of their own and with or without a pool."""
+    async def check() -> None:
+        s = store()
+        for tenant, ratio in samples:
+            s.observe(tenant, UP, model, round(BIG * ratio), BIG)
+        for tenant in ("a", "b", "c", "never-seen"):
+            assert s.factor(tenant, UP, model) == s.get(tenant, UP, model).factor
+        assert s.factor("a", "other-upstream", model) == s.get("a", "other-upstream", model).factor
+        await s.flush()
+
+    asyncio.run(check())
 
 
 async def test_evidence_of_other_tenants_only_tightens() -> None:
