@@ -1,8 +1,8 @@
 """After each answer: learn from the provider's usage, and count what context management saved and cost.
 
 ``settle`` runs in the managed handler's ``finally`` for every request the pipeline assembled (no
-await: nothing here can delay or fail the answer). It normalises the provider's usage
-(in the form its wire says, ``proxy.core.usage``), gives the calibration store the tenant's sample
+await: nothing here can delay or fail the answer). It takes the provider's usage
+(normalised in the form its wire says, ``proxy.core.usage``), gives the calibration store the tenant's sample
 (``proxy.store.calibration``; a refusal for length is learned from when it comes: ``proxy.serve.overflow``), lets the
 prompt-cache tracker compare the answer with the conversation's previous one
 (``proxy.store.promptcache``), prices the request (``proxy.serve.costs``) and counts it in the
@@ -12,28 +12,26 @@ metrics (and through them the cost ledger). In observe mode the sample is the cl
 
 from __future__ import annotations
 
-from typing import Any
-
 from proxy.core.refusal import Refusal
-from proxy.core.usage import Usage, normalise_usage
+from proxy.core.usage import Usage
 from proxy.pipeline import Assembly
 from proxy.policy import ModelRoute
 from proxy.serve.costs import RequestCost, removed_tokens, request_cost
 from proxy.serve.metrics import Metrics
 from proxy.serve.state import Shared
 from proxy.store.calibration import hidden_input
-from proxy.wire.protocol import Wire
 
 
-def settle(shared: Shared, metrics: Metrics, route: ModelRoute, assembly: Assembly, tenant: str, usage: Any,
-           status: int, wire: Wire, *, refusal: Refusal | None = None) -> RequestCost:
+def settle(shared: Shared, metrics: Metrics, route: ModelRoute, assembly: Assembly, tenant: str,
+           usage: Usage | None, status: int, *, refusal: Refusal | None = None) -> RequestCost:
     """Calibrate from one answer, measure its prompt-cache effect, count its figures; returns them (for the log).
 
-    ``refusal``: the provider refused the request for length; that was already learned from
-    (``proxy.serve.overflow``), and there is no usage to learn from."""
+    ``usage``: the answer's, read in its wire's form (``proxy.core.usage.normalise_usage``). ``refusal``: the
+    provider refused the request for length; that was already learned from (``proxy.serve.overflow``), and there
+    is no usage to learn from."""
     report = assembly.report
     observed = report.mode == "observe"
-    answered: Usage | None = normalise_usage(usage, wire.usage_form) if 200 <= status < 300 else None
+    answered = usage if 200 <= status < 300 else None
     sent = assembly.forwarded_tokens  # what went upstream, as ctxproxy counts it (observe: the client's payload)
     if refusal is None:  # a refusal for length was learned from when it came (proxy.serve.overflow)
         sample = shared.calibration.observe(tenant, route.upstream, route.upstream_model,

@@ -434,8 +434,10 @@ class Metrics:
         ttft: float | None,
         usage: dict[str, Any] | None,
         wire: str = "chat",
+        normalised: Usage | None = None,
     ) -> None:
-        """One finished request: status, timings, and the provider's usage block if any."""
+        """One finished request: status, timings, and the provider's usage block if any (``normalised``: that
+        block already read in the wire's form, as the request's scope reads it once for this and ``settle``)."""
         t, m = self.tenant_label(tenant), self.model_label(model)
         self._child(self.requests, t, m, wire if wire in self.wires.names else OTHER,
                     str(status) if 100 <= status <= 599 else OTHER).inc()
@@ -446,7 +448,7 @@ class Metrics:
             self._child(self.upstream, t, m).observe(max(0.0, upstream))
         if ttft is not None:
             self._child(self.ttft, t, m).observe(max(0.0, ttft))
-        cached = self._cached_tokens(usage, wire)
+        cached = normalised.cached_tokens if normalised is not None else self._cached_tokens(usage, wire)
         if cached:
             self._child(self.cached_tokens, t, m).inc(cached)
 

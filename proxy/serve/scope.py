@@ -26,6 +26,7 @@ from multidict import CIMultiDict
 
 from proxy.core.errors import CtxProxyError, PayloadError
 from proxy.core.offload import run_step
+from proxy.core.usage import Usage, normalise_usage
 from proxy.pipeline import Assembly
 from proxy.policy import ModelRoute
 from proxy.runtime import Runtime, model_of
@@ -145,21 +146,24 @@ def _finish(scope: Scope) -> None:
         record.overhead = time.perf_counter() - record.started  # the log says how long the proxy's own answer took
     if STREAM_ERROR in scope.request:
         record.error = scope.request[STREAM_ERROR]
+    # the provider's usage, read once in the wire's form (the metrics and the feedback after the answer need it)
+    answered = normalise_usage(record.usage, scope.wire.usage_form) if record.usage is not None else None
     if scope.counted:
         st.metrics.finished(record.tenant, record.model or "other", scope.status, overhead=overhead,
-                            upstream=record.upstream, ttft=record.ttft, usage=record.usage, wire=record.wire)
+                            upstream=record.upstream, ttft=record.ttft, usage=record.usage, wire=record.wire,
+                            normalised=answered)
     if scope.settled is not None:
         # learn from the answer's usage and count what it cost, once the answer is on its way (next loop turn)
         route, assembly = scope.settled
-        asyncio.get_running_loop().call_soon(_after_answer, st, route, assembly, record, scope.status, scope.wire)
+        asyncio.get_running_loop().call_soon(_after_answer, st, route, assembly, record, scope.status, answered)
     elif st.config.settings.logging.requests:
         record.log()
 
 
 def _after_answer(st: State, route: ModelRoute, assembly: Assembly, record: RequestRecord, status: int,
-                  wire: Wire) -> None:
+                  answered: Usage | None) -> None:
     try:
-        record.cost = settle(st.shared, st.metrics, route, assembly, record.tenant, record.usage, status, wire,
+        record.cost = settle(st.shared, st.metrics, route, assembly, record.tenant, answered, status,
                              refusal=record.refusal)
     except Exception:  # a bug here must never touch the answer, nor silence the request log
         log.exception("usage feedback failed for request %s", record.request_id)
