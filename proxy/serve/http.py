@@ -13,7 +13,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.core.deadline import deadline
+from proxy.core.deadline import deadline_unless
 from proxy.core.errors import (
     BadRequest,
     BodyTooLarge,
@@ -130,9 +130,10 @@ async def read_body(request: web.Request) -> bytes:
     # buffer and the copy out of it were two more copies of the body (docs/benchmarks.md, tenth stop)
     chunks: list[bytes] = []
     size = 0
+    content = request.content
     try:
-        async with deadline(server.body_timeout):
-            while chunk := await request.content.readany():
+        async with deadline_unless(content.is_eof(), server.body_timeout):  # (a body all here already cannot wait)
+            while chunk := await content.readany():
                 chunks.append(chunk)
                 size += len(chunk)
                 if size > limit:

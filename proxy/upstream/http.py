@@ -20,7 +20,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from plugins.base import Completion
-from proxy.core.deadline import deadline
+from proxy.core.deadline import deadline, deadline_unless
 from proxy.core.errors import (
     UpstreamError,
     UpstreamStatus,
@@ -223,10 +223,13 @@ class HTTPAnswer:
     async def chunks(self, idle_timeout: float) -> AsyncIterator[bytes]:
         redactor = Redactor(self._secret)
         loop = asyncio.get_running_loop()
+        content = self.response.content
         while True:
             idle_until = loop.time() + idle_timeout
             try:
-                while True:
+                # what has arrived already is taken without a timer (arming one costs more than relaying a chunk)
+                chunk = content.read_nowait()
+                while not chunk and not content.at_eof():
                     # wait in short slices: a framing error the C parser recorded on the connection does not
                     # wake the reader, so between slices the connection is looked at (a broken stream then
                     # ends at once, not after the idle timeout)
@@ -258,7 +261,8 @@ class HTTPAnswer:
 
     async def read(self, idle_timeout: float) -> bytes:
         try:
-            async with deadline(idle_timeout):
+            # (an answer all here already, as a short one is with its headers, cannot stall)
+            async with deadline_unless(self.response.content.is_eof(), idle_timeout):
                 raw = await self.response.read()
         except asyncio.TimeoutError:
             self.response.close()
