@@ -357,7 +357,7 @@ class Metrics:
                          observed_tokens_forwarded=max(0, report.tokens_after), observed_tokens_removed=removed)
             return
         if report.summary != "none":
-            self.summaries.labels(t, report.summary if report.summary in SUMMARY_RESULTS else OTHER).inc()
+            self._child(self.summaries, t, report.summary if report.summary in SUMMARY_RESULTS else OTHER).inc()
         if report.summary_wait is not None:
             self._child(self.summary_wait, t).observe(max(0.0, report.summary_wait))
         for kind, n in report.repairs.items():
@@ -465,8 +465,8 @@ class Metrics:
 
     def prefix(self, tenant: str, model: str, stable: bool) -> None:
         """Whether the forwarded prefix was unchanged since this conversation's previous request."""
-        self.prefix_stable.labels(
-            self.tenant_label(tenant), self.model_label(model), "stable" if stable else "shifted").inc()
+        self._child(self.prefix_stable, self.tenant_label(tenant), self.model_label(model),
+                    "stable" if stable else "shifted").inc()
 
     def refetched(self, tenant: str, model: str, counts: dict[str, int]) -> None:
         """Calls of one request that repeat a call whose output an earlier request removed, by how
