@@ -237,7 +237,7 @@ class Metrics:
 
     def _ledger(self, tenant: str, model: str, **amounts: float) -> None:
         if self.ledger is not None:
-            self.ledger.add(tenant, model, **amounts)
+            self.ledger.add_all(tenant, model, amounts)
 
     def set_labels(self, tenants: Iterable[str], models: Iterable[str], upstreams: Iterable[str] = ()) -> None:
         """Replace the allowed tenant, model and upstream names (on config reload)."""

@@ -64,9 +64,10 @@ class Row:
     amounts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FIELDS, 0.0))
 
     def add(self, amounts: dict[str, float]) -> None:
+        mine = self.amounts
         for name, value in amounts.items():
-            if name in self.amounts and math.isfinite(value):
-                self.amounts[name] += value
+            if value and name in mine and math.isfinite(value):  # (most of a request's amounts are 0)
+                mine[name] += value
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"tenant": self.tenant, "model": self.model}
@@ -93,6 +94,10 @@ class Ledger:
 
     def add(self, tenant: str, model: str, **amounts: float) -> None:
         """Add to this hour's row of (tenant, model); labels are the metrics' bounded ones."""
+        self.add_all(tenant, model, amounts)
+
+    def add_all(self, tenant: str, model: str, amounts: dict[str, float]) -> None:
+        """``add``, the amounts given as a dict (as the metrics collect them)."""
         hour = hour_of(self.clock())
         rows = self._hours.setdefault(hour, {})
         row = rows.get((tenant, model))
