@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from proxy.core.modelinfo import ModelMap, Prices
-from proxy.store.promptcache import CacheEffect
+from proxy.store.promptcache import NO_EFFECT, CacheEffect
 
 if TYPE_CHECKING:
     from proxy.pipeline import Report
@@ -44,7 +44,7 @@ class RequestCost:
     cache_removed_usd: float | None = 0.0
     net_usd: float | None = None
     measured: bool = False  # the prompt-cache effect was measured (the conversation's previous answer is known)
-    cache: CacheEffect = field(default_factory=CacheEffect)
+    cache: CacheEffect = NO_EFFECT
     unpriced: list[str] = field(default_factory=list)  # models whose price is unknown
 
     def as_dict(self) -> dict[str, Any]:
@@ -75,7 +75,7 @@ def request_cost(report: Report, upstream_model: str, model_map: ModelMap,
                  effect: CacheEffect | None = None) -> RequestCost:
     """The figures of one request; ``effect`` is None when nothing could be measured (explain, no answer)."""
     cost = RequestCost(upstream_model, removed_tokens(report), measured=effect is not None and effect.tracked,
-                       cache=effect or CacheEffect())
+                       cache=effect or NO_EFFECT)
     prices = model_map.prices(upstream_model)
     if prices is None:
         cost.unpriced.append(upstream_model)

@@ -41,6 +41,9 @@ class CacheEffect:
     hit: float | None = None  # the conversation's measured hit share
 
 
+NO_EFFECT = CacheEffect()  # nothing measured (frozen: shared by every request that measures nothing)
+
+
 @dataclass
 class _Last:
     received: tuple[int, int]  # (length, hash) of the received item keys
@@ -62,7 +65,7 @@ class PromptCacheTracker:
         """Compare this answered request with the conversation's previous one, then remember it. ``keys``: the keys
         of ``received`` and ``forwarded``, when the request has them already (``Assembly.item_keys``)."""
         if not received or not forwarded:
-            return CacheEffect()
+            return NO_EFFECT
         head: list[int] = []
         for item in received:
             head.append(item.key)
@@ -71,7 +74,7 @@ class PromptCacheTracker:
         conversation = (tenant, hash(tuple(head)))
         received_keys, forwarded_keys = keys if keys is not None else keys_of(received, forwarded)
         previous = self._last.get(conversation)
-        effect = CacheEffect()
+        effect = NO_EFFECT
         hit = previous.hit if previous is not None else None
         if previous is not None and usage is not None and previous.input is not None \
                 and received_keys.extends(*previous.received):
