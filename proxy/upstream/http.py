@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from plugins.base import Completion
@@ -119,11 +119,16 @@ def response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
 
 def connection_listed(headers: Mapping[str, str]) -> frozenset[str]:
     """Header names the sender declared hop-by-hop in its ``Connection`` header (RFC 9110 §7.6.1)."""
-    names: set[str] = set()
-    for name, value in headers.items():
-        if name.lower() == "connection":
-            names.update(token.strip().lower() for token in value.split(",") if token.strip())
-    return frozenset(names)
+    if isinstance(headers, (CIMultiDict, CIMultiDictProxy)):  # aiohttp's: one lookup, not a pass over them all
+        values = headers.getall("Connection", ())
+    else:
+        values = [value for name, value in headers.items() if name.lower() == "connection"]
+    if not values:
+        return NOTHING_LISTED
+    return frozenset(token.strip().lower() for value in values for token in value.split(",") if token.strip())
+
+
+NOTHING_LISTED: frozenset[str] = frozenset()
 
 
 async def open_request(

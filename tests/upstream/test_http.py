@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.core.errors import UpstreamError, UpstreamStatus, UpstreamTimeout, UpstreamUnreachable
 from proxy.policy import ModelRoute
@@ -211,6 +211,10 @@ def test_repeated_client_headers_are_kept_and_case_does_not_matter() -> None:
 ])
 def test_connection_listed(headers: dict[str, str], listed: set[str]) -> None:
     assert connection_listed(headers) == listed
+    # aiohttp's headers (looked up, not walked): any case, and every Connection header a sender repeats
+    multi = CIMultiDict([(name.upper(), value) for name, value in headers.items()] + [("cOnNeCtIoN", "X-Late")])
+    assert connection_listed(multi) == listed | {"x-late"}
+    assert connection_listed(CIMultiDictProxy(multi)) == listed | {"x-late"}
 
 
 def test_response_headers_keep_what_clients_need_and_drop_the_rest() -> None:
