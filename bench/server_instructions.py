@@ -123,6 +123,8 @@ def measure(args: argparse.Namespace) -> float:
            "PROXY_PORT": str(port), "UPSTREAM_BASE": f"http://127.0.0.1:{upstream_port}/v1", "PYTHONHASHSEED": "0"}
     if args.patch:
         env["CTXPROXY_BENCH_PATCH"] = str(Path(args.patch).resolve())
+    if args.counted_usage:
+        env["FAKE_USAGE"] = "counted"
     upstream = subprocess.Popen([sys.executable, str(HERE / "fake_upstream.py"), "--port", str(upstream_port)],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = [FLOOR, str(HERE / "floor_relay.py")] if args.floor else [SERVE, str(HERE / "configs" / args.config)]
@@ -164,6 +166,8 @@ def main() -> None:
     ap.add_argument("--grow", action="store_true", help="a growing conversation instead of the same body again")
     ap.add_argument("--floor", action="store_true", help="the floor relay (bench/floor_relay.py) instead of ctxproxy")
     ap.add_argument("--patch", help="Python run in the server before it starts (switch a part off)")
+    ap.add_argument("--counted-usage", action="store_true",
+                    help="the fake upstream counts the prompt as a provider would (calibration samples every answer)")
     ap.add_argument("--path", default="/v1/chat/completions")
     ap.add_argument("--keep", help="copy callgrind's dump here (callgrind_annotate reads it)")
     args = ap.parse_args()
