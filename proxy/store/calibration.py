@@ -68,6 +68,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import operator
 import re
 import time
 import uuid
@@ -76,6 +77,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from proxy.core.deadline import deadline
 from proxy.core.errors import CacheBackendError
 from proxy.store.cache import Cache, SafeCache
 from proxy.store.windows import LearnedWindow, from_record
@@ -97,6 +99,10 @@ STEP = 0.9  # what a ratio keeps of its weight at each step down
 QUANTUM = 0.01
 DEADBAND = 0.02
 REFRESH_SECONDS = 30.0
+# how long a changed record waits before it is written to the shared cache: the samples of that time make one write
+# (a write an answer read and wrote both records through the cache: 1.45 M instructions an agent_long request,
+# more than the rest of the request; docs/benchmarks.md, eleventh stop). ``flush`` writes at once.
+WRITE_DELAY = 2.0
 TTL_SECONDS = 30 * 24 * 3600.0
 LOCAL_ENTRIES = 1024
 KEY_PREFIX = "calib:v1:"
@@ -227,10 +233,17 @@ def envelope(ratios: list[float], default: float) -> float:
     down only as they accumulate: by at most ``1 - STEP`` every ``HOLD`` samples, and never below themselves.
     """
     n = len(ratios)
-    top = default * STEP ** (n // HOLD)
-    for i, ratio in enumerate(ratios):
-        top = max(top, ratio * STEP ** ((n - 1 - i) // HOLD))
-    return top
+    if n >= len(_WEIGHTS):  # (more than a record keeps: not on an answer's path)
+        top = default * STEP ** (n // HOLD)
+        for i, ratio in enumerate(ratios):
+            top = max(top, ratio * STEP ** ((n - 1 - i) // HOLD))
+        return top
+    # the same products, each weight made once: the newest ratio is 0 samples old, the oldest n - 1
+    products: tuple[float, ...] = (default * _WEIGHTS[n], *map(operator.mul, ratios, _WEIGHTS[n - 1::-1] if n else ()))
+    return max(products)
+
+
+_WEIGHTS = tuple(STEP ** (age // HOLD) for age in range(4 * WINDOW + 1))  # a ratio's weight by its age in samples
 
 
 def publish(bound: float, current: float | None) -> float:
@@ -324,6 +337,7 @@ class CalibrationStore:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         max_entries: int = LOCAL_ENTRIES,
+        write_delay: float = WRITE_DELAY,
     ) -> None:
         self.cache = cache
         self.refresh = refresh
@@ -332,8 +346,11 @@ class CalibrationStore:
         self.clock = clock
         self.monotonic = monotonic
         self.max_entries = max_entries
+        self.write_delay = write_delay
+        self._hurry = asyncio.Event()  # set while ``flush`` waits: pending writes go at once
         self.origin = uuid.uuid4().hex[:12]  # this process, in the samples it contributes
         self._entries: OrderedDict[Key, _Entry] = OrderedDict()
+        self._by_model: dict[tuple[str, str], set[str]] = {}  # (upstream, model) -> the tenants of its entries
         self._loads: dict[Key, asyncio.Task[None]] = {}
         self._writes: dict[Key, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -442,9 +459,13 @@ class CalibrationStore:
                 for e in list(self._entries.values()) if e.tenant != POOLED]
 
     async def flush(self) -> None:
-        """Wait for pending loads and writes (tests, shutdown)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        """Write what is pending now, and wait for the pending loads and writes (tests, shutdown)."""
+        self._hurry.set()
+        try:
+            while self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        finally:
+            self._hurry.clear()
 
     async def close(self) -> None:
         for key in [k for k, e in self._entries.items() if e.dirty and k not in self._writes]:
@@ -459,8 +480,15 @@ class CalibrationStore:
         if entry is None:
             family, default = family_default(key[2])
             entry = self._entries[key] = _Entry(*key, family, default)
+            if key[0] != POOLED:
+                self._by_model.setdefault((key[1], key[2]), set()).add(key[0])
             while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+                (tenant, upstream, model), _ = self._entries.popitem(last=False)
+                known = self._by_model.get((upstream, model))
+                if known is not None:
+                    known.discard(tenant)
+                    if not known:
+                        del self._by_model[(upstream, model)]
         self._entries.move_to_end(key)
         return entry
 
@@ -470,14 +498,14 @@ class CalibrationStore:
 
     def _tenants_of(self, upstream: str, model: str) -> set[str]:
         """The tenants known here for (upstream, model): the factors a change of the pooled record can move."""
-        return {t for t, u, m in list(self._entries) if u == upstream and m == model and t != POOLED}
+        return set(self._by_model.get((upstream, model), ()))
 
     def _changed(self, upstream: str, model: str, before: dict[str, float]) -> None:
         """Tell the hook of every tenant factor that moved (a new tenant's first factor included)."""
         if self.on_factor is None:
             return
         for tenant in self._tenants_of(upstream, model):
-            after = self.get(tenant, upstream, model).factor
+            after = self.factor(tenant, upstream, model)
             if before.get(tenant) != after:
                 try:
                     self.on_factor(tenant, upstream, model, after)
@@ -485,7 +513,7 @@ class CalibrationStore:
                     log.exception("calibration factor hook failed")
 
     def _before(self, upstream: str, model: str) -> dict[str, float]:
-        return {t: self.get(t, upstream, model).factor for t in self._tenants_of(upstream, model)}
+        return {t: self.factor(t, upstream, model) for t in self._tenants_of(upstream, model)}
 
     async def _load(self, key: Key) -> None:
         try:
@@ -537,7 +565,13 @@ class CalibrationStore:
             log.debug("calibration write failed: %s", exc)
 
     async def _store(self, key: Key) -> None:
-        await asyncio.sleep(0)  # let the samples of this loop iteration join the write
+        # the samples of the next ``write_delay`` seconds join the write (unless ``flush`` wants it now)
+        if self.write_delay > 0 and not self._hurry.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                async with deadline(self.write_delay):
+                    await self._hurry.wait()
+        else:
+            await asyncio.sleep(0)  # the samples of this loop iteration
         stored = await self.cache.get(cache_key(*key))
         before = self._before(key[1], key[2])
         entry = self._entry(key)

@@ -165,6 +165,16 @@ def test_the_envelope() -> None:
     assert spread([1.0, 1.3, 1.1]) == 0.3 and spread([1.2]) is None
 
 
+@given(st.lists(st.floats(MIN_FACTOR, MAX_FACTOR), max_size=5 * WINDOW), st.floats(MIN_FACTOR, MAX_FACTOR))
+def test_the_envelope_is_its_definition(ratios: list[float], default: float) -> None:
+    """Each ratio weighted by its age (weights made once, for any number of ratios a record keeps and more)."""
+    n = len(ratios)
+    top = default * STEP ** (n // HOLD)
+    for i, ratio in enumerate(ratios):
+        top = max(top, ratio * STEP ** ((n - 1 - i) // HOLD))
+    assert envelope(ratios, default) == top
+
+
 async def test_an_odd_high_ratio_narrows_the_budget_for_a_while_then_the_ratios_take_over() -> None:
     """The price of a conservative bound: one request the provider counted much higher (an image it prices
     differently) narrows the budget at once; it decays back to what the following requests show."""
@@ -433,6 +443,29 @@ async def test_a_corrupt_learned_window_is_ignored(window: Any) -> None:
     s = store(cache)
     await s.load(T, UP, MODEL)
     assert s.window(UP, MODEL, 120_000) is None
+
+
+async def test_the_samples_of_a_few_seconds_make_one_write_of_each_record() -> None:
+    """Each answer used to read and write both shared records (the tenant's and the pool's): more CPU than the rest
+    of an agent's request. A changed record now waits ``write_delay`` for more samples; ``flush`` writes at once."""
+    cache = CountingCache()
+    s = store(cache, write_delay=0.3)
+    feed(s, [1.3] * 5)  # five answers
+    await asyncio.sleep(0.05)
+    assert cache.sets == 0  # the records wait for more samples
+    deadline = asyncio.get_running_loop().time() + 10
+    while cache.sets < 2:
+        assert asyncio.get_running_loop().time() < deadline, "the records were never written"
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.05)
+    assert cache.sets == 2  # one write each, with all five samples
+    for tenant in (T, POOLED):
+        record = await cache.get(cache_key(tenant, UP, MODEL))
+        assert record is not None and len(record["samples"]) == 5
+    feed(s, [1.31])
+    await s.flush()  # at once, not after the delay
+    assert cache.sets == 4
+    assert s.get(T, UP, MODEL).factor == s.factor(T, UP, MODEL)
 
 
 async def test_a_sample_that_arrives_while_the_record_is_being_written_is_written_too() -> None:
