@@ -304,6 +304,7 @@ class _Entry:
     window: LearnedWindow | None = None  # the provider's real window (the pooled record of a model only)
     loaded: float = -math.inf  # monotonic time of the last read from the cache
     dirty: bool = False
+    synced: tuple[Any, Any] | None = None  # (factor, updated) of the shared record as this process last saw it
 
     @property
     def learned(self) -> float | None:
@@ -347,7 +348,8 @@ class CalibrationStore:
         self.monotonic = monotonic
         self.max_entries = max_entries
         self.write_delay = write_delay
-        self._hurry = asyncio.Event()  # set while ``flush`` waits: pending writes go at once
+        self._hurry: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None  # set while ``flush`` waits
+        self._evicted: dict[Key, _Entry] = {}  # entries the LRU let go with samples their pending write must carry
         self.origin = uuid.uuid4().hex[:12]  # this process, in the samples it contributes
         self._entries: OrderedDict[Key, _Entry] = OrderedDict()
         self._by_model: dict[tuple[str, str], set[str]] = {}  # (upstream, model) -> the tenants of its entries
@@ -460,12 +462,13 @@ class CalibrationStore:
 
     async def flush(self) -> None:
         """Write what is pending now, and wait for the pending loads and writes (tests, shutdown)."""
-        self._hurry.set()
+        hurry = self._hurry_event()
+        hurry.set()
         try:
             while self._tasks:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
         finally:
-            self._hurry.clear()
+            hurry.clear()
 
     async def close(self) -> None:
         for key in [k for k, e in self._entries.items() if e.dirty and k not in self._writes]:
@@ -478,12 +481,17 @@ class CalibrationStore:
     def _entry(self, key: Key) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
-            family, default = family_default(key[2])
-            entry = self._entries[key] = _Entry(*key, family, default)
+            entry = self._evicted.pop(key, None)  # its samples, not yet written: not lost
+            if entry is None:
+                family, default = family_default(key[2])
+                entry = _Entry(*key, family, default)
+            self._entries[key] = entry
             if key[0] != POOLED:
                 self._by_model.setdefault((key[1], key[2]), set()).add(key[0])
             while len(self._entries) > self.max_entries:
-                (tenant, upstream, model), _ = self._entries.popitem(last=False)
+                (tenant, upstream, model), old = self._entries.popitem(last=False)
+                if old.dirty and (tenant, upstream, model) in self._writes:
+                    self._evicted[(tenant, upstream, model)] = old  # its write, waiting, takes it back
                 known = self._by_model.get((upstream, model))
                 if known is not None:
                     known.discard(tenant)
@@ -491,6 +499,13 @@ class CalibrationStore:
                         del self._by_model[(upstream, model)]
         self._entries.move_to_end(key)
         return entry
+
+    def _hurry_event(self) -> asyncio.Event:
+        """The event ``flush`` sets, of the running loop (a store may outlive a loop: tests, tools)."""
+        loop = asyncio.get_running_loop()
+        if self._hurry is None or self._hurry[0] is not loop:
+            self._hurry = (loop, asyncio.Event())
+        return self._hurry[1]
 
     def _track(self, task: asyncio.Task[None]) -> None:
         self._tasks.add(task)
@@ -541,7 +556,10 @@ class CalibrationStore:
         factor = stored.get("factor")
         current = float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool) \
             and MIN_FACTOR <= factor <= MAX_FACTOR else None
-        entry.recompute(current)
+        # the record's factor is another writer's only when the record changed since this process last read or
+        # wrote it: its own, written up to ``write_delay`` ago, is older than what it has published since
+        last, entry.synced = entry.synced, (factor, stored.get("updated"))
+        entry.recompute(None if last == entry.synced else current)
 
     def _schedule_write(self, key: Key) -> None:
         if key in self._writes:
@@ -557,19 +575,22 @@ class CalibrationStore:
             # pending and does not start another: this one writes again for it
             while True:
                 await self._store(key)
-                entry = self._entries.get(key)
+                entry = self._entries.get(key) or self._evicted.get(key)
                 if entry is None or not entry.dirty:
                     break
         except (CacheBackendError, OSError) as exc:
             # a bare backend (SafeCache already swallows): the samples stay local
             log.debug("calibration write failed: %s", exc)
+        finally:
+            self._evicted.pop(key, None)
 
     async def _store(self, key: Key) -> None:
         # the samples of the next ``write_delay`` seconds join the write (unless ``flush`` wants it now)
-        if self.write_delay > 0 and not self._hurry.is_set():
+        hurry = self._hurry_event()
+        if self.write_delay > 0 and not hurry.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 async with deadline(self.write_delay):
-                    await self._hurry.wait()
+                    await hurry.wait()
         else:
             await asyncio.sleep(0)  # the samples of this loop iteration
         stored = await self.cache.get(cache_key(*key))
@@ -584,6 +605,7 @@ class CalibrationStore:
             record["tenant"] = entry.tenant
         elif entry.window is not None:
             record["window"] = entry.window.as_record()
+        entry.synced = (record["factor"], record["updated"])
         await self.cache.set(cache_key(*key), record, self.ttl)
         self._changed(key[1], key[2], before)
 

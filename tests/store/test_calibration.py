@@ -8,7 +8,7 @@ import itertools
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.policy import ModelRoute
@@ -466,6 +466,57 @@ async def test_the_samples_of_a_few_seconds_make_one_write_of_each_record() -> N
     await s.flush()  # at once, not after the delay
     assert cache.sets == 4
     assert s.get(T, UP, MODEL).factor == s.factor(T, UP, MODEL)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1.0, 1.17, 1.2, 1.29, 1.3, 1.31, 1.5]), st.booleans()), min_size=1,
+                max_size=25))
+@example([(1.3, False), (1.3, False), (1.3, True), (1.0, False), (1.0, False), (1.0, False), (1.29, True)])
+@example([(1.2, False), (1.2, False), (1.2, True), (1.3, False), (1.29, False), (1.29, False), (1.29, True)])
+def test_a_delayed_write_publishes_what_a_write_after_every_answer_did(answers: list[tuple[float, bool]]) -> None:
+    """A record written seconds late holds the factor this process published since: its own earlier write's
+    factor is not taken for another writer's (the factor jumped back to it when the write merged the record)."""
+    async def check() -> None:
+        each, delayed = store(write_delay=0), store(write_delay=30)
+        for ratio, written in answers:
+            feed(each, [ratio])
+            await each.flush()  # written after every answer, as before the delay
+            feed(delayed, [ratio])
+            if written:
+                await delayed.flush()  # written now and then: the merge reads its own older record
+            assert delayed.factor(T, UP, MODEL) == each.factor(T, UP, MODEL)
+            assert delayed.get(POOLED, UP, MODEL).factor == each.get(POOLED, UP, MODEL).factor
+        await delayed.flush()
+        assert delayed.factor(T, UP, MODEL) == each.factor(T, UP, MODEL)
+
+    asyncio.run(check())
+
+
+async def test_a_record_the_table_let_go_while_its_write_waited_is_written_with_its_samples() -> None:
+    cache = MemoryCache()
+    s = store(cache, max_entries=4, write_delay=30)
+    feed(s, [1.3] * 3)  # the tenant's and the pooled entry, their write waiting
+    for tenant in "bcde":
+        feed(s, [1.2], model="claude-3-5-sonnet", tenant=tenant)  # five more entries: both first ones let go
+    await s.close()
+    record = await cache.get(cache_key(T, UP, MODEL))
+    assert record is not None and len(record["samples"]) == 3 and record["factor"] == 1.3
+    assert not s._evicted
+
+
+def test_a_store_used_under_two_event_loops_still_writes() -> None:
+    cache = MemoryCache()
+    s = store(cache, write_delay=30)
+
+    async def answer(ratio: float) -> None:
+        feed(s, [ratio])
+        await asyncio.sleep(0.02)  # the write waits for more samples (on this loop's event)
+        await s.flush()
+
+    asyncio.run(answer(1.3))
+    asyncio.run(answer(1.31))  # a new loop: the first loop's event is not waited on
+    record = asyncio.run(cache.get(cache_key(T, UP, MODEL)))
+    assert record is not None and len(record["samples"]) == 2
 
 
 async def test_a_sample_that_arrives_while_the_record_is_being_written_is_written_too() -> None:
