@@ -75,7 +75,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from proxy.core.deadline import deadline
 from proxy.core.errors import CacheBackendError
@@ -292,6 +292,16 @@ class Calibrated:
 Key = tuple[str, str, str]  # (tenant, upstream, upstream model)
 
 
+class _Mark(NamedTuple):
+    """What identifies a shared record: its write's sequence number (each write the one it read plus one; None in
+    records of earlier versions) and writer (a process's ``origin``), its factor and time."""
+
+    seq: int | None
+    writer: Any
+    factor: Any
+    updated: Any
+
+
 @dataclass
 class _Entry:
     tenant: str
@@ -304,7 +314,7 @@ class _Entry:
     window: LearnedWindow | None = None  # the provider's real window (the pooled record of a model only)
     loaded: float = -math.inf  # monotonic time of the last read from the cache
     dirty: bool = False
-    synced: tuple[Any, Any] | None = None  # (factor, updated) of the shared record as this process last saw it
+    synced: _Mark | None = None  # the newest shared record this entry merged or wrote
 
     @property
     def learned(self) -> float | None:
@@ -471,7 +481,8 @@ class CalibrationStore:
             hurry.clear()
 
     async def close(self) -> None:
-        for key in [k for k, e in self._entries.items() if e.dirty and k not in self._writes]:
+        pending = [*self._entries.items(), *self._evicted.items()]
+        for key in [k for k, e in pending if e.dirty and k not in self._writes]:
             self._schedule_write(key)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.flush(), timeout=2.0)
@@ -556,10 +567,14 @@ class CalibrationStore:
         factor = stored.get("factor")
         current = float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool) \
             and MIN_FACTOR <= factor <= MAX_FACTOR else None
-        # the record's factor is another writer's only when the record changed since this process last read or
-        # wrote it: its own, written up to ``write_delay`` ago, is older than what it has published since
-        last, entry.synced = entry.synced, (factor, stored.get("updated"))
-        entry.recompute(None if last == entry.synced else current)
+        # the record's factor is another writer's only when the record is newer than any this entry merged or
+        # wrote: its own (written up to ``write_delay`` ago, or read while its own write was on its way) is older
+        # than what it has published since
+        mark = _mark(stored)
+        newer = _newer(mark, entry.synced, self.origin)
+        if newer:
+            entry.synced = mark
+        entry.recompute(current if newer else None)
 
     def _schedule_write(self, key: Key) -> None:
         if key in self._writes:
@@ -567,7 +582,7 @@ class CalibrationStore:
         task = asyncio.ensure_future(self._write(key))
         self._writes[key] = task
         self._track(task)
-        task.add_done_callback(lambda _t: self._writes.pop(key, None))
+        task.add_done_callback(lambda t: self._writes.pop(key) if self._writes.get(key) is t else None)
 
     async def _write(self, key: Key) -> None:
         try:
@@ -582,6 +597,8 @@ class CalibrationStore:
             # a bare backend (SafeCache already swallows): the samples stay local
             log.debug("calibration write failed: %s", exc)
         finally:
+            if self._writes.get(key) is asyncio.current_task():
+                del self._writes[key]  # now: a sample or an eviction of the next loop turn sees no write pending
             self._evicted.pop(key, None)
 
     async def _store(self, key: Key) -> None:
@@ -601,11 +618,13 @@ class CalibrationStore:
         entry.dirty = False
         record: dict[str, Any] = {"upstream": entry.upstream, "model": entry.model, "factor": entry.published,
                                   "samples": [[r, t, o] for r, t, o in entry.samples], "updated": self.clock()}
+        record["seq"] = ((_mark(stored).seq if isinstance(stored, dict) else None) or 0) + 1  # the record it follows
+        record["writer"] = self.origin
         if entry.tenant != POOLED:
             record["tenant"] = entry.tenant
         elif entry.window is not None:
             record["window"] = entry.window.as_record()
-        entry.synced = (record["factor"], record["updated"])
+        entry.synced = _Mark(record["seq"], self.origin, record["factor"], record["updated"])
         await self.cache.set(cache_key(*key), record, self.ttl)
         self._changed(key[1], key[2], before)
 
@@ -616,6 +635,23 @@ def cache_key(tenant: str, upstream: str, model: str) -> str:
     if tenant == POOLED:
         return KEY_PREFIX + hashlib.sha256(f"{upstream}\x00{model}".encode()).hexdigest()[:40]
     return TENANT_KEY_PREFIX + hashlib.sha256(f"{tenant}\x00{upstream}\x00{model}".encode()).hexdigest()[:40]
+
+
+def _mark(stored: dict[str, Any]) -> _Mark:
+    seq = stored.get("seq")
+    seq = seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else None
+    return _Mark(seq, stored.get("writer"), stored.get("factor"), stored.get("updated"))
+
+
+def _newer(mark: _Mark, synced: _Mark | None, origin: str) -> bool:
+    """Whether a record (``mark``) holds another writer's newer factor than the one this entry last synced."""
+    if synced is None:
+        return True  # nothing known of it: the record is all there is
+    if mark.writer == origin:
+        return False  # its own, however late it was read: older than what it has published since
+    if mark.seq is None or synced.seq is None:  # a record of a version without ``seq``
+        return (mark.factor, mark.updated) != (synced.factor, synced.updated)
+    return mark.seq > synced.seq or (mark.seq == synced.seq and mark.writer != synced.writer)
 
 
 def _samples(raw: Any) -> list[tuple[float, float, str]]:

@@ -504,6 +504,77 @@ async def test_a_record_the_table_let_go_while_its_write_waited_is_written_with_
     assert not s._evicted
 
 
+async def test_a_sample_in_the_loop_turn_after_a_write_is_written_too() -> None:
+    """A write task that had ended stayed in the table of pending writes for one more loop turn: a sample then
+    started no write, and an eviction parked its entry where nothing took it out (the sample never written)."""
+    cache = MemoryCache()
+    s = store(cache, max_entries=2, write_delay=30)
+    feed(s, [1.3])
+
+    async def another_request() -> None:
+        while await cache.get(cache_key(T, UP, MODEL)) is None:  # until the tenant's record is written
+            await asyncio.sleep(0)
+        feed(s, [1.4])  # a second answer of the tenant, in the very next turn
+        feed(s, [1.2], tenant="b")  # another tenant: the first tenant's entry is let go
+
+    other = asyncio.ensure_future(another_request())
+    await asyncio.sleep(0)
+    await s.flush()
+    await other
+    await s.close()
+    record = await cache.get(cache_key(T, UP, MODEL))
+    assert record is not None and [ratio for ratio, _, _ in record["samples"]] == [1.3, 1.4]
+    assert not s._evicted and not s._writes
+
+
+class LateCache(MemoryCache):
+    """A network cache: the next read's value is the one served now, delivered ``late`` seconds later."""
+
+    late = 0.0
+
+    async def get(self, key: str) -> dict[str, Any] | None:
+        value = await super().get(key)
+        late, self.late = self.late, 0.0
+        await asyncio.sleep(late)
+        return value
+
+
+async def test_a_late_read_of_its_own_older_record_does_not_move_the_factor() -> None:
+    cache, clock = LateCache(), Clock()
+    s = store(cache, clock=clock, write_delay=30)
+    moves: list[float] = []
+    s.on_factor = lambda tenant, upstream, model, factor: moves.append(factor)
+    feed(s, [1.2] * 3)
+    await s.flush()  # the record says 1.2
+    clock.now += 1
+    feed(s, [1.3, 1.29, 1.29, 1.29])  # 1.30, held by the dead band at a bound of 1.29; the write waits
+    published = s.factor(T, UP, MODEL)
+    s._entries[(T, UP, MODEL)].loaded = float("-inf")  # a refresh is due
+    cache.late = 0.05
+    await s.load(T, UP, MODEL)  # reads the 1.2 record now, delivers it after this process's own write
+    await s.flush()
+    await asyncio.sleep(0.1)
+    assert s.factor(T, UP, MODEL) == published == 1.3
+    before = len(moves)
+    s._entries[(T, UP, MODEL)].loaded = float("-inf")
+    await s.load(T, UP, MODEL)
+    await s.flush()
+    assert s.factor(T, UP, MODEL) == 1.3 and len(moves) == before  # no step away and back
+
+
+async def test_another_replicas_record_is_told_apart_with_a_clock_that_does_not_move() -> None:
+    clock, cache = Clock(), MemoryCache()  # never advanced: two records can carry the same (factor, updated)
+    mine, theirs = store(cache, clock=clock, write_delay=30), store(cache, clock=clock, write_delay=30)
+    feed(mine, [1.3] * 3)
+    await mine.flush()
+    await theirs.load(T, UP, MODEL)
+    feed(theirs, [1.29])
+    await theirs.flush()  # the same factor and time, other samples
+    feed(mine, [1.2] * 3)
+    await mine.flush()  # merges the other replica's record: its factor is the dead band's anchor
+    assert mine.factor(T, UP, MODEL) == theirs.factor(T, UP, MODEL)
+
+
 def test_a_store_used_under_two_event_loops_still_writes() -> None:
     cache = MemoryCache()
     s = store(cache, write_delay=30)
