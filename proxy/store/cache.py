@@ -69,6 +69,10 @@ class Cache(Protocol):
     name: str
     """Backend name: ``"disk"``, ``"redis"`` or ``"memory"``."""
 
+    read_answered: bool
+    """Whether the last read returned what the backend holds (False: it failed, and ``SafeCache`` returned None for
+    it): a None then says nothing about the key."""
+
     async def get(self, key: str) -> dict[str, Any] | None:
         """Return the stored object, or None when missing or expired."""
         ...
@@ -134,6 +138,7 @@ class BaseCache:
     """Shared TTL default, cancellation guard and the polling, renewable lock."""
 
     name: str
+    read_answered = True  # a read that fails raises
 
     def __init__(self, ttl: float | None, guard: Guard | None = None) -> None:
         self._default_ttl = ttl
@@ -300,6 +305,7 @@ class SafeCache:
         self.name = inner.name
         self._on_error = on_error
         self._failing: str | None = None  # "read" or "write": the kind of operation that began the streak
+        self.read_answered = True
 
     def _failed(self, operation: str, exc: BaseException) -> None:
         if self._on_error is not None:
@@ -329,8 +335,10 @@ class SafeCache:
         try:
             value = await self.inner.get(key)
         except Exception as exc:
+            self.read_answered = False
             self._failed("get", exc)
             return None
+        self.read_answered = True
         self._ok("get")
         return value
 
@@ -338,8 +346,10 @@ class SafeCache:
         try:
             values = await self.inner.get_many(keys, first_hit)
         except Exception as exc:
+            self.read_answered = False
             self._failed("get", exc)
             return [None] * len(keys)
+        self.read_answered = True
         self._ok("get")
         return values
 

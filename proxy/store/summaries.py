@@ -52,6 +52,12 @@ log = logging.getLogger("ctxproxy.summaries")
 FAILURES_TRACKED = 10_000
 LOCK_TTL = 30.0  # seconds; the holder renews it every LOCK_TTL / 3 while it summarises
 MIN_WAIT = 0.1  # seconds a waiter polls the lock before it re-checks (lock_wait 0 must not spin)
+# A lookup that holds a summary of its own (this process's copy) asks the shared cache only for the longer prefixes
+# it has not found missing there in the last ABSENT_SECONDS: a longer summary another replica makes is seen within
+# that time, and a conversation resent or growing at hundreds of requests a second reads the shared cache for its
+# new prefixes alone, not for every prefix past its summary on every request.
+ABSENT_SECONDS = 1.0
+ABSENT_ENTRIES = 4096
 
 SummaryCall = Callable[[str, Completion, str], None]  # (tenant, the call, the request's model)
 SummaryFailure = Callable[[str, str], None]  # (tenant, reason)
@@ -118,6 +124,7 @@ class SummaryService:
         self._calls: dict[str, _Call] = {}  # summariser calls under way
         self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # conversation -> (failures, last at)
         self._local: OrderedDict[str, tuple[dict[str, Any], float | None]] = OrderedDict()  # key -> record, expiry
+        self._absent: OrderedDict[str, float] = OrderedDict()  # key -> until when it is taken as missing (shared)
         self.configure(ttl=ttl, local_entries=local_entries, lock_wait=lock_wait, max_wait=max_wait,
                        backoff_first=backoff_first, backoff_max=backoff_max)
 
@@ -128,6 +135,8 @@ class SummaryService:
         self.local_entries = local_entries
         while len(self._local) > max(0, local_entries):
             self._local.popitem(last=False)
+        if local_entries <= 0:
+            self._absent.clear()
         self.lock_wait = lock_wait
         self.max_wait = max_wait
         self.backoff_first = backoff_first
@@ -152,6 +161,7 @@ class SummaryService:
         return record
 
     def _remember(self, key: str, record: dict[str, Any]) -> None:
+        self._absent.pop(key, None)
         if self.local_entries <= 0:
             return
         self._local[key] = (record, None if self.ttl is None else self.clock() + self.ttl)
@@ -184,22 +194,42 @@ class SummaryService:
                 if local is not None:
                     break  # only a longer prefix is worth asking the shared cache for
         limit = len(keys) - 1 if local is not None else len(keys)
+        # with a summary in hand, the longer prefixes lately found missing in the shared cache are not asked again
+        ask: Sequence[int] = self._unknown(keys, limit) if local is not None and self._absent else range(limit)
         start = 0
-        while start < limit:
-            records = await self.cache.get_many(keys[start:limit], first_hit=True)
+        while start < len(ask):
+            batch = ask[start:]
+            records = await self.cache.get_many([keys[i] for i in batch], first_hit=True)
+            answered = self.cache.read_answered  # (a failed read's None says nothing)
             for offset, record in enumerate(records):
                 if record is None:
+                    if answered:
+                        self._missing(keys[batch[offset]])
                     continue
-                k = len(chain) - start - offset
+                k = len(chain) - batch[offset]
                 summary = _summary(record, k, chain[k - 1])
                 if summary is not None:
-                    self._remember(keys[start + offset], record)
+                    self._remember(keys[batch[offset]], record)
                     return summary
                 start += offset + 1  # a record that is not a summary of this prefix: read on past it
                 break
             else:
                 break
         return local
+
+    def _unknown(self, keys: list[str], limit: int) -> list[int]:
+        """The indexes of ``keys[:limit]`` not found missing in the shared cache within ``ABSENT_SECONDS``."""
+        now, absent = self.clock(), self._absent
+        return [i for i in range(limit) if absent.get(keys[i], now) <= now]
+
+    def _missing(self, key: str) -> None:
+        """The shared cache has no record under ``key`` (remembered only beside local copies: ``lookup``)."""
+        if self.local_entries <= 0:
+            return
+        self._absent[key] = self.clock() + ABSENT_SECONDS
+        self._absent.move_to_end(key)
+        if len(self._absent) > ABSENT_ENTRIES:
+            self._absent.popitem(last=False)
 
     def making(self, scope: SummaryScope, chain: Sequence[str]) -> int:
         """How many turns the longest summary of this history being made in this process now covers (0: none)."""

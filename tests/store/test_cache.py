@@ -530,6 +530,7 @@ class _Flaky:
     """A backend that fails on demand."""
 
     name = "flaky"
+    read_answered = True
 
     def __init__(self) -> None:
         self.inner = MemoryCache()

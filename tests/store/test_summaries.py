@@ -18,9 +18,9 @@ import pytest
 from plugins.base import CachedSummary, Completion, SummaryScope
 from proxy.core.errors import SummaryUnavailable
 from proxy.core.items import ASSISTANT, USER, Item
-from proxy.store.cache import Cache
+from proxy.store.cache import Cache, SafeCache
 from proxy.store.memory import MemoryCache
-from proxy.store.summaries import SummaryService, summary_key
+from proxy.store.summaries import ABSENT_SECONDS, SummaryService, summary_key
 from tests.fake_upstream import FakeUpstream
 from tests.store.test_summaries_http import config as summarising_config
 
@@ -482,6 +482,50 @@ async def test_a_local_hit_asks_the_shared_cache_only_for_longer_prefixes() -> N
     assert await svc.lookup(SCOPE, CHAIN) == CachedSummary(6, CHAIN[5], "made by another replica")
     assert cache.ops == [f"get_many:{len(CHAIN) - 4}"]  # only the prefixes longer than the one known here
     assert await svc.lookup(SummaryScope("globex", SCOPE.settings_id), CHAIN[:4]) is None  # never another tenant's
+
+
+async def test_a_local_hit_asks_again_for_a_longer_prefix_found_missing_only_after_a_while() -> None:
+    """A conversation resent with a summary in hand read every longer prefix from the shared cache each time."""
+    cache, clock = CountingCache(), Clock()
+    svc = service(cache, local_entries=10, clock=clock)
+    await obtain(svc, Summarizer(), cut=4)
+    cache.ops.clear()
+    assert (await svc.lookup(SCOPE, CHAIN)).covered_turns == 4  # type: ignore[union-attr]
+    assert cache.ops == [f"get_many:{len(CHAIN) - 4}"]
+    await cache.set(summary_key(SCOPE, CHAIN[5]), {"text": "made by another replica", "chain": CHAIN[5]})
+    cache.ops.clear()
+    assert (await svc.lookup(SCOPE, CHAIN)).covered_turns == 4  # type: ignore[union-attr]
+    assert cache.ops == []  # found missing a moment ago: not asked again yet
+    clock.now += ABSENT_SECONDS
+    assert await svc.lookup(SCOPE, CHAIN) == CachedSummary(6, CHAIN[5], "made by another replica")
+    assert cache.ops == [f"get_many:{len(CHAIN) - 4}"]
+    cache.ops.clear()
+    longer = [*CHAIN, f"{99:032x}"]  # one more turn: only its own prefix is new to ask for
+    assert (await svc.lookup(SCOPE, longer)).covered_turns == 6  # type: ignore[union-attr]
+    assert cache.ops == ["get_many:1"]
+    fresh = service(cache, local_entries=10, clock=clock)  # no summary of its own: every prefix is asked for
+    cache.ops.clear()
+    assert (await fresh.lookup(SCOPE, CHAIN)).covered_turns == 6  # type: ignore[union-attr]
+    assert cache.ops == [f"get_many:{len(CHAIN)}"]
+
+
+async def test_a_failed_read_of_the_longer_prefixes_is_not_taken_for_their_absence() -> None:
+    class Failing(CountingCache):
+        broken = False
+
+        async def get_many(self, keys: list[str], first_hit: bool = False) -> list[dict[str, Any] | None]:
+            if self.broken:
+                raise OSError("disk gone")
+            return await super().get_many(keys, first_hit)
+
+    cache = Failing()
+    svc = service(SafeCache(cache), local_entries=10)
+    await obtain(svc, Summarizer(), cut=4)
+    cache.broken = True
+    assert (await svc.lookup(SCOPE, CHAIN)).covered_turns == 4  # type: ignore[union-attr]
+    cache.broken = False
+    await cache.set(summary_key(SCOPE, CHAIN[5]), {"text": "made by another replica", "chain": CHAIN[5]})
+    assert (await svc.lookup(SCOPE, CHAIN)).covered_turns == 6  # type: ignore[union-attr]
 
 
 async def test_the_local_copies_are_bounded_and_expire_with_the_caches_ttl() -> None:
