@@ -10,7 +10,9 @@ Two runs of one tree agree within 0.02 % under budget and within about 1.3 % ove
 disk cache).
 
 ``--grow``: a conversation that grows by one turn a request (``pipeline_bench.grown``), as a real client sends,
-instead of the same body again. ``--patch FILE``: Python run in the server before it starts, to switch a part off
+instead of the same body again. ``--wire responses|messages``: the same conversation on that wire
+(``responses_bench.CONVERT``), sent to its path (the fake upstream answers each wire in its own shape).
+``--patch FILE``: Python run in the server before it starts, to switch a part off
 and see what it costs (e.g. ``import proxy.store.prefix as p; p.PrefixTracker.observe = lambda *a, **k: None``).
 
     .venv/bin/python bench/server_instructions.py --config under_budget.yaml --payload agent_long.json --requests 20
@@ -62,14 +64,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def bodies(payload: str, grow: bool, count: int) -> Iterator[bytes]:
-    """``count`` request bodies: the payload again and again, or a conversation growing by one turn each."""
+WIRE_PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
+
+
+def bodies(payload: str, grow: bool, count: int, wire: str = "chat") -> Iterator[bytes]:
+    """``count`` request bodies: the payload again and again, or a conversation growing by one turn each (on
+    ``wire``: the same conversation in its shape)."""
+    from bench.responses_bench import CONVERT
+
+    convert = CONVERT[wire]
     body = read_payload(payload)
-    raw = orjson.dumps(body)
+    raw = orjson.dumps(convert(body))
     for i in range(count):
         if grow and i:
             body = grown(body, i - 1)
-            raw = orjson.dumps(body)
+            raw = orjson.dumps(convert(body))
         yield raw
 
 
@@ -134,7 +143,7 @@ def measure(args: argparse.Namespace) -> float:
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(port, args.floor, server)
-        raws = list(bodies(args.payload, args.grow, args.warm + args.requests))
+        raws = list(bodies(args.payload, args.grow, args.warm + args.requests, args.wire))
         send(port, args.path, raws[:args.warm])
         subprocess.run(["callgrind_control", "-i", "on", str(server.pid)], check=True, capture_output=True)
         send(port, args.path, raws[args.warm:])
@@ -168,14 +177,17 @@ def main() -> None:
     ap.add_argument("--patch", help="Python run in the server before it starts (switch a part off)")
     ap.add_argument("--counted-usage", action="store_true",
                     help="the fake upstream counts the prompt as a provider would (calibration samples every answer)")
-    ap.add_argument("--path", default="/v1/chat/completions")
+    ap.add_argument("--wire", choices=tuple(WIRE_PATHS), default="chat",
+                    help="the conversation on this wire, sent to its path")
+    ap.add_argument("--path", help="where to send it (default: the wire's path)")
     ap.add_argument("--keep", help="copy callgrind's dump here (callgrind_annotate reads it)")
     args = ap.parse_args()
     if args.requests <= 0 or args.warm < 0:
         raise SystemExit("--requests must be positive and --warm not negative")
+    args.path = args.path or WIRE_PATHS[args.wire]
     per = measure(args)
     what = "floor relay" if args.floor else f"ctxproxy {args.config}"
-    print(f"{what}, {args.payload}{' growing' if args.grow else ''}: {per:,.0f} instructions a request "
+    print(f"{what}, {args.payload}{' growing' if args.grow else ''}, {args.wire}: {per:,.0f} instructions a request "
           f"({args.requests} counted after {args.warm})")
 
 
