@@ -93,8 +93,10 @@ class CachedSummary:
 class SummaryStore(Protocol):
     """The summary cache seam (``proxy.store.summaries.SummaryService`` in the proxy)."""
 
-    async def lookup(self, scope: SummaryScope, chain: Sequence[str]) -> CachedSummary | None:
-        """The cached summary of the longest known prefix of this history, or None (constant cache ops)."""
+    async def lookup(self, scope: SummaryScope, chain: Sequence[str], *,
+                     recheck: bool = False) -> CachedSummary | None:
+        """The cached summary of the longest known prefix of this history, or None (constant cache ops).
+        ``recheck``: ask the shared cache again for what it lately answered missing (before making a summary)."""
 
     async def obtain(
         self,
@@ -151,9 +153,10 @@ class Compactor(Protocol):
     def unavailable(self, summarizer: Summarizer | None, services: Services) -> str | None:
         """Why ``summarizer`` makes no summaries for this request (None: it does)."""
 
-    async def lookup(self, summarizer: Summarizer, services: Services,
-                     chain: Sequence[str]) -> CachedSummary | None:
-        """The cached summary of the longest known prefix of this history (``chain``), or None."""
+    async def lookup(self, summarizer: Summarizer, services: Services, chain: Sequence[str], *,
+                     recheck: bool = False) -> CachedSummary | None:
+        """The cached summary of the longest known prefix of this history (``chain``), or None. ``recheck``: ask
+        the shared cache again for what it lately answered missing (``SummaryStore.lookup``)."""
 
     async def compact(self, summarizer: Summarizer | None, services: Services, turns: Sequence[Sequence[Item]],
                       chain: Sequence[str], *, cut: int | None = None,

@@ -185,14 +185,23 @@ class Summarising(ContextManager):
         chain = await view.chain_hashes()
         found = await compaction.lookup(self.summarizer, services, chain)
         ahead = self._ahead(services)
-        if found is not None:
-            reused = self._with(view, found, "reused")
-            if reused.summary is not None and view.payload_tokens(
-                    found.covered_turns, reused.summary.tokens) <= budget.hard_budget:
-                compaction.used(self.summarizer, services, found)
-                if ahead:
-                    reused.background = await self._prefetch(client, chain, found)
-                return reused
+        for recheck in (False, True):
+            if found is not None:
+                reused = self._with(view, found, "reused")
+                if reused.summary is not None and view.payload_tokens(
+                        found.covered_turns, reused.summary.tokens) <= budget.hard_budget:
+                    compaction.used(self.summarizer, services, found)
+                    if ahead:
+                        reused.background = await self._prefetch(client, chain, found)
+                    return reused
+            if recheck or found is None:
+                break
+            # this process's copy does not fit: before a newer one is made or waited for, the longer prefixes the
+            # lookup took as missing a moment ago are asked for again (another replica may have made one)
+            longer = await compaction.lookup(self.summarizer, services, chain, recheck=True)
+            if longer is None or longer.covered_turns <= found.covered_turns:
+                break
+            found = longer
         if ahead and view.payload_tokens() <= budget.hard_budget:
             # it fits under B without a summary: served now, and the summary is made for a later request
             started = await self._prefetch(client, chain, found)

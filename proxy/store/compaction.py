@@ -130,9 +130,9 @@ class Compaction:
             return NO_SUMMARISER
         return None
 
-    async def lookup(self, summarizer: Summarizer, services: Services,
-                     chain: Sequence[str]) -> CachedSummary | None:
-        return await self.store.lookup(_scope(summarizer, services), chain)
+    async def lookup(self, summarizer: Summarizer, services: Services, chain: Sequence[str], *,
+                     recheck: bool = False) -> CachedSummary | None:
+        return await self.store.lookup(_scope(summarizer, services), chain, recheck=recheck)
 
     async def compact(self, summarizer: Summarizer | None, services: Services, turns: Sequence[Sequence[Item]],
                       chain: Sequence[str], *, cut: int | None = None,
@@ -179,7 +179,7 @@ class Compaction:
         async def make() -> tuple[CachedSummary, bool] | None:
             # looked up when its turn comes: a longer summary may be cached by then (nothing to do), or a
             # newer prefix one to build on (incrementally)
-            found = await store.lookup(scope, links)
+            found = await store.lookup(scope, links, recheck=True)
             if found is not None and found.covered_turns >= cut:
                 return None
             return await store.obtain(scope, links, cut, aged, found, keeping_values(summarize, aged, services),

@@ -54,8 +54,9 @@ LOCK_TTL = 30.0  # seconds; the holder renews it every LOCK_TTL / 3 while it sum
 MIN_WAIT = 0.1  # seconds a waiter polls the lock before it re-checks (lock_wait 0 must not spin)
 # A lookup that holds a summary of its own (this process's copy) asks the shared cache only for the longer prefixes
 # it has not found missing there in the last ABSENT_SECONDS: a longer summary another replica makes is seen within
-# that time, and a conversation resent or growing at hundreds of requests a second reads the shared cache for its
-# new prefixes alone, not for every prefix past its summary on every request.
+# that time (and always before this process makes one: ``recheck``), and a conversation resent or growing at hundreds
+# of requests a second reads the shared cache for its new prefixes alone, not for every prefix past its summary on
+# every request. One mark per conversation summary, at most ABSENT_ENTRIES of them.
 ABSENT_SECONDS = 1.0
 ABSENT_ENTRIES = 4096
 
@@ -124,7 +125,9 @@ class SummaryService:
         self._calls: dict[str, _Call] = {}  # summariser calls under way
         self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # conversation -> (failures, last at)
         self._local: OrderedDict[str, tuple[dict[str, Any], float | None]] = OrderedDict()  # key -> record, expiry
-        self._absent: OrderedDict[str, float] = OrderedDict()  # key -> until when it is taken as missing (shared)
+        # a local copy's key -> (until when, chain length, last link): the prefixes longer than that copy, up to that
+        # length of that chain, were missing in the shared cache (``lookup``)
+        self._absent: OrderedDict[str, tuple[float, int, str]] = OrderedDict()
         self.configure(ttl=ttl, local_entries=local_entries, lock_wait=lock_wait, max_wait=max_wait,
                        backoff_first=backoff_first, backoff_max=backoff_max)
 
@@ -161,7 +164,6 @@ class SummaryService:
         return record
 
     def _remember(self, key: str, record: dict[str, Any]) -> None:
-        self._absent.pop(key, None)
         if self.local_entries <= 0:
             return
         self._local[key] = (record, None if self.ttl is None else self.clock() + self.ttl)
@@ -178,7 +180,11 @@ class SummaryService:
                 self._remember(key, record)
         return record
 
-    async def lookup(self, scope: SummaryScope, chain: Sequence[str]) -> CachedSummary | None:
+    async def lookup(self, scope: SummaryScope, chain: Sequence[str], *,
+                     recheck: bool = False) -> CachedSummary | None:
+        """The longest usable summary of a prefix of ``chain``. ``recheck``: ask the shared cache for every prefix
+        longer than this process's copy, even those it found missing there less than ``ABSENT_SECONDS`` ago (a
+        summary is about to be made: another replica may have made it meanwhile)."""
         if not chain:
             return None
         # longest prefix first; a backend that reads key by key (disk) may stop at the first record found
@@ -193,43 +199,43 @@ class SummaryService:
                 local = _summary(record, len(chain) - i, chain[len(chain) - i - 1])
                 if local is not None:
                     break  # only a longer prefix is worth asking the shared cache for
-        limit = len(keys) - 1 if local is not None else len(keys)
-        # with a summary in hand, the longer prefixes lately found missing in the shared cache are not asked again
-        ask: Sequence[int] = self._unknown(keys, limit) if local is not None and self._absent else range(limit)
+        if local is None:
+            return await self._shared(chain, keys, len(keys))
+        # keys[j] is the prefix of len(chain) - j turns; the prefixes up to a recent mark's length were missing
+        now, mark = self.clock(), None if recheck else self._absent.get(keys[-1])
+        known = mark is not None and now < mark[0] and mark[1] <= len(chain) and chain[mark[1] - 1] == mark[2]
+        limit = min(len(keys) - 1, len(chain) - mark[1]) if known and mark is not None else len(keys) - 1
+        if limit <= 0:
+            return local
+        found = await self._shared(chain, keys, limit)
+        if found is None and self.cache.read_answered and self.local_entries > 0:
+            # every longer prefix is missing there: until when the oldest of those answers holds (a mark does not
+            # outlive what it was read from), as far as this chain goes
+            until = mark[0] if known and mark is not None else now + ABSENT_SECONDS
+            self._absent[keys[-1]] = (until, len(chain), chain[-1])
+            self._absent.move_to_end(keys[-1])
+            if len(self._absent) > ABSENT_ENTRIES:
+                self._absent.popitem(last=False)
+        return found if found is not None else local
+
+    async def _shared(self, chain: Sequence[str], keys: list[str], limit: int) -> CachedSummary | None:
+        """The longest usable summary the shared cache holds under ``keys[:limit]`` (longest prefix first)."""
         start = 0
-        while start < len(ask):
-            batch = ask[start:]
-            records = await self.cache.get_many([keys[i] for i in batch], first_hit=True)
-            answered = self.cache.read_answered  # (a failed read's None says nothing)
-            for offset, record in enumerate(records):
+        while start < limit:
+            records = await self.cache.get_many(keys[start:limit], first_hit=True)
+            for offset, record in enumerate(records[:limit - start]):
                 if record is None:
-                    if answered:
-                        self._missing(keys[batch[offset]])
                     continue
-                k = len(chain) - batch[offset]
+                k = len(chain) - start - offset
                 summary = _summary(record, k, chain[k - 1])
                 if summary is not None:
-                    self._remember(keys[batch[offset]], record)
+                    self._remember(keys[start + offset], record)
                     return summary
                 start += offset + 1  # a record that is not a summary of this prefix: read on past it
                 break
             else:
                 break
-        return local
-
-    def _unknown(self, keys: list[str], limit: int) -> list[int]:
-        """The indexes of ``keys[:limit]`` not found missing in the shared cache within ``ABSENT_SECONDS``."""
-        now, absent = self.clock(), self._absent
-        return [i for i in range(limit) if absent.get(keys[i], now) <= now]
-
-    def _missing(self, key: str) -> None:
-        """The shared cache has no record under ``key`` (remembered only beside local copies: ``lookup``)."""
-        if self.local_entries <= 0:
-            return
-        self._absent[key] = self.clock() + ABSENT_SECONDS
-        self._absent.move_to_end(key)
-        if len(self._absent) > ABSENT_ENTRIES:
-            self._absent.popitem(last=False)
+        return None
 
     def making(self, scope: SummaryScope, chain: Sequence[str]) -> int:
         """How many turns the longest summary of this history being made in this process now covers (0: none)."""

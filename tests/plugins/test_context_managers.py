@@ -341,7 +341,7 @@ class FakeStore:
         self.made: dict[tuple[str, str], CachedSummary] = {}
         self.lookups = 0
 
-    async def lookup(self, scope: SummaryScope, chain: Sequence[str]) -> CachedSummary | None:
+    async def lookup(self, scope: SummaryScope, chain: Sequence[str], *, recheck: bool = False) -> CachedSummary | None:
         self.lookups += 1
         best = None
         for _k, link in enumerate(chain, 1):

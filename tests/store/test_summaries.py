@@ -496,17 +496,68 @@ async def test_a_local_hit_asks_again_for_a_longer_prefix_found_missing_only_aft
     cache.ops.clear()
     assert (await svc.lookup(SCOPE, CHAIN)).covered_turns == 4  # type: ignore[union-attr]
     assert cache.ops == []  # found missing a moment ago: not asked again yet
+    assert (await svc.lookup(SCOPE, CHAIN, recheck=True)).covered_turns == 6  # type: ignore[union-attr]
+    assert cache.ops == [f"get_many:{len(CHAIN) - 4}"]  # a summary is about to be made: everything is asked
+    svc._local.clear()
+    await obtain(svc, Summarizer(), cut=4)
+    cache.ops.clear()
     clock.now += ABSENT_SECONDS
     assert await svc.lookup(SCOPE, CHAIN) == CachedSummary(6, CHAIN[5], "made by another replica")
     assert cache.ops == [f"get_many:{len(CHAIN) - 4}"]
-    cache.ops.clear()
-    longer = [*CHAIN, f"{99:032x}"]  # one more turn: only its own prefix is new to ask for
-    assert (await svc.lookup(SCOPE, longer)).covered_turns == 6  # type: ignore[union-attr]
-    assert cache.ops == ["get_many:1"]
     fresh = service(cache, local_entries=10, clock=clock)  # no summary of its own: every prefix is asked for
     cache.ops.clear()
     assert (await fresh.lookup(SCOPE, CHAIN)).covered_turns == 6  # type: ignore[union-attr]
     assert cache.ops == [f"get_many:{len(CHAIN)}"]
+    assert fresh._absent == {}  # (nothing to keep from a lookup without a summary in hand)
+
+
+async def test_a_growing_conversation_asks_for_its_new_prefixes_alone_while_its_mark_holds() -> None:
+    cache, clock = CountingCache(), Clock()
+    svc = service(cache, local_entries=10, clock=clock)
+    await obtain(svc, Summarizer(), cut=4)
+    chain = list(CHAIN)
+    await svc.lookup(SCOPE, chain)  # the longer prefixes are missing: marked at 1000.0
+    for n in range(3):
+        clock.now += 0.3
+        chain.append(f"{100 + n:032x}")
+        cache.ops.clear()
+        assert (await svc.lookup(SCOPE, chain)).covered_turns == 4  # type: ignore[union-attr]
+        assert cache.ops == ["get_many:1"]  # only the turn that is new
+    clock.now += 0.2  # a mark does not outlive the answers it was made from: all of them are a second old now
+    cache.ops.clear()
+    await svc.lookup(SCOPE, chain)
+    assert cache.ops == [f"get_many:{len(chain) - 4}"]
+    # a history edited past the summary: a chained hash differs from the edit on (its prefixes are its own)
+    edited = [*chain[:6], *(f"{999 + i:032x}" for i in range(len(chain) - 6))]
+    cache.ops.clear()
+    await svc.lookup(SCOPE, edited)
+    assert cache.ops == [f"get_many:{len(edited) - 4}"]
+
+
+async def test_a_mark_is_timed_from_before_the_read() -> None:
+    class Slow(CountingCache):
+        async def get_many(self, keys: list[str], first_hit: bool = False) -> list[dict[str, Any] | None]:
+            clock.now += 0.6  # the answer is handled 0.6 s after the cache was read
+            return await super().get_many(keys, first_hit)
+
+    cache, clock = Slow(), Clock()
+    svc = service(cache, local_entries=10, clock=clock)
+    await obtain(svc, Summarizer(), cut=4)
+    await svc.lookup(SCOPE, CHAIN)
+    clock.now += 0.4  # a second after the read
+    cache.ops.clear()
+    await svc.lookup(SCOPE, CHAIN)
+    assert cache.ops == [f"get_many:{len(CHAIN) - 4}"]
+
+
+async def test_a_cache_that_answers_more_records_than_keys_is_read_as_far_as_the_keys_go() -> None:
+    class Extra(CountingCache):
+        async def get_many(self, keys: list[str], first_hit: bool = False) -> list[dict[str, Any] | None]:
+            return [*await super().get_many(keys, first_hit), {"text": "stray", "chain": "x"}]
+
+    svc = service(Extra(), local_entries=10)
+    await obtain(svc, Summarizer(), cut=4)
+    assert (await svc.lookup(SCOPE, CHAIN)).covered_turns == 4  # type: ignore[union-attr]
 
 
 async def test_a_failed_read_of_the_longer_prefixes_is_not_taken_for_their_absence() -> None:

@@ -349,3 +349,25 @@ async def test_conversations_differing_only_in_a_spoken_answer_do_not_share_a_su
     assert status == 200
     assert headers["x-ctxproxy-summary"] == "waited", "B was served A's summary (its flight is 'cancelled')"
     assert "is confirmed" in json.dumps(upstream.summaries[-1].body)
+
+
+@pytest.mark.parametrize("next_turns", [58, 60])
+async def test_a_replica_reuses_the_longer_summary_another_made_a_moment_ago(
+    upstream: FakeUpstream, start_proxy: StartProxy, tmp_path: Path, next_turns: int
+) -> None:
+    """Replica A holds an older summary and has just found no longer one in the shared cache; replica B then makes
+    the longer one. A's next request that needs a newer summary reuses B's instead of paying for another (its
+    lookup took the longer prefixes as missing for a second: it asks again before it makes one)."""
+    cfg = config(upstream.base_url, cache={"backend": "disk", "path": str(tmp_path / "cache")})
+    cfg["context_manager"]["params"]["summary_prefetch_ratio"] = 0.0  # made on the request path, not ahead
+    a, b = await start_proxy(cfg), await start_proxy(cfg)
+    _, headers, _ = await send(a, chat_body(conversation(29)))
+    assert headers["x-ctxproxy-summary"] == "waited" and len(upstream.summaries) == 1
+    for _ in range(2):
+        _, headers, _ = await send(a, chat_body(conversation(57)))  # A reuses its own; nothing longer is cached
+        assert headers["x-ctxproxy-summary"] == "reused"
+    _, headers, _ = await send(b, chat_body(conversation(58)))  # B makes the longer one
+    assert headers["x-ctxproxy-summary"] == "waited" and len(upstream.summaries) == 2
+    _, headers, _ = await send(a, chat_body(conversation(next_turns)))
+    assert headers["x-ctxproxy-summary"] == "reused"
+    assert len(upstream.summaries) == 2
