@@ -88,6 +88,9 @@ class CachedSummary:
     text: str
     # the summariser call(s) that made it, on the request that made it
     made_with: Completion | None = field(default=None, compare=False)
+    # found without asking the shared cache for every longer prefix (some were missing there a moment ago): a
+    # longer summary may exist; ``lookup(..., recheck=True)`` asks before one is made or scheduled
+    narrowed: bool = field(default=False, compare=False)
 
 
 class SummaryStore(Protocol):

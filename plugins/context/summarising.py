@@ -166,6 +166,12 @@ class Summarising(ContextManager):
         cut, reserve = await self._plan(view, budget.hard_budget - lead - budget.step - until_used)
         if cut <= covered or view.payload_tokens(cut, reserve) > budget.hard_budget:
             return ""
+        if found is not None and found.narrowed:
+            # decided from this process's copy, some longer prefixes unasked: decided again from a longer summary
+            # another replica made meanwhile, if there is one (else the one made here would repeat it)
+            longer = await compaction.lookup(self.summarizer, services, chain, recheck=True)
+            if longer is not None and longer.covered_turns > found.covered_turns:
+                return await self._prefetch(client, chain, longer)
         return compaction.prefetch(self.summarizer, services, client.turns, chain, cut)
 
     def _tokens(self, view: HistoryView, summary: CachedSummary | None) -> int:
@@ -194,7 +200,7 @@ class Summarising(ContextManager):
                     if ahead:
                         reused.background = await self._prefetch(client, chain, found)
                     return reused
-            if recheck or found is None:
+            if recheck or found is None or not found.narrowed:
                 break
             # this process's copy does not fit: before a newer one is made or waited for, the longer prefixes the
             # lookup took as missing a moment ago are asked for again (another replica may have made one)

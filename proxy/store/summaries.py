@@ -200,15 +200,17 @@ class SummaryService:
                 if local is not None:
                     break  # only a longer prefix is worth asking the shared cache for
         if local is None:
-            return await self._shared(chain, keys, len(keys))
+            return (await self._shared(chain, keys, len(keys)))[0]
         # keys[j] is the prefix of len(chain) - j turns; the prefixes up to a recent mark's length were missing
         now, mark = self.clock(), None if recheck else self._absent.get(keys[-1])
         known = mark is not None and now < mark[0] and mark[1] <= len(chain) and chain[mark[1] - 1] == mark[2]
         limit = min(len(keys) - 1, len(chain) - mark[1]) if known and mark is not None else len(keys) - 1
         if limit <= 0:
-            return local
-        found = await self._shared(chain, keys, limit)
-        if found is None and self.cache.read_answered and self.local_entries > 0:
+            return dataclasses.replace(local, narrowed=True) if limit < len(keys) - 1 else local
+        found, answered = await self._shared(chain, keys, limit)
+        if found is None and limit < len(keys) - 1:
+            local = dataclasses.replace(local, narrowed=True)  # (the prefixes past ``limit`` were not asked for)
+        if found is None and answered and self.local_entries > 0:
             # every longer prefix is missing there: until when the oldest of those answers holds (a mark does not
             # outlive what it was read from), as far as this chain goes
             until = mark[0] if known and mark is not None else now + ABSENT_SECONDS
@@ -218,11 +220,15 @@ class SummaryService:
                 self._absent.popitem(last=False)
         return found if found is not None else local
 
-    async def _shared(self, chain: Sequence[str], keys: list[str], limit: int) -> CachedSummary | None:
-        """The longest usable summary the shared cache holds under ``keys[:limit]`` (longest prefix first)."""
+    async def _shared(self, chain: Sequence[str], keys: list[str],
+                      limit: int) -> tuple[CachedSummary | None, bool]:
+        """The longest usable summary the shared cache holds under ``keys[:limit]`` (longest prefix first), and
+        whether the cache answered for every key it was asked for (a failed or short read did not)."""
         start = 0
+        answered = True
         while start < limit:
             records = await self.cache.get_many(keys[start:limit], first_hit=True)
+            answered = self.cache.read_answered and len(records) >= limit - start
             for offset, record in enumerate(records[:limit - start]):
                 if record is None:
                     continue
@@ -230,12 +236,12 @@ class SummaryService:
                 summary = _summary(record, k, chain[k - 1])
                 if summary is not None:
                     self._remember(keys[start + offset], record)
-                    return summary
+                    return summary, True
                 start += offset + 1  # a record that is not a summary of this prefix: read on past it
                 break
             else:
                 break
-        return None
+        return None, answered
 
     def making(self, scope: SummaryScope, chain: Sequence[str]) -> int:
         """How many turns the longest summary of this history being made in this process now covers (0: none)."""

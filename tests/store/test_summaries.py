@@ -490,12 +490,14 @@ async def test_a_local_hit_asks_again_for_a_longer_prefix_found_missing_only_aft
     svc = service(cache, local_entries=10, clock=clock)
     await obtain(svc, Summarizer(), cut=4)
     cache.ops.clear()
-    assert (await svc.lookup(SCOPE, CHAIN)).covered_turns == 4  # type: ignore[union-attr]
+    asked = await svc.lookup(SCOPE, CHAIN)
+    assert asked is not None and asked.covered_turns == 4 and not asked.narrowed
     assert cache.ops == [f"get_many:{len(CHAIN) - 4}"]
     await cache.set(summary_key(SCOPE, CHAIN[5]), {"text": "made by another replica", "chain": CHAIN[5]})
     cache.ops.clear()
-    assert (await svc.lookup(SCOPE, CHAIN)).covered_turns == 4  # type: ignore[union-attr]
-    assert cache.ops == []  # found missing a moment ago: not asked again yet
+    narrowed = await svc.lookup(SCOPE, CHAIN)
+    assert narrowed is not None and narrowed.covered_turns == 4 and narrowed.narrowed
+    assert cache.ops == []  # found missing a moment ago: not asked again yet (and the answer says so)
     assert (await svc.lookup(SCOPE, CHAIN, recheck=True)).covered_turns == 6  # type: ignore[union-attr]
     assert cache.ops == [f"get_many:{len(CHAIN) - 4}"]  # a summary is about to be made: everything is asked
     svc._local.clear()
@@ -548,6 +550,18 @@ async def test_a_mark_is_timed_from_before_the_read() -> None:
     cache.ops.clear()
     await svc.lookup(SCOPE, CHAIN)
     assert cache.ops == [f"get_many:{len(CHAIN) - 4}"]
+
+
+async def test_a_cache_that_answers_fewer_records_than_keys_marks_nothing() -> None:
+    class Short(CountingCache):
+        async def get_many(self, keys: list[str], first_hit: bool = False) -> list[dict[str, Any] | None]:
+            return (await super().get_many(keys, first_hit))[:1]
+
+    cache = Short()
+    svc = service(cache, local_entries=10)
+    await obtain(svc, Summarizer(), cut=4)
+    await svc.lookup(SCOPE, CHAIN)
+    assert svc._absent == {}
 
 
 async def test_a_cache_that_answers_more_records_than_keys_is_read_as_far_as_the_keys_go() -> None:

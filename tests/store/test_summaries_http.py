@@ -371,3 +371,46 @@ async def test_a_replica_reuses_the_longer_summary_another_made_a_moment_ago(
     _, headers, _ = await send(a, chat_body(conversation(next_turns)))
     assert headers["x-ctxproxy-summary"] == "reused"
     assert len(upstream.summaries) == 2
+
+
+async def test_a_replica_schedules_nothing_past_the_longer_summary_another_made_a_moment_ago(
+    upstream: FakeUpstream, start_proxy: StartProxy, tmp_path: Path
+) -> None:
+    """In the background (the default): A's own summary still fits, and it decides whether to make the next one
+    ahead; it decides from B's longer summary, made a moment ago, not from its own (which would make one a turn past
+    B's, a summariser call a lookup of every prefix would not have made)."""
+    cfg = config(upstream.base_url, cache={"backend": "disk", "path": str(tmp_path / "cache")})
+    a, b = await start_proxy(cfg), await start_proxy(cfg)
+    await send(a, chat_body(conversation(20)))
+    await a.state.shared.background.idle()  # A makes its summary in the background
+    await send(a, chat_body(conversation(36)))  # A uses its own; the longer prefixes are missing
+    await send(b, chat_body(conversation(38)))
+    await b.state.shared.background.idle()  # B makes the longer one
+    assert len(upstream.summaries) == 2
+    await send(a, chat_body(conversation(39)))
+    await a.state.shared.background.idle()
+    assert len(upstream.summaries) == 2
+
+
+async def test_a_summary_that_does_not_fit_is_read_once_when_nothing_was_taken_as_missing(
+    upstream: FakeUpstream, start_proxy: StartProxy, tmp_path: Path
+) -> None:
+    """The recheck before making a summary reads again only what a mark left unasked: a replica without its own
+    copy of the summary reads the shared cache once, as before the marks."""
+    cfg = config(upstream.base_url, cache={"backend": "disk", "path": str(tmp_path / "cache")})
+    cfg["context_manager"]["params"]["summary_prefetch_ratio"] = 0.0
+    a, b = await start_proxy(cfg), await start_proxy(cfg)
+    _, headers, _ = await send(a, chat_body(conversation(29)))
+    assert headers["x-ctxproxy-summary"] == "waited"
+    reads: list[int] = []
+    store = b.state.shared.summaries
+    shared = store.cache.get_many
+
+    async def counted(keys: list[str], first_hit: bool = False) -> list[Any]:
+        reads.append(len(keys))
+        return await shared(keys, first_hit)
+
+    store.cache.get_many = counted  # type: ignore[method-assign]
+    _, headers, _ = await send(b, chat_body(conversation(58)))
+    assert headers["x-ctxproxy-summary"] == "waited" and len(upstream.summaries) == 2
+    assert len(reads) == 1  # the lookup's; none again before making (it had nothing of its own to narrow with)
