@@ -205,9 +205,11 @@ class Summarising(ContextManager):
             # this process's copy does not fit: before a newer one is made or waited for, the longer prefixes the
             # lookup took as missing a moment ago are asked for again (another replica may have made one)
             longer = await compaction.lookup(self.summarizer, services, chain, recheck=True)
-            if longer is None or longer.covered_turns <= found.covered_turns:
+            if longer is None or longer.covered_turns < found.covered_turns:
                 break
-            found = longer
+            found, grew = longer, longer.covered_turns > found.covered_turns  # (no longer narrowed either way)
+            if not grew:
+                break
         if ahead and view.payload_tokens() <= budget.hard_budget:
             # it fits under B without a summary: served now, and the summary is made for a later request
             started = await self._prefetch(client, chain, found)

@@ -144,8 +144,8 @@ class Compaction:
             why = reason or NO_SUMMARISER
             return Compacted("unavailable", why, reason="drop" if why == DROPS_OLDER_TURNS else "no_summariser")
         scope = _scope(summarizer, services)
-        if not looked:
-            found = await self.store.lookup(scope, chain)
+        if not looked:  # (a compaction asked for: marks ignored, a summary made meanwhile elsewhere is built on)
+            found = await self.store.lookup(scope, chain, recheck=True)
         if found is not None and found.covered_turns >= cut:
             return Compacted("reused", found.text, found)
         if services.dry_run:

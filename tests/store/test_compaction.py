@@ -275,3 +275,28 @@ async def test_an_emulated_responses_compaction_carries_the_values(
     wanted = {v for m in traj if m["role"] == "assistant" for v in call_values(m)}
     assert wanted and all(contains(summary, v) for v in wanted)
     assert "Values these turns acted on (ctxproxy lists those the summary leaves out): " in summary
+
+
+async def test_a_compaction_builds_on_the_longer_summary_another_replica_made_a_moment_ago() -> None:
+    """A compaction asked for (``/responses/compact``, a Messages compact edit) reads every longer prefix: one a lookup
+    of this replica took as missing a moment ago may have been made by another since, and is built on."""
+    shared = MemoryCache()
+
+    def replica() -> Compaction:
+        return Compaction(SummaryService(shared, ttl=None, lock_wait=5, backoff_first=0, backoff_max=0,
+                                         local_entries=64))
+
+    a, b = replica(), replica()
+    llm = LLMSummarizer(LLMParams())
+    engine_a, engine_b = FakeEngine("sum-a"), FakeEngine("sum-b")
+    services_a, services_b = Services(engine=engine_a, counter=COUNTER), Services(engine=engine_b, counter=COUNTER)
+    history, chain = turns(12), [f"c{i}" for i in range(12)]
+    await a.compact(llm, services_a, history, chain, cut=4)  # a holds a summary of 4 turns
+    narrowed = await a.lookup(llm, services_a, chain[:10])
+    assert narrowed is not None and narrowed.covered_turns == 4  # the longer prefixes missing: marked
+    made = await b.compact(llm, services_b, history, chain[:10], cut=8)  # b makes one of 8
+    assert made.summary is not None and made.summary.covered_turns == 8
+    before = len(engine_a.calls)
+    await a.compact(llm, services_a, history[:11], chain[:11])
+    call = engine_a.calls[before:]
+    assert len(call) == 1 and "sum-b" in str(call[0])  # folded from b's 8 turns, not from its own 4
