@@ -8,6 +8,8 @@ it with a 4xx in OpenAI's error shape. The bounds asserted here are the ones sta
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import gzip
 import json
 import time
@@ -347,15 +349,30 @@ HOSTILE: list[tuple[str, bytes, int, str | None]] = [
 ]
 
 
+@contextlib.contextmanager
+def _no_collector() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @pytest.mark.parametrize(("raw", "status", "code"), [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
 async def test_hostile_bodies(upstream: FakeUpstream, start_proxy: Any, raw: bytes, status: int,
                               code: str | None) -> None:
     proxy = await start_proxy(proxy_config(upstream))
     async with aiohttp.ClientSession() as s:
         for path in ("/v1/chat/completions", "/v1/ctxproxy/explain"):
-            started = time.perf_counter()
-            got, out, _ = await post(s, proxy.url + path, raw)
-            assert time.perf_counter() - started < 5
+            # the bound is the proxy's: the test process's cyclic collector (over the whole suite's objects, late in
+            # a run) is kept out of the timed request (a full run once took 6.3 s for one that takes under one alone)
+            with _no_collector():
+                started = time.perf_counter()
+                got, out, _ = await post(s, proxy.url + path, raw)
+                elapsed = time.perf_counter() - started
+            assert elapsed < 5
             assert_wellformed_answer(got, out)
             if (
                 path.endswith("/explain")
