@@ -15,15 +15,9 @@ from typing import Any
 
 import pytest
 
-from bench.server_instructions import WIRE_PATHS, bodies
+from bench.server_instructions import WIRE_PATHS, bodies, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
