@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import uuid
@@ -316,6 +317,43 @@ async def test_an_integer_beyond_64_bits_reaches_the_upstream_exactly(
     assert int(headers["x-ctxproxy-tokens-out"]) < int(headers["x-ctxproxy-tokens-in"])  # managed: re-written
     sent = json.loads(upstream.chat[-1].raw)
     assert sent["seed"] == big and sent["metadata"] == {"n": bigger}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+async def test_a_body_arriving_in_many_pieces_is_forwarded_as_sent(start_proxy: StartProxy, upstream: FakeUpstream,
+                                                                   path: str) -> None:
+    """A chunked body trickling in (one HTTP chunk per piece, some read only after a wait) is read whole, its pieces
+    in order, and an untouched request goes upstream byte for byte as the client wrote it."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    text = "".join(f"piece {i} " for i in range(3000))
+    body = ({"model": "gpt-4o-mini", "max_tokens": 50, "messages": [{"role": "user", "content": text}]}
+            if path != "/v1/responses" else {"model": "gpt-4o-mini", "input": text})
+    raw = json.dumps(body).encode()
+
+    async def pieces() -> Any:
+        for i in range(0, len(raw), 997):
+            yield raw[i:i + 997]
+            if i % 5 == 0:
+                await asyncio.sleep(0.005)
+
+    status, _headers, answer = await request(proxy, "POST", path, data=pieces(),
+                                             headers={"Content-Type": "application/json"})
+    assert status == 200, answer
+    forwarded = (upstream.chat or upstream.other)[-1].raw
+    assert forwarded == raw
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/ctxproxy/explain"])
+async def test_empty_bodies_one_after_another_are_each_answered(start_proxy: StartProxy, upstream: FakeUpstream,
+                                                                path: str) -> None:
+    """aiohttp gives every empty body one shared reader whose later reads say "a chunk ended", never "the end":
+    each empty request is still answered at once."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    for _ in range(3):
+        status, _headers, answer = await asyncio.wait_for(
+            request(proxy, "POST", path, data=b"", headers={"Content-Type": "application/json"}), 10)
+        assert status == 400, answer
+    assert not upstream.chat
 
 
 MODEL = "gpt-4o-mini"
