@@ -126,20 +126,14 @@ async def read_body(request: web.Request) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"The request body is {request.content_length} bytes; the limit is {limit}.")
     codings = content_codings(request.headers.getall("Content-Encoding", []))  # 415 before reading it
-    # the chunks as received, joined once (a body that arrived in one piece: no copy). Not ``readany``, which joins
-    # what is buffered at each call: a body read in two calls was copied twice. Not a growing bytearray: its buffer
-    # and the copy out of it were two more copies (docs/benchmarks.md, tenth and thirteenth stops)
+    # the chunks as read, joined once (a body that arrived whole is one chunk: no copy). Not a growing bytearray: its
+    # buffer and the copy out of it were two more copies of the body (docs/benchmarks.md, tenth stop)
     chunks: list[bytes] = []
     size = 0
     content = request.content
     try:
         async with deadline_unless(content.is_eof(), server.body_timeout):  # (a body all here already cannot wait)
-            while True:
-                chunk, boundary = await content.readchunk()
-                if not chunk:  # (b"", True) is a chunked body's boundary, or, from aiohttp's one shared empty
-                    if boundary and not content.at_eof():  # body, every read after its first: read on unless at end
-                        continue
-                    break
+            while chunk := await content.readany():
                 chunks.append(chunk)
                 size += len(chunk)
                 if size > limit:
