@@ -12,8 +12,10 @@ disk cache).
 ``--grow``: a conversation that grows by one turn a request (``pipeline_bench.grown``), as a real client sends,
 instead of the same body again. ``--wire responses|messages``: the same conversation on that wire
 (``responses_bench.CONVERT``), sent to its path (the fake upstream answers each wire in its own shape).
-``--patch FILE``: Python run in the server before it starts, to switch a part off
-and see what it costs (e.g. ``import proxy.store.prefix as p; p.PrefixTracker.observe = lambda *a, **k: None``).
+``--pad-to BYTES``: each body ends in spaces up to that size, so two wires' bodies arrive in the same socket reads
+(a body that arrives in several is joined: one more copy, which callgrind counts byte by byte).
+``--patch FILE``: Python run in the server before it starts, to switch a part off and see what it costs
+(e.g. ``import proxy.store.prefix as p; p.PrefixTracker.observe = lambda *a, **k: None``).
 
     .venv/bin/python bench/server_instructions.py --config under_budget.yaml --payload agent_long.json --requests 20
     .venv/bin/python bench/server_instructions.py --floor --payload small.json --requests 200
@@ -143,7 +145,7 @@ def measure(args: argparse.Namespace) -> float:
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(port, args.floor, server)
-        raws = list(bodies(args.payload, args.grow, args.warm + args.requests, args.wire))
+        raws = [raw.ljust(args.pad_to) for raw in bodies(args.payload, args.grow, args.warm + args.requests, args.wire)]
         send(port, args.path, raws[:args.warm])
         subprocess.run(["callgrind_control", "-i", "on", str(server.pid)], check=True, capture_output=True)
         send(port, args.path, raws[args.warm:])
@@ -181,6 +183,8 @@ def main() -> None:
                     help="the conversation on this wire, sent to its path")
     ap.add_argument("--path", help="where to send it (default: the wire's path)")
     ap.add_argument("--keep", help="copy callgrind's dump here (callgrind_annotate reads it)")
+    ap.add_argument("--pad-to", type=int, default=0, metavar="BYTES",
+                    help="end each body with spaces up to this size (wires compared at one body size)")
     args = ap.parse_args()
     if args.requests <= 0 or args.warm < 0:
         raise SystemExit("--requests must be positive and --warm not negative")
