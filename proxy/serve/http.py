@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import PayloadEncodingError
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
 from proxy.core.deadline import deadline_unless
@@ -138,8 +140,11 @@ async def read_body(request: web.Request) -> bytes:
                 size += len(chunk)
                 if size > limit:
                     raise BodyTooLarge(f"The request body is larger than the limit of {limit} bytes.")
-    except asyncio.TimeoutError:
-        raise RequestTimeout(f"The request body did not arrive within {server.body_timeout:g}s.") from None
+    except asyncio.TimeoutError:  # (also a chunked body whose framing broke, under aiohttp's compiled parser)
+        raise RequestTimeout(f"The request body did not arrive whole within {server.body_timeout:g}s.") from None
+    except (RequestPayloadError, PayloadEncodingError):  # its framing broke (a chunk size that is not one ...)
+        raise BadRequest("The request body's framing is malformed (Transfer-Encoding or Content-Length): it could "
+                         "not be read.", code="invalid_body") from None
     raw = b"".join(chunks)
     if not codings:
         return raw
