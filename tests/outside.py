@@ -6,16 +6,23 @@ proxy's internal layout becomes (the defect tests reproduce a bug from the clien
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import json
+import os
 import re
+import signal
+import sys
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 import tiktoken
 
-from tests.conftest import RunningProxy
+from tests.conftest import ROOT, RunningProxy
 
 Message = dict[str, Any]
 
@@ -125,3 +132,65 @@ def message_tokens(messages: list[Message]) -> int:
 def chat_body(messages: list[Any], model: str = "small-model", **extra: Any) -> dict[str, Any]:
     """A Chat Completions body (``small-model``: the 8k route of tests.store.test_summaries_http's config)."""
     return {"model": model, "messages": messages, **extra}
+
+
+class Served:
+    """A ``ctxproxy serve`` subprocess; its stderr collected line by line."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        self._new = asyncio.Event()
+        self._reader = asyncio.create_task(self._read())
+        self.url = ""
+
+    async def _read(self) -> None:
+        assert self.proc.stderr is not None
+        async for raw in self.proc.stderr:
+            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+            self._new.set()
+
+    async def wait_for(self, pattern: str, after: int = 0, timeout: float = 30) -> re.Match[str]:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            for line in self.lines[after:]:
+                match = re.search(pattern, line)
+                if match:
+                    return match
+            if self.proc.returncode is not None and self._reader.done():
+                raise AssertionError(f"ctxproxy exited ({self.proc.returncode}):\n" + "\n".join(self.lines))
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(self.lines))
+            self._new.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._new.wait(), min(left, 0.5))
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), 15)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._reader, 5)
+
+
+@contextlib.asynccontextmanager
+async def serve(config_path: Path, env: Mapping[str, str] | None = None) -> AsyncIterator[Served]:
+    """``ctxproxy serve --config config_path`` on a free port of 127.0.0.1 (``env``: added to this process's
+    environment), stopped with SIGTERM on leaving."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy.cli", "serve", "--config", str(config_path), "--host", "127.0.0.1",
+        "--port", "0", cwd=ROOT, env={**os.environ, **(env or {})}, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    served = Served(proc)
+    try:
+        match = await served.wait_for(r"listening on (http://127\.0\.0\.1:\d+)")
+        served.url = match.group(1)
+        yield served
+    finally:
+        await served.stop()

@@ -11,10 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import re
 import signal
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,8 +22,9 @@ import pytest
 import yaml
 
 from proxy.settings import load_config
-from tests.conftest import ROOT, base_config
+from tests.conftest import base_config
 from tests.fake_upstream import FakeUpstream
+from tests.outside import serve
 from tests.store import test_summaries_http as travel
 from tests.test_policy import (
     ADMIN_KEY,
@@ -300,66 +298,6 @@ async def test_reload_during_a_summariser_call_keeps_the_requests_policy(setup: 
 
 
 # --------------------------------------------------------------------------- SIGHUP on `ctxproxy serve`
-
-
-class Served:
-    """A ``ctxproxy serve`` subprocess; its stderr collected line by line."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.lines: list[str] = []
-        self._new = asyncio.Event()
-        self._reader = asyncio.create_task(self._read())
-        self.url = ""
-
-    async def _read(self) -> None:
-        assert self.proc.stderr is not None
-        async for raw in self.proc.stderr:
-            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
-            self._new.set()
-
-    async def wait_for(self, pattern: str, after: int = 0, timeout: float = 30) -> re.Match[str]:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            for line in self.lines[after:]:
-                match = re.search(pattern, line)
-                if match:
-                    return match
-            if self.proc.returncode is not None and self._reader.done():
-                raise AssertionError(f"ctxproxy exited ({self.proc.returncode}):\n" + "\n".join(self.lines))
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(self.lines))
-            self._new.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._new.wait(), min(left, 0.5))
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.proc.wait(), 15)
-            except asyncio.TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._reader, 5)
-
-
-@contextlib.asynccontextmanager
-async def serve(config_path: Path) -> AsyncIterator[Served]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy.cli", "serve", "--config", str(config_path), "--host", "127.0.0.1",
-        "--port", "0", cwd=ROOT, env=dict(os.environ), stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    served = Served(proc)
-    try:
-        match = await served.wait_for(r"listening on (http://127\.0\.0\.1:\d+)")
-        served.url = match.group(1)
-        yield served
-    finally:
-        await served.stop()
 
 
 @pytest.mark.timeout(120)

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,8 +20,9 @@ import pytest
 import yaml
 from aiohttp import http_parser
 
-from tests.conftest import ROOT, base_config
+from tests.conftest import base_config
 from tests.fake_upstream import FakeUpstream
+from tests.outside import serve
 
 PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
 BODY = {"/v1/chat/completions": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]},
@@ -32,27 +30,6 @@ BODY = {"/v1/chat/completions": {"model": "gpt-4o-mini", "messages": [{"role": "
         "/v1/messages": {"model": "gpt-4o-mini", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}}
 # after one good chunk: a size that is not hex, a chunk longer than its size, a size line ending in a bare LF
 BROKEN = (b"zz\r\nab\r\n0\r\n\r\n", b"2\r\nabcdef\r\n0\r\n\r\n", b"2\nab\r\n0\r\n\r\n")
-
-
-async def start_serve(cfg: dict[str, Any], tmp_path: Path, env: dict[str, str]
-                      ) -> tuple[subprocess.Popen[str], int, Path]:
-    path = tmp_path / "ctxproxy.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    log = tmp_path / "stderr.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path), "--port", "0"],
-        cwd=ROOT, stderr=log.open("w"), stdout=subprocess.DEVNULL, text=True,
-        env=dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_TELEMETRY="False", **env))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        match = re.search(r"listening on http://\S+:(\d+)", log.read_text())
-        if match:
-            return proc, int(match.group(1)), log
-        if proc.poll() is not None:
-            break
-        await asyncio.sleep(0.1)
-    proc.kill()
-    raise AssertionError(f"ctxproxy serve did not start: {log.read_text()[-2000:]}")
 
 
 async def send_broken(port: int, path: str, tail: bytes) -> tuple[int, dict[str, Any] | None, float]:
@@ -86,9 +63,15 @@ def error_of(path: str, answer: dict[str, Any] | None) -> dict[str, Any]:
     return error
 
 
+def write_config(cfg: dict[str, Any], tmp_path: Path) -> Path:
+    path = tmp_path / "ctxproxy.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
 async def test_pure_python_parser_answers_400_at_once(upstream: FakeUpstream, tmp_path: Path) -> None:
-    proc, port, log = await start_serve(base_config(upstream.base_url), tmp_path, {"AIOHTTP_NO_EXTENSIONS": "1"})
-    try:
+    async with serve(write_config(base_config(upstream.base_url), tmp_path), {"AIOHTTP_NO_EXTENSIONS": "1"}) as served:
+        port = int(served.url.rsplit(":", 1)[1])
         for path in PATHS:
             for tail in BROKEN:
                 status, answer, elapsed = await send_broken(port, path, tail)
@@ -99,11 +82,9 @@ async def test_pure_python_parser_answers_400_at_once(upstream: FakeUpstream, tm
                     if path != "/v1/messages":
                         assert error["code"] == "invalid_body"
                 assert elapsed < 5
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    log = "\n".join(served.lines)
     assert not upstream.chat and not upstream.other
-    assert "internal error" not in log.read_text() and '"status":500' not in log.read_text()
+    assert "internal error" not in log and '"status":500' not in log
 
 
 @pytest.mark.skipif(http_parser.HttpRequestParser is http_parser.HttpRequestParserPy,
@@ -111,16 +92,13 @@ async def test_pure_python_parser_answers_400_at_once(upstream: FakeUpstream, tm
 async def test_compiled_parser_answers_408_at_the_body_timeout(upstream: FakeUpstream, tmp_path: Path) -> None:
     cfg = base_config(upstream.base_url)
     cfg["server"] = {"body_timeout": 1}
-    proc, port, log = await start_serve(cfg, tmp_path, {})
-    try:
+    async with serve(write_config(cfg, tmp_path)) as served:
+        port = int(served.url.rsplit(":", 1)[1])
         for path in PATHS:
             status, answer, elapsed = await send_broken(port, path, BROKEN[0])
             assert status in (400, 408), answer  # 400 should aiohttp's compiled parser one day report it
             if status == 408 or answer is not None:
                 assert error_of(path, answer)
             assert elapsed < 10
-    finally:
-        proc.terminate()
-        proc.wait(30)
     assert not upstream.chat and not upstream.other
-    assert "Traceback" not in log.read_text()
+    assert "Traceback" not in "\n".join(served.lines)
