@@ -30,7 +30,8 @@ the body) makes it report its own input count, and ``anthropic_window`` refuse a
 Other relayed requests land in ``other`` and, when not streaming, are
 answered with the usual echo. ``require_uuid_request_id`` makes it refuse (400, empty body) every
 request whose ``X-Request-ID`` is not a UUID, as several ASGI request-id
-middlewares do; ``request_ids`` records every id received.
+middlewares do; ``request_ids`` records every id received. ``set_cookie`` makes every answer set a session
+cookie of its own, as a CDN in front of a provider does.
 
 Usage that tells the truth, as a provider whose tokenizer is not o200k does,
 off by default (``fixed_usage``, the fixed ``USAGE`` unless a test
@@ -225,6 +226,9 @@ class FakeUpstream:
     stream_error: dict[str, Any] = field(default_factory=lambda: {"message": "overloaded", "type": "server_error"})
     window_counts: list[int] = field(default_factory=list)
     window_refused: list[int] = field(default_factory=list)
+    # every answer sets a session cookie of its own (``session=answer-N``), as a CDN in front of a provider does
+    set_cookie: bool = False
+    _answers: int = 0
     _conversations: dict[str, list[str]] = field(default_factory=dict)
     url: str = ""
     _runner: web.AppRunner | None = None
@@ -237,6 +241,7 @@ class FakeUpstream:
 
     async def start(self) -> FakeUpstream:
         app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self._request_id_check])
+        app.on_response_prepare.append(self._cookie)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/responses", self._responses)
@@ -256,6 +261,11 @@ class FakeUpstream:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _cookie(self, request: web.Request, response: web.StreamResponse) -> None:
+        if self.set_cookie:
+            self._answers += 1
+            response.headers.add("Set-Cookie", f"session=answer-{self._answers}; Path=/")  # (the headers are made)
 
     @web.middleware
     async def _request_id_check(

@@ -19,6 +19,12 @@ with its local model map so nothing is fetched at run time. Its loggers lose the
 stream handler litellm gives them, so their records reach the process's own
 handlers (the server's JSON lines) and nothing writes to stdout or stderr on the
 event loop; its per-call INFO line is kept only when the process logs at DEBUG.
+
+No cookie crosses requests: litellm pools one HTTP client per provider, key and base URL for every
+caller, and the httpx client it makes for OpenAI's SDK (the ``openai/``, ``azure/`` and OpenAI-compatible
+providers) kept a provider's ``Set-Cookie`` and sent it with every later call: one tenant's session cookie
+on another tenant's request. Those clients are made with a jar that stores and sends none (litellm's own
+handler's clients already are), as the HTTP route's session has none (``proxy.upstream.http``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -59,6 +66,7 @@ def _litellm() -> Any:
     litellm.telemetry = False
     litellm.suppress_debug_info = True
     _log_through_the_process()
+    _cookieless_openai_clients()
     return litellm
 
 
@@ -72,6 +80,29 @@ def _log_through_the_process() -> None:
                 logger.removeHandler(handler)
         if _warnings_or_debug not in logger.filters:
             logger.addFilter(_warnings_or_debug)
+
+
+def _cookieless_openai_clients() -> None:
+    """Every httpx client litellm makes for OpenAI's SDK without a cookie jar that keeps anything (module doc).
+
+    Wraps litellm's one factory of them (``BaseOpenAILLM._get_async_http_client``; once, however often litellm
+    is imported): the client it returns, new or ``litellm.aclient_session``, gets a jar whose policy allows no
+    domain, so a response's cookies are never stored and none is sent."""
+    from litellm.llms.openai.common_utils import BaseOpenAILLM
+
+    factory = BaseOpenAILLM.__dict__.get("_get_async_http_client")
+    made = getattr(factory, "__func__", None)
+    if made is None or getattr(made, "cookieless", False):
+        return
+
+    def cookieless(*args: Any, **kwargs: Any) -> Any:
+        client = made(*args, **kwargs)
+        if isinstance(client, httpx.AsyncClient):
+            client.cookies = CookieJar(policy=DefaultCookiePolicy(allowed_domains=()))  # (a Cookies would be copied)
+        return client
+
+    cookieless.cookieless = True  # type: ignore[attr-defined]
+    BaseOpenAILLM._get_async_http_client = staticmethod(cookieless)  # type: ignore[method-assign]
 
 
 def _warnings_or_debug(record: logging.LogRecord) -> bool:
