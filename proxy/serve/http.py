@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import PayloadEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
@@ -117,14 +117,37 @@ def client_keys(request: web.Request, names: tuple[str, ...] = STANDARD_KEY_HEAD
     return read_keys(request.headers, names)
 
 
-async def read_body(request: web.Request) -> bytes:
-    """The request's body, its Content-Encoding undone (``proxy.serve.decoding``), within the size and time limits.
+def body_limit(request: web.Request) -> int:
+    """The largest body accepted, in bytes: the running config's ``server.max_body_mb``, read per request, so a
+    reload that raises or lowers it applies at once (aiohttp's own ``client_max_size`` is fixed when the app is
+    built: it limits nothing here)."""
+    return int(state(request).config.settings.server.max_body_mb * 1024 * 1024)
 
-    The limit is the running config's ``server.max_body_mb``, read per request, so a reload that raises or lowers
-    it applies at once (aiohttp's own ``client_max_size`` is fixed when the app is built: it limits nothing here).
-    """
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """Every route's answer to an ``Expect`` header, before its handler runs.
+
+    ``100-continue``: the interim ``100 Continue``, unless the body announced is over ``body_limit``: then none,
+    and the handler's ``read_body`` refuses it (413, in the wire's shape) before the client has sent a byte of it
+    (aiohttp's default sends the 100 first, and the client its whole body). Any other expectation: 417, in the
+    wire's shape (aiohttp's is plain text). An HTTP/1.0 request's ``Expect`` means nothing (RFC 9110, 10.1.1)."""
+    if request.version != HttpVersion11:
+        return None
+    expect = request.headers.get("Expect", "")
+    if expect.strip().lower() != "100-continue":
+        return error_response(RouteError(417, f"Unknown expectation: {header_safe(expect, 100)!r}."),
+                              body=error_shape(request))
+    if request.content_length is None or request.content_length <= body_limit(request):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # (what the answer writes is counted from here, as aiohttp does)
+    return None
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's body, its Content-Encoding undone (``proxy.serve.decoding``), within the size (``body_limit``)
+    and time limits."""
     server = state(request).config.settings.server
-    limit = int(server.max_body_mb * 1024 * 1024)
+    limit = body_limit(request)
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"The request body is {request.content_length} bytes; the limit is {limit}.")
     codings = content_codings(request.headers.getall("Content-Encoding", []))  # 415 before reading it

@@ -7,6 +7,7 @@ handler their name says (``ENDPOINTS``: a name no handler has is an error when t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from types import MappingProxyType
 
@@ -15,7 +16,7 @@ from aiohttp import web
 from proxy.serve import admin
 from proxy.serve.compact import compact_handler
 from proxy.serve.hooks import HOOKS
-from proxy.serve.http import Handler
+from proxy.serve.http import Handler, expect_continue
 from proxy.serve.managed import make_handler
 from proxy.serve.messages import count_tokens_handler
 from proxy.serve.relay import canonical_path, make_relay
@@ -38,7 +39,10 @@ def _bound(endpoint: Callable[[web.Request, Wire], Awaitable[web.StreamResponse]
 
 
 def add_routes(app: web.Application, wires: Wires = WIRES) -> None:
-    r = app.router
+    # every route answers an Expect header with expect_continue (no 100 Continue for a body over the limit)
+    post = functools.partial(app.router.add_post, expect_handler=expect_continue)
+    get = functools.partial(app.router.add_get, expect_handler=expect_continue)
+    route = functools.partial(app.router.add_route, expect_handler=expect_continue)
     managed: dict[str, Handler] = {}
     for wire in wires.values():
         handler = make_handler(wire, HOOKS.get(wire.name))
@@ -50,17 +54,17 @@ def add_routes(app: web.Application, wires: Wires = WIRES) -> None:
             served.append((path, _bound(endpoint, wire)))
         for path, serve in served:
             for spelling in ("/v1" + path, path):
-                r.add_post(spelling, serve)
+                post(spelling, serve)
                 if "{" not in spelling:  # a path with a model in it is routed by aiohttp alone
                     managed[canonical_path(spelling)] = serve
-    r.add_post("/v1/ctxproxy/explain", admin.explain_handler)
-    r.add_post("/v1/ctxproxy/explain/{wire}", admin.explain_handler)
-    r.add_get("/v1/ctxproxy/policy", admin.policy_handler)
-    r.add_get("/v1/models", admin.models_handler)
-    r.add_get("/healthz", admin.healthz)
-    r.add_get("/readyz", admin.readyz)
-    r.add_get("/metrics", admin.metrics_handler)
-    r.add_post("/admin/reload", admin.admin_reload)
-    r.add_get("/admin/report", admin.admin_report)
-    r.add_route("*", "/v1/ctxproxy/{tail:.*}", admin.not_found)  # the proxy's own namespace is never relayed
-    r.add_route("*", "/v1/{tail:.*}", make_relay(managed))
+    post("/v1/ctxproxy/explain", admin.explain_handler)
+    post("/v1/ctxproxy/explain/{wire}", admin.explain_handler)
+    get("/v1/ctxproxy/policy", admin.policy_handler)
+    get("/v1/models", admin.models_handler)
+    get("/healthz", admin.healthz)
+    get("/readyz", admin.readyz)
+    get("/metrics", admin.metrics_handler)
+    post("/admin/reload", admin.admin_reload)
+    get("/admin/report", admin.admin_report)
+    route("*", "/v1/ctxproxy/{tail:.*}", admin.not_found)  # the proxy's own namespace is never relayed
+    route("*", "/v1/{tail:.*}", make_relay(managed))

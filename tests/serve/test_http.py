@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import uuid
 import zlib
 from typing import Any
@@ -438,3 +439,91 @@ async def test_explaining_a_body_with_an_integer_beyond_64_bits_answers_it_exact
                                       headers={"Content-Type": "application/json"})
     assert status == 200, answer
     assert b"12345678901234567890123" in answer
+
+
+# --------------------------------------------------------------------------- Expect: 100-continue
+
+
+async def _expecting(proxy: RunningProxy, path: str, body: bytes, *, announced: int | None = None,
+                     expect: str = "100-continue", version: str = "1.1") -> tuple[list[bytes], bytes]:
+    """Send a request's head with ``Expect`` and wait: the body goes only after a ``100 Continue``. Returns the
+    status lines read and the final answer's body."""
+    port = int(proxy.url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (f"POST {path} HTTP/{version}\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer sk-client\r\nx-api-key: sk-client\r\nExpect: {expect}\r\n"
+            f"Content-Length: {len(body) if announced is None else announced}\r\nConnection: close\r\n\r\n")
+    writer.write(head.encode())
+    await writer.drain()
+    statuses: list[bytes] = []
+    try:
+        while True:
+            line = await asyncio.wait_for(reader.readline(), 5)
+            statuses.append(line.rstrip())
+            if b" 100 " in line:
+                assert await reader.readline() == b"\r\n"
+                writer.write(body)
+                await writer.drain()
+                continue
+            break
+        head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).decode()
+        length = int(re.search(r"(?im)^content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+        return statuses, await asyncio.wait_for(reader.readexactly(length), 5)
+    finally:
+        writer.close()
+
+
+WIRE_BODIES = {
+    "/v1/chat/completions": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/responses": {"model": "gpt-4o-mini", "input": "hi"},
+    "/v1/messages": {"model": "gpt-4o-mini", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]},
+}
+
+
+@pytest.mark.parametrize("path", list(WIRE_BODIES))
+async def test_a_body_announced_over_the_limit_is_refused_before_it_is_sent(
+        start_proxy: StartProxy, upstream: FakeUpstream, path: str) -> None:
+    """With ``Expect: 100-continue`` and a Content-Length over ``max_body_mb``, the answer is the 413 in the wire's
+    shape, with no ``100 Continue`` first: the client never sends the body (aiohttp's default asked for it)."""
+    proxy = await start_proxy(base_config(upstream.base_url, server={"max_body_mb": 0.01}))
+    statuses, answer = await _expecting(proxy, path, b"", announced=1_000_000)
+    assert statuses == [b"HTTP/1.1 413 Request Entity Too Large"]
+    error = json.loads(answer)
+    assert error["error"]["type"] == ("request_too_large" if path == "/v1/messages" else "invalid_request_error")
+    assert not upstream.chat and not upstream.other
+
+
+@pytest.mark.parametrize("path", list(WIRE_BODIES))
+async def test_a_body_within_the_limit_is_asked_for_and_forwarded(
+        start_proxy: StartProxy, upstream: FakeUpstream, path: str) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url))
+    raw = json.dumps(WIRE_BODIES[path]).encode()
+    statuses, _answer = await _expecting(proxy, path, raw)
+    assert statuses == [b"HTTP/1.1 100 Continue", b"HTTP/1.1 200 OK"]
+    assert (upstream.chat or upstream.other)[-1].raw == raw
+
+
+async def test_an_unknown_expectation_is_417_in_the_wires_shape(start_proxy: StartProxy,
+                                                                upstream: FakeUpstream) -> None:
+    proxy = await start_proxy(base_config(upstream.base_url))
+    raw = json.dumps(WIRE_BODIES["/v1/messages"]).encode()
+    statuses, answer = await _expecting(proxy, "/v1/messages", raw, expect="something-else")
+    assert statuses == [b"HTTP/1.1 417 Expectation Failed"]
+    error = json.loads(answer)
+    assert error["type"] == "error" and "something-else" in error["error"]["message"]
+    assert not upstream.other
+
+
+async def test_an_http_1_0_expectation_means_nothing(start_proxy: StartProxy, upstream: FakeUpstream) -> None:
+    """HTTP/1.0 has no interim answers: the body follows the head, and the request is served as any other."""
+    proxy = await start_proxy(base_config(upstream.base_url))
+    raw = json.dumps(WIRE_BODIES["/v1/chat/completions"]).encode()
+    port = int(proxy.url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST /v1/chat/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\nExpect: "
+                 f"100-continue\r\nAuthorization: Bearer sk-client\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
+                 + raw)
+    answer = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.0 200 OK") or answer.startswith(b"HTTP/1.1 200 OK"), answer[:200]
+    assert upstream.chat[-1].raw == raw
