@@ -266,6 +266,7 @@ class FakeUpstream:
         if self.set_cookie:
             self._answers += 1
             response.headers.add("Set-Cookie", f"session=answer-{self._answers}; Path=/")  # (the headers are made)
+            response.headers.add("Set-Cookie2", f'session="answer-{self._answers}"; Version=1')  # (RFC 2965's)
 
     @web.middleware
     async def _request_id_check(

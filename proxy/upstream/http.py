@@ -40,10 +40,10 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",
     "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
     "content-encoding", "forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip",
-    "cookie",
+    "cookie", "cookie2",
 })
 CLIENT_CREDENTIALS = frozenset({"authorization", "api-key", "x-api-key", "openai-organization", "openai-project"})
-RESPONSE_DROP = HOP_BY_HOP | {"date", "server", "set-cookie", "x-request-id"}
+RESPONSE_DROP = HOP_BY_HOP | {"date", "server", "set-cookie", "set-cookie2", "x-request-id"}
 
 
 class UpstreamPool:

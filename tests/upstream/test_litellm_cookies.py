@@ -50,9 +50,10 @@ async def test_a_cookie_the_provider_set_never_goes_out_again(
     proxy = await start_proxy(cfg)
     path, body = WIRES[wire]
     for key in ("sk-a", "sk-b", "sk-a", "sk-b"):
-        status, headers, answer = await post(proxy, {"model": "m", **body}, path=path, key=key)
+        status, headers, answer = await post(proxy, {"model": "m", **body}, path=path, key=key,
+                                             headers={"Cookie": "client=own", "Cookie2": '$Version="1"'})
         assert status == 200, answer
-        assert "set-cookie" not in headers  # nor does the client get the provider's
+        assert "set-cookie" not in headers and "set-cookie2" not in headers  # nor does a client get the provider's
     calls: list[Received] = getattr(upstream, recorded[wire])
     assert len(calls) == 4
-    assert [call.headers.get("Cookie") for call in calls] == [None] * 4
+    assert [(call.headers.get("Cookie"), call.headers.get("Cookie2")) for call in calls] == [(None, None)] * 4
