@@ -20,6 +20,12 @@ stream handler litellm gives them, so their records reach the process's own
 handlers (the server's JSON lines) and nothing writes to stdout or stderr on the
 event loop; its per-call INFO line is kept only when the process logs at DEBUG.
 
+A streaming Messages request for a model litellm sends to Anthropic's own Messages API (``anthropic/…``) is
+streamed by litellm code that imports its proxy server (fastapi and more: the ``litellm[proxy]`` extra);
+without it that import failed after the request had been sent (billed, and answered 502). Where it cannot, the
+request is asked for whole and told to the client as the stream of events it is made of (``message_events``),
+with a warning once per model; other providers' Messages streams need nothing and stream as they come.
+
 No cookie crosses requests: litellm pools one HTTP client per provider, key and base URL for every
 caller, and the httpx client it makes for OpenAI's SDK (the ``openai/``, ``azure/`` and OpenAI-compatible
 providers) kept a provider's ``Set-Cookie`` and sent it with every later call: one tenant's session cookie
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 from collections.abc import AsyncIterator
 from http.cookiejar import CookieJar, DefaultCookiePolicy
@@ -49,6 +56,7 @@ from proxy.upstream.base import Outgoing
 from proxy.upstream.http import REDACTED, Redactor, completion_from
 from proxy.upstream.litellm_errors import answer_headers, upstream_error
 from proxy.wire.chat import WIRE as CHAT
+from proxy.wire.messages.stream import message_events
 
 if TYPE_CHECKING:
     from proxy.policy import ModelRoute
@@ -103,6 +111,33 @@ def _cookieless_openai_clients() -> None:
 
     cookieless.cookieless = True  # type: ignore[attr-defined]
     BaseOpenAILLM._get_async_http_client = staticmethod(cookieless)  # type: ignore[method-assign]
+
+
+def _streams_messages(model: str) -> bool:
+    """Whether litellm can stream a Messages request for ``model`` (module doc): its Anthropic stream imports,
+    or ``model`` is not sent to Anthropic's Messages API (when that is not known: False, as every provider can
+    answer whole). Imports; never on the event loop."""
+    litellm = _litellm()
+    try:
+        importlib.import_module("litellm.llms.anthropic.messages.native.streaming_iterator")
+    except ImportError:
+        pass
+    else:
+        return True
+    try:
+        from litellm.utils import ProviderConfigManager
+
+        name, provider, _, _ = litellm.get_llm_provider(model)
+        native = ProviderConfigManager.get_provider_anthropic_messages_config(
+            model=name, provider=litellm.LlmProviders(provider))
+    except Exception:
+        return False
+    return native is None
+
+
+async def _told(events: list[bytes]) -> AsyncIterator[bytes]:
+    for event in events:
+        yield event
 
 
 def _warnings_or_debug(record: logging.LogRecord) -> bool:
@@ -268,6 +303,7 @@ class LiteLLMProvider:
         self._dropped: set[str] = set()  # field names already logged as not passed on (bounded)
         self._secret = upstream.api_key if upstream is not None else None
         self._functions: dict[str, Any] = {}  # litellm's entry point per wire, once imported
+        self._streams: dict[str, bool] = {}  # per upstream model: litellm can stream its Messages requests
 
     async def _function(self, wire: str) -> Any:
         """litellm's entry point for ``wire``: importing litellm takes seconds of CPU the first time, which would
@@ -276,6 +312,19 @@ class LiteLLMProvider:
         if function is None:
             function = self._functions[wire] = await asyncio.to_thread(_entry, wire)
         return function
+
+    async def _streams_messages(self, route: ModelRoute) -> bool:
+        """``_streams_messages`` for the route's model, found once (in a thread: it may import)."""
+        model = route.upstream_model
+        streams = self._streams.get(model)
+        if streams is None:
+            streams = self._streams[model] = await asyncio.to_thread(_streams_messages, model)
+            if not streams:
+                log.warning("litellm route %s: litellm cannot stream %s's Messages requests without its proxy "
+                            "extra (pip install 'litellm[proxy]'); each is asked for whole and sent to the client "
+                            "as one burst of stream events (a route with provider: http streams Anthropic's API "
+                            "as it comes)", route.name, model)
+        return streams
 
     def _note_dropped(self, route: ModelRoute, call: Outgoing) -> None:
         """Say once per field name, at WARNING, which request fields litellm is not given (the wire's own)."""
@@ -300,15 +349,23 @@ class LiteLLMProvider:
         self._note_dropped(route, call)
         server = self.server
         entry = await self._function(call.wire)
+        # a stream litellm cannot make is asked for whole, then told as its events (module doc)
+        stream = call.stream and (call.wire != "messages" or await self._streams_messages(route))
         # streaming: the first byte bounds the first event, then idle_timeout bounds each gap (LiteLLMAnswer)
-        read = max(server.first_byte_timeout, server.idle_timeout) if call.stream else server.first_byte_timeout
+        read = max(server.first_byte_timeout, server.idle_timeout) if stream else server.first_byte_timeout
+        kwargs = _call_kwargs(route, call, self.upstream, timeout=self._timeout(read))
+        kwargs["stream"] = stream
         first: list[Any] = []
         try:
             async with deadline(server.first_byte_timeout):
-                result = await entry(**_call_kwargs(route, call, self.upstream, timeout=self._timeout(read)))
-                if not call.stream:
-                    body = orjson.dumps(_answer_body(call.wire, route, result))
-                    return LiteLLMAnswer(body=body, headers=answer_headers(result), secret=self._secret)
+                result = await entry(**kwargs)
+                if not stream:
+                    answer = _answer_body(call.wire, route, result)
+                    if call.stream:
+                        return LiteLLMAnswer(events=_told(message_events(answer)), headers=answer_headers(result),
+                                             secret=self._secret)
+                    return LiteLLMAnswer(body=orjson.dumps(answer), headers=answer_headers(result),
+                                         secret=self._secret)
                 rest = result.__aiter__()
                 with contextlib.suppress(StopAsyncIteration):  # errors before the first event keep their status
                     first.append(await rest.__anext__())

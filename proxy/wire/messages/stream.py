@@ -1,5 +1,6 @@
 """The Messages API stream: named events, ended by ``message_stop``; usage split over ``message_start`` and
-``message_delta``; errors as Anthropic's ``error`` event."""
+``message_delta``; errors as Anthropic's ``error`` event; and a whole message told as such a stream
+(``message_events``)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,49 @@ class MessagesStreamEnd(StreamEnd):
 
 
 STREAM = MessagesStreamEnd()
+
+
+def message_events(message: dict[str, Any]) -> list[bytes]:
+    """A whole message (Anthropic's non-streaming answer) as the events a stream of it is made of, in the order
+    Anthropic sends them, each block's content in one delta: what the ``anthropic`` SDK and Claude Code read
+    from a stream builds the same message. Usage: the input side in ``message_start``, the output in
+    ``message_delta``."""
+    usage: dict[str, Any] = message["usage"] if isinstance(message.get("usage"), dict) else {}
+    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {**usage, "output_tokens": 0}}
+    events = [_event(b"message_start", {"type": "message_start", "message": start})]
+    blocks: list[Any] = message["content"] if isinstance(message.get("content"), list) else []
+    for index, block in enumerate(blocks):
+        events += _block_events(index, block if isinstance(block, dict) else {"type": "text", "text": str(block)})
+    delta = {"type": "message_delta",
+             "delta": {"stop_reason": message.get("stop_reason"), "stop_sequence": message.get("stop_sequence")},
+             "usage": {"output_tokens": usage.get("output_tokens", 0)}}
+    return [*events, _event(b"message_delta", delta), _event(b"message_stop", {"type": "message_stop"})]
+
+
+def _block_events(index: int, block: dict[str, Any]) -> list[bytes]:
+    """One content block's start, its content as one delta (text, a tool's input, thinking and its signature),
+    and its stop; a block of another kind (redacted thinking, a server tool's result …) starts whole."""
+    kind = block.get("type")
+    deltas: list[dict[str, Any]] = []
+    if kind == "text":
+        start = {**block, "text": ""}
+        deltas.append({"type": "text_delta", "text": block.get("text", "")})
+    elif kind in ("tool_use", "server_tool_use", "mcp_tool_use") and "input" in block:
+        start = {**block, "input": {}}
+        deltas.append({"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()})
+    elif kind == "thinking":
+        start = {**block, "thinking": "", "signature": ""}
+        deltas.append({"type": "thinking_delta", "thinking": block.get("thinking", "")})
+        if block.get("signature"):
+            deltas.append({"type": "signature_delta", "signature": block["signature"]})
+    else:
+        start = block
+    return [_event(b"content_block_start", {"type": "content_block_start", "index": index, "content_block": start}),
+            *[_event(b"content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+              for delta in deltas],
+            _event(b"content_block_stop", {"type": "content_block_stop", "index": index})]
+
+
+def _event(name: bytes, data: dict[str, Any]) -> bytes:
+    return b"event: " + name + b"\ndata: " + orjson.dumps(data) + b"\n\n"
