@@ -91,7 +91,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         with cache_budget(st.config.settings.cache.budget_seconds if st is not None else None):
             return await handler(request)
     except CtxProxyError as exc:
-        return error_response(exc, request.get(RESPONSE_HEADERS), error_shape(request))
+        response = error_response(exc, request.get(RESPONSE_HEADERS), error_shape(request))
+        if expectation(request) is not None and not request.content.is_eof():
+            # refused before the body it announced was read: a client waiting for 100 Continue never sends it, and
+            # the next request on this connection would be read as that body (Connection: close)
+            response.force_close()
+        return response
     except web.HTTPRequestEntityTooLarge:
         return error_response(BodyTooLarge("The request body is larger than this proxy accepts."),
                               body=error_shape(request))
@@ -124,23 +129,25 @@ def body_limit(request: web.Request) -> int:
     return int(state(request).config.settings.server.max_body_mb * 1024 * 1024)
 
 
-async def expect_continue(request: web.Request) -> web.StreamResponse | None:
-    """Every route's answer to an ``Expect`` header, before its handler runs.
-
-    ``100-continue``: the interim ``100 Continue``, unless the body announced is over ``body_limit``: then none,
-    and the handler's ``read_body`` refuses it (413, in the wire's shape) before the client has sent a byte of it
-    (aiohttp's default sends the 100 first, and the client its whole body). Any other expectation: 417, in the
-    wire's shape (aiohttp's is plain text). An HTTP/1.0 request's ``Expect`` means nothing (RFC 9110, 10.1.1)."""
-    if request.version != HttpVersion11:
+def expectation(request: web.Request) -> str | None:
+    """What the request's ``Expect`` asks for, trimmed and in lower case; None when it asks nothing (an HTTP/1.0
+    request's ``Expect`` means nothing: RFC 9110, 10.1.1)."""
+    expect = request.headers.get("Expect")
+    if not expect or request.version != HttpVersion11:
         return None
-    expect = request.headers.get("Expect", "")
-    if expect.strip().lower() != "100-continue":
-        return error_response(RouteError(417, f"Unknown expectation: {header_safe(expect, 100)!r}."),
-                              body=error_shape(request))
+    return expect.strip().lower()
+
+
+async def expect_continue(request: web.Request) -> None:
+    """Every route's answer to an ``Expect`` header, before its handler runs: the interim ``100 Continue`` for
+    ``100-continue``, unless the body announced is over ``body_limit`` (aiohttp's default sent it, and the client
+    its whole body, before the 413). Nothing for another expectation: ``read_body`` refuses it (417). Either
+    refusal is the handler's, through the middlewares, in the wire's shape, as every other answer."""
+    if expectation(request) != "100-continue":
+        return
     if request.content_length is None or request.content_length <= body_limit(request):
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # (what the answer writes is counted from here, as aiohttp does)
-    return None
 
 
 async def read_body(request: web.Request) -> bytes:
@@ -148,6 +155,9 @@ async def read_body(request: web.Request) -> bytes:
     and time limits."""
     server = state(request).config.settings.server
     limit = body_limit(request)
+    expects = expectation(request)
+    if expects is not None and expects != "100-continue":
+        raise RouteError(417, f"The request expects {header_safe(expects, 100)!r}; only '100-continue' is known.")
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"The request body is {request.content_length} bytes; the limit is {limit}.")
     codings = content_codings(request.headers.getall("Content-Encoding", []))  # 415 before reading it

@@ -41,6 +41,7 @@ HOP_BY_HOP = frozenset({
     "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding",
     "content-encoding", "forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip",
     "cookie", "cookie2",
+    "expect",  # (answered by the proxy, which holds the whole body before it forwards it: proxy.serve.http)
 })
 CLIENT_CREDENTIALS = frozenset({"authorization", "api-key", "x-api-key", "openai-organization", "openai-project"})
 RESPONSE_DROP = HOP_BY_HOP | {"date", "server", "set-cookie", "set-cookie2", "x-request-id"}

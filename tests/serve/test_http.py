@@ -445,14 +445,15 @@ async def test_explaining_a_body_with_an_integer_beyond_64_bits_answers_it_exact
 
 
 async def _expecting(proxy: RunningProxy, path: str, body: bytes, *, announced: int | None = None,
-                     expect: str = "100-continue", version: str = "1.1") -> tuple[list[bytes], bytes]:
+                     expect: str = "100-continue", version: str = "1.1",
+                     closing: list[bool] | None = None) -> tuple[list[bytes], bytes]:
     """Send a request's head with ``Expect`` and wait: the body goes only after a ``100 Continue``. Returns the
-    status lines read and the final answer's body."""
+    status lines read and the final answer's body (``closing``: whether it says ``Connection: close``)."""
     port = int(proxy.url.rsplit(":", 1)[1])
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     head = (f"POST {path} HTTP/{version}\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Authorization: Bearer sk-client\r\nx-api-key: sk-client\r\nExpect: {expect}\r\n"
-            f"Content-Length: {len(body) if announced is None else announced}\r\nConnection: close\r\n\r\n")
+            f"Content-Length: {len(body) if announced is None else announced}\r\n\r\n")
     writer.write(head.encode())
     await writer.drain()
     statuses: list[bytes] = []
@@ -468,6 +469,8 @@ async def _expecting(proxy: RunningProxy, path: str, body: bytes, *, announced: 
             break
         head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).decode()
         length = int(re.search(r"(?im)^content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+        if closing is not None:
+            closing.append(re.search(r"(?im)^connection: *close", head) is not None)
         return statuses, await asyncio.wait_for(reader.readexactly(length), 5)
     finally:
         writer.close()
@@ -484,46 +487,61 @@ WIRE_BODIES = {
 async def test_a_body_announced_over_the_limit_is_refused_before_it_is_sent(
         start_proxy: StartProxy, upstream: FakeUpstream, path: str) -> None:
     """With ``Expect: 100-continue`` and a Content-Length over ``max_body_mb``, the answer is the 413 in the wire's
-    shape, with no ``100 Continue`` first: the client never sends the body (aiohttp's default asked for it)."""
+    shape, with no ``100 Continue`` first: the client never sends the body (aiohttp's default asked for it), and
+    is told to close the connection (a next request on it would be read as that body)."""
     proxy = await start_proxy(base_config(upstream.base_url, server={"max_body_mb": 0.01}))
-    statuses, answer = await _expecting(proxy, path, b"", announced=1_000_000)
+    closing: list[bool] = []
+    statuses, answer = await _expecting(proxy, path, b"", announced=1_000_000, closing=closing)
     assert statuses == [b"HTTP/1.1 413 Request Entity Too Large"]
     error = json.loads(answer)
     assert error["error"]["type"] == ("request_too_large" if path == "/v1/messages" else "invalid_request_error")
+    assert closing == [True]
     assert not upstream.chat and not upstream.other
 
 
 @pytest.mark.parametrize("path", list(WIRE_BODIES))
 async def test_a_body_within_the_limit_is_asked_for_and_forwarded(
         start_proxy: StartProxy, upstream: FakeUpstream, path: str) -> None:
+    """The proxy answers the expectation itself and holds the whole body before forwarding it: the upstream is
+    not asked for a 100 of its own (one that never sends one would make the request wait for first_byte_timeout)."""
     proxy = await start_proxy(base_config(upstream.base_url))
     raw = json.dumps(WIRE_BODIES[path]).encode()
     statuses, _answer = await _expecting(proxy, path, raw)
     assert statuses == [b"HTTP/1.1 100 Continue", b"HTTP/1.1 200 OK"]
-    assert (upstream.chat or upstream.other)[-1].raw == raw
+    sent = (upstream.chat or upstream.other)[-1]
+    assert sent.raw == raw
+    assert "expect" not in {name.lower() for name in sent.headers}
 
 
-async def test_an_unknown_expectation_is_417_in_the_wires_shape(start_proxy: StartProxy,
-                                                                upstream: FakeUpstream) -> None:
+@pytest.mark.parametrize(("path", "anthropic"), [("/v1/messages", True), ("/v1/chat/completions", False),
+                                                 ("/v1/ctxproxy/explain/messages", True)])
+async def test_an_unknown_expectation_is_417_in_the_wires_shape(
+        start_proxy: StartProxy, upstream: FakeUpstream, path: str, anthropic: bool) -> None:
+    """No 100 for it: the body is refused (417) before it is read, in the shape of the wire the handler names."""
     proxy = await start_proxy(base_config(upstream.base_url))
     raw = json.dumps(WIRE_BODIES["/v1/messages"]).encode()
-    statuses, answer = await _expecting(proxy, "/v1/messages", raw, expect="something-else")
+    statuses, answer = await _expecting(proxy, path, raw, expect="something-else")
     assert statuses == [b"HTTP/1.1 417 Expectation Failed"]
     error = json.loads(answer)
-    assert error["type"] == "error" and "something-else" in error["error"]["message"]
-    assert not upstream.other
+    assert (error.get("type") == "error") is anthropic
+    assert "something-else" in error["error"]["message"]
+    assert not upstream.chat and not upstream.other
 
 
-async def test_an_http_1_0_expectation_means_nothing(start_proxy: StartProxy, upstream: FakeUpstream) -> None:
-    """HTTP/1.0 has no interim answers: the body follows the head, and the request is served as any other."""
+@pytest.mark.parametrize("expect", ["100-continue", "something-else"])
+async def test_an_http_1_0_expectation_means_nothing(start_proxy: StartProxy, upstream: FakeUpstream,
+                                                     expect: str) -> None:
+    """HTTP/1.0 has no interim answers: the body follows the head, and the request is served as any other (its
+    Expect not passed on)."""
     proxy = await start_proxy(base_config(upstream.base_url))
     raw = json.dumps(WIRE_BODIES["/v1/chat/completions"]).encode()
     port = int(proxy.url.rsplit(":", 1)[1])
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(f"POST /v1/chat/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\nExpect: "
-                 f"100-continue\r\nAuthorization: Bearer sk-client\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
+                 f"{expect}\r\nAuthorization: Bearer sk-client\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
                  + raw)
     answer = await asyncio.wait_for(reader.read(), 5)
     writer.close()
     assert answer.startswith(b"HTTP/1.0 200 OK") or answer.startswith(b"HTTP/1.1 200 OK"), answer[:200]
     assert upstream.chat[-1].raw == raw
+    assert "expect" not in {name.lower() for name in upstream.chat[-1].headers}
