@@ -113,14 +113,25 @@ def _cookieless_openai_clients() -> None:
     BaseOpenAILLM._get_async_http_client = staticmethod(cookieless)  # type: ignore[method-assign]
 
 
+# what litellm imports to stream Anthropic's own Messages API (both need its proxy extra)
+NATIVE_STREAM_MODULES = ("litellm.llms.anthropic.messages.native.streaming_iterator",
+                         "litellm.proxy.pass_through_endpoints.streaming_handler")
+
+
 def _streams_messages(model: str) -> bool:
-    """Whether litellm can stream a Messages request for ``model`` (module doc): its Anthropic stream imports,
-    or ``model`` is not sent to Anthropic's Messages API (when that is not known: False, as every provider can
-    answer whole). Imports; never on the event loop."""
+    """Whether litellm can stream a Messages request for ``model`` (module doc): what its Anthropic stream imports
+    imports (or this litellm has no such stream), or ``model`` is not sent to Anthropic's Messages API (when that
+    is not known: False, as every provider can answer whole). Imports; never on the event loop."""
     litellm = _litellm()
     try:
-        importlib.import_module("litellm.llms.anthropic.messages.native.streaming_iterator")
-    except ImportError:
+        for module in NATIVE_STREAM_MODULES:
+            importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing.startswith("litellm.") and any(module == missing or module.startswith(missing + ".")
+                                                  for module in NATIVE_STREAM_MODULES):
+            return True  # (a litellm without that stream: it streams as it always has)
+    except Exception:  # (another package it needs is missing, or fails to load)
         pass
     else:
         return True
@@ -304,6 +315,7 @@ class LiteLLMProvider:
         self._secret = upstream.api_key if upstream is not None else None
         self._functions: dict[str, Any] = {}  # litellm's entry point per wire, once imported
         self._streams: dict[str, bool] = {}  # per upstream model: litellm can stream its Messages requests
+        self._finding = asyncio.Lock()  # held while one of them is found
 
     async def _function(self, wire: str) -> Any:
         """litellm's entry point for ``wire``: importing litellm takes seconds of CPU the first time, which would
@@ -317,7 +329,12 @@ class LiteLLMProvider:
         """``_streams_messages`` for the route's model, found once (in a thread: it may import)."""
         model = route.upstream_model
         streams = self._streams.get(model)
-        if streams is None:
+        if streams is not None:
+            return streams
+        async with self._finding:  # (once, however many first requests come at once)
+            streams = self._streams.get(model)
+            if streams is not None:
+                return streams
             streams = self._streams[model] = await asyncio.to_thread(_streams_messages, model)
             if not streams:
                 log.warning("litellm route %s: litellm cannot stream %s's Messages requests without its proxy "

@@ -49,10 +49,13 @@ async def claude_binary() -> str:
     return str(binary)
 
 
-async def run_claude(binary: str, base_url: str, key: str, home: Path, prompt: str) -> tuple[int, str]:
+async def run_claude(binary: str, base_url: str, key: str, home: Path, prompt: str,
+                     model: str | None = None) -> tuple[int, str]:
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(home), "ANTHROPIC_BASE_URL": base_url,
            "ANTHROPIC_API_KEY": key, "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
            "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1", "CI": "1"}
+    if model is not None:  # every call Claude Code makes, its small background ones included
+        env.update(ANTHROPIC_MODEL=model, ANTHROPIC_SMALL_FAST_MODEL=model, ANTHROPIC_DEFAULT_HAIKU_MODEL=model)
     proc = await asyncio.create_subprocess_exec(
         binary, "-p", prompt, "--output-format", "json", env=env, cwd=str(home),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -85,3 +88,27 @@ async def test_claude_code_through_the_proxy(upstream: FakeUpstream, start_proxy
         assert not pairing_problems(sent.body["messages"])
     first = upstream.messages[0].body
     assert isinstance(first["system"], list) and first["tools"]
+
+
+async def test_claude_code_through_a_litellm_route(upstream: FakeUpstream, start_proxy: StartProxy,
+                                                   tmp_path: Path) -> None:
+    """Claude Code streams every request; on a ``provider: litellm`` route to Anthropic (``anthropic/…``) litellm
+    cannot stream without its proxy extra, so each is asked for whole and told as a stream (docs/reliability.md,
+    "A Messages stream litellm cannot make is not sent"): Claude Code still gets its answer."""
+    binary = await claude_binary()
+    proxy = await start_proxy({
+        "upstreams": {"anthropic": {"base_url": upstream.url, "api_key": "sk-ant-upstream"}},
+        "models": [{"name": "claude", "provider": "litellm", "upstream": "anthropic",
+                    "model": "anthropic/claude-sonnet-4-5", "context_window": 200000, "max_output_tokens": 8192}],
+        "tenants": [{"name": "dev", "keys": ["ctxproxy-dev-key"]}],
+        "cache": {"backend": "memory"},
+        "logging": {"level": "WARNING"},
+    })
+    code, output = await run_claude(binary, proxy.url, "ctxproxy-dev-key", tmp_path, "Say hello.", model="claude")
+    assert code == 0, output[-3000:]
+    result: dict[str, Any] = json.loads(output[output.index("{"):output.rindex("}") + 1])
+    assert REPLY in json.dumps(result)
+    assert upstream.messages, "Claude Code sent nothing through the proxy"
+    for sent in upstream.messages:
+        assert {k.lower(): v for k, v in sent.headers.items()}["x-api-key"] == "sk-ant-upstream"
+        assert not pairing_problems(sent.body["messages"])

@@ -8,7 +8,7 @@ the message a non-streaming request gets. A real fake upstream on 127.0.0.1 spea
 
 from __future__ import annotations
 
-import importlib.util
+import asyncio
 import json
 import logging
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 import anthropic
 import pytest
 
+from proxy.upstream.litellm import _streams_messages
 from proxy.wire.messages.stream import message_events
 from tests.conftest import StartProxy, base_config
 from tests.fake_upstream import FakeUpstream
@@ -29,12 +30,20 @@ BLOCKS: list[dict[str, Any]] = [
 ]
 
 
+@pytest.fixture(scope="module")
+def told() -> None:
+    """Where litellm's proxy extra is installed, litellm streams Anthropic's API itself: not what is tested here."""
+    if _streams_messages("anthropic/claude-sonnet-4-5"):
+        pytest.skip("litellm can stream Anthropic's Messages API here (its proxy extra is installed)")
+
+
 def config(url: str) -> dict[str, Any]:
     return base_config(url, models=[{"name": "claude", "upstream": "fake", "provider": "litellm",
                                      "model": "anthropic/claude-sonnet-4-5", "context_window": 200000,
                                      "max_output_tokens": 8192}])
 
 
+@pytest.mark.usefixtures("told")
 async def test_a_stream_litellm_cannot_make_is_the_whole_message_told_as_events(
         start_proxy: StartProxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="ctxproxy")
@@ -51,15 +60,16 @@ async def test_a_stream_litellm_cannot_make_is_the_whole_message_told_as_events(
     assert streamed.stop_reason == "tool_use" and streamed.usage.output_tokens == 12
     assert len(upstream.messages) == 3  # each request sent once, never a second time after a failure
     warned = [r for r in caplog.records if "cannot stream" in r.getMessage()]
-    if importlib.util.find_spec("fastapi") is None:  # (with litellm's proxy extra installed it streams as it comes)
-        assert len(warned) == 1 and "litellm[proxy]" in warned[0].getMessage()  # once per model
+    assert len(warned) == 1 and "litellm[proxy]" in warned[0].getMessage()  # once per model
 
 
 def test_message_events_build_the_message_back() -> None:
     """What a stream consumer accumulates from ``message_events`` is the message, block by block."""
     message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
-               "content": [*BLOCKS, {"type": "redacted_thinking", "data": "opaque"}], "stop_reason": "tool_use",
-               "stop_sequence": None, "usage": {"input_tokens": 30, "output_tokens": 12, "cache_read_input_tokens": 5}}
+               "content": [*BLOCKS, {"type": "redacted_thinking", "data": "opaque"}], "stop_reason": "refusal",
+               "stop_sequence": None, "stop_details": {"type": "refusal", "category": "cyber"},
+               "container": {"id": "c1", "expires_at": "2026-12-05T00:00:00Z"},
+               "usage": {"input_tokens": 30, "output_tokens": 12, "cache_read_input_tokens": 5}}
     events = [json.loads(e.split(b"\ndata: ", 1)[1]) for e in message_events(message)]
     built: dict[str, Any] = {}
     partial: dict[int, str] = {}
@@ -83,3 +93,24 @@ def test_message_events_build_the_message_back() -> None:
             built["usage"].update(event["usage"])
     assert events[-1] == {"type": "message_stop"}
     assert built == message
+    start = json.loads(message_events(message)[0].split(b"\ndata: ", 1)[1])["message"]  # (told at the end)
+    assert (start["stop_reason"], start["stop_details"], start["container"]) == (None, None, None)
+
+
+@pytest.mark.usefixtures("told")
+async def test_many_first_streams_at_once_find_once(start_proxy: StartProxy, upstream: FakeUpstream,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Whether litellm can stream a model is found once (in a thread), however many first requests come at once."""
+    caplog.set_level(logging.WARNING, logger="ctxproxy")
+    proxy = await start_proxy(config(upstream.url))
+    client = anthropic.AsyncAnthropic(base_url=proxy.url, api_key="sk-client", max_retries=0)
+
+    async def one(i: int) -> str:
+        async with client.messages.stream(model="claude", max_tokens=10,
+                                          messages=[{"role": "user", "content": f"hi {i}"}]) as stream:
+            return await stream.get_final_text()
+
+    assert len(set(await asyncio.gather(*(one(i) for i in range(20))))) == 1
+    assert len(upstream.messages) == 20
+    warned = [r for r in caplog.records if "cannot stream" in r.getMessage()]
+    assert len(warned) == 1

@@ -43,21 +43,23 @@ class MessagesStreamEnd(StreamEnd):
 STREAM = MessagesStreamEnd()
 
 
+# what a stream tells in its message_delta, not in its message_start (null there): why it stopped, and the container
+ENDING = ("stop_reason", "stop_sequence", "stop_details", "container")
+
+
 def message_events(message: dict[str, Any]) -> list[bytes]:
     """A whole message (Anthropic's non-streaming answer) as the events a stream of it is made of, in the order
     Anthropic sends them, each block's content in one delta: what the ``anthropic`` SDK and Claude Code read
     from a stream builds the same message. Usage: the input side in ``message_start``, the output in
     ``message_delta``."""
     usage: dict[str, Any] = message["usage"] if isinstance(message.get("usage"), dict) else {}
-    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {**usage, "output_tokens": 0}}
+    ending = {key: message.get(key) for key in ENDING if key in message or key in ("stop_reason", "stop_sequence")}
+    start = {**message, **dict.fromkeys(ending), "content": [], "usage": {**usage, "output_tokens": 0}}
     events = [_event(b"message_start", {"type": "message_start", "message": start})]
     blocks: list[Any] = message["content"] if isinstance(message.get("content"), list) else []
     for index, block in enumerate(blocks):
         events += _block_events(index, block if isinstance(block, dict) else {"type": "text", "text": str(block)})
-    delta = {"type": "message_delta",
-             "delta": {"stop_reason": message.get("stop_reason"), "stop_sequence": message.get("stop_sequence")},
-             "usage": {"output_tokens": usage.get("output_tokens", 0)}}
+    delta = {"type": "message_delta", "delta": ending, "usage": {"output_tokens": usage.get("output_tokens", 0)}}
     return [*events, _event(b"message_delta", delta), _event(b"message_stop", {"type": "message_stop"})]
 
 
