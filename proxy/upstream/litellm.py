@@ -119,9 +119,9 @@ NATIVE_STREAM_MODULES = ("litellm.llms.anthropic.messages.native.streaming_itera
 
 
 def _streams_messages(model: str) -> bool:
-    """Whether litellm can stream a Messages request for ``model`` (module doc): what its Anthropic stream imports
-    imports (or this litellm has no such stream), or ``model`` is not sent to Anthropic's Messages API (when that
-    is not known: False, as every provider can answer whole). Imports; never on the event loop."""
+    """Whether litellm can stream a Messages request for ``model`` (module doc): every module its Anthropic stream
+    needs loads (or this litellm has no such stream), or ``model`` is not sent to Anthropic's Messages API (when
+    that is not known: False, as every provider can answer whole). Imports; never on the event loop."""
     litellm = _litellm()
     try:
         for module in NATIVE_STREAM_MODULES:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import orjson
 from multidict import CIMultiDict
 
+from proxy.wire.messages.stream import sse
 from proxy.wire.sse import Block, EventReader
 
 SHIFTED = frozenset({b"content_block_start", b"content_block_delta", b"content_block_stop"})
@@ -152,10 +153,6 @@ class LocalAnswer:
 
     def close(self, clean: bool) -> None:
         """Nothing to release."""
-
-
-def sse(name: bytes, data: Any) -> bytes:
-    return b"event: " + name + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 def compaction_events(block: dict[str, Any], index: int) -> list[bytes]:

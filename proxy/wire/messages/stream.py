@@ -55,12 +55,12 @@ def message_events(message: dict[str, Any]) -> list[bytes]:
     usage: dict[str, Any] = message["usage"] if isinstance(message.get("usage"), dict) else {}
     ending = {key: message.get(key) for key in ENDING if key in message or key in ("stop_reason", "stop_sequence")}
     start = {**message, **dict.fromkeys(ending), "content": [], "usage": {**usage, "output_tokens": 0}}
-    events = [_event(b"message_start", {"type": "message_start", "message": start})]
+    events = [sse(b"message_start", {"type": "message_start", "message": start})]
     blocks: list[Any] = message["content"] if isinstance(message.get("content"), list) else []
     for index, block in enumerate(blocks):
         events += _block_events(index, block if isinstance(block, dict) else {"type": "text", "text": str(block)})
     delta = {"type": "message_delta", "delta": ending, "usage": {"output_tokens": usage.get("output_tokens", 0)}}
-    return [*events, _event(b"message_delta", delta), _event(b"message_stop", {"type": "message_stop"})]
+    return [*events, sse(b"message_delta", delta), sse(b"message_stop", {"type": "message_stop"})]
 
 
 def _block_events(index: int, block: dict[str, Any]) -> list[bytes]:
@@ -81,11 +81,12 @@ def _block_events(index: int, block: dict[str, Any]) -> list[bytes]:
             deltas.append({"type": "signature_delta", "signature": block["signature"]})
     else:
         start = block
-    return [_event(b"content_block_start", {"type": "content_block_start", "index": index, "content_block": start}),
-            *[_event(b"content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+    return [sse(b"content_block_start", {"type": "content_block_start", "index": index, "content_block": start}),
+            *[sse(b"content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
               for delta in deltas],
-            _event(b"content_block_stop", {"type": "content_block_stop", "index": index})]
+            sse(b"content_block_stop", {"type": "content_block_stop", "index": index})]
 
 
-def _event(name: bytes, data: dict[str, Any]) -> bytes:
+def sse(name: bytes, data: Any) -> bytes:
+    """One named event of a Messages stream."""
     return b"event: " + name + b"\ndata: " + orjson.dumps(data) + b"\n\n"
