@@ -87,29 +87,31 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     Each request (and each task it starts) also gets its cache-time budget here (``proxy.store.guard``).
     """
     st = request.app.get(STATE)
+    response: web.StreamResponse
     try:
         with cache_budget(st.config.settings.cache.budget_seconds if st is not None else None):
-            return await handler(request)
+            response = await handler(request)
     except CtxProxyError as exc:
         response = error_response(exc, request.get(RESPONSE_HEADERS), error_shape(request))
-        if expectation(request) is not None and not request.content.is_eof():
-            # refused before the body it announced was read: a client waiting for 100 Continue never sends it, and
-            # the next request on this connection would be read as that body (Connection: close)
-            response.force_close()
-        return response
     except web.HTTPRequestEntityTooLarge:
-        return error_response(BodyTooLarge("The request body is larger than this proxy accepts."),
-                              body=error_shape(request))
+        response = error_response(BodyTooLarge("The request body is larger than this proxy accepts."),
+                                  body=error_shape(request))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(RouteError(exc.status, exc.reason), body=error_shape(request))
+        response = error_response(RouteError(exc.status, exc.reason), body=error_shape(request))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
-        return error_response(CtxProxyError("The proxy failed to handle this request."),
-                              request.get(RESPONSE_HEADERS), error_shape(request))
+        response = error_response(CtxProxyError("The proxy failed to handle this request."),
+                                  request.get(RESPONSE_HEADERS), error_shape(request))
+    if expectation(request) is not None and not response.prepared and not request.content.is_eof():
+        # answered before the body it announced was read (refused, or a route that reads none): a client waiting for
+        # 100 Continue (none sent: expect_continue) never sends it, and the next request on this connection would be
+        # read as that body
+        response.force_close()
+    return response
 
 
 def client_keys(request: web.Request, names: tuple[str, ...] = STANDARD_KEY_HEADERS) -> tuple[str, ...]:

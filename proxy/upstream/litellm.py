@@ -24,7 +24,8 @@ A streaming Messages request for a model litellm sends to Anthropic's own Messag
 streamed by litellm code that imports its proxy server (fastapi and more: the ``litellm[proxy]`` extra);
 without it that import failed after the request had been sent (billed, and answered 502). Where it cannot, the
 request is asked for whole and told to the client as the stream of events it is made of (``message_events``),
-with a warning once per model; other providers' Messages streams need nothing and stream as they come.
+with a warning once per model (and config); other providers' Messages streams are translated from their own
+and stream as they come.
 
 No cookie crosses requests: litellm pools one HTTP client per provider, key and base URL for every
 caller, and the httpx client it makes for OpenAI's SDK (the ``openai/``, ``azure/`` and OpenAI-compatible

@@ -545,3 +545,24 @@ async def test_an_http_1_0_expectation_means_nothing(start_proxy: StartProxy, up
     assert answer.startswith(b"HTTP/1.0 200 OK") or answer.startswith(b"HTTP/1.1 200 OK"), answer[:200]
     assert upstream.chat[-1].raw == raw
     assert "expect" not in {name.lower() for name in upstream.chat[-1].headers}
+
+
+@pytest.mark.parametrize(("method", "path", "expect", "length"), [
+    ("GET", "/v1/models", "100-continue", 1_000_000),  # over max_body_mb: no 100; the route reads no body
+    ("GET", "/healthz", "something-else", 10),  # an expectation only read_body refuses; the route reads none
+    ("POST", "/v1/chat/completions", "100-continue", 1_000_000),  # refused (413)
+])
+async def test_an_answer_before_an_announced_body_closes_the_connection(
+        start_proxy: StartProxy, upstream: FakeUpstream, method: str, path: str, expect: str, length: int) -> None:
+    """A client sends no body it was not asked for (no 100 Continue): an answer made without it says
+    ``Connection: close``, or the next request on the connection would be read as that body."""
+    proxy = await start_proxy(base_config(upstream.base_url, server={"max_body_mb": 0.01}))
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]))
+    try:
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-client\r\n"
+                     f"Expect: {expect}\r\nContent-Length: {length}\r\n\r\n".encode())
+        head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).decode()
+    finally:
+        writer.close()
+    assert " 100 " not in head.split("\r\n", 1)[0]
+    assert re.search(r"(?im)^connection: *close", head), head
