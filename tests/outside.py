@@ -137,6 +137,8 @@ def chat_body(messages: list[Any], model: str = "small-model", **extra: Any) -> 
 class Served:
     """A ``ctxproxy serve`` subprocess; its stderr collected line by line."""
 
+    stop_timeout = 15.0  # seconds a SIGTERM is given before the process is killed
+
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.lines: list[str] = []
@@ -166,16 +168,18 @@ class Served:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._new.wait(), min(left, 0.5))
 
-    async def stop(self) -> None:
+    async def stop(self) -> int:
+        """SIGTERM, then (after ``stop_timeout``) SIGKILL; the exit code."""
         if self.proc.returncode is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                await asyncio.wait_for(self.proc.wait(), 15)
+                await asyncio.wait_for(self.proc.wait(), self.stop_timeout)
             except asyncio.TimeoutError:
                 self.proc.kill()
-                await self.proc.wait()
+        code = await self.proc.wait()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._reader, 5)
+        return code
 
 
 @contextlib.asynccontextmanager

@@ -20,6 +20,7 @@ import yaml
 
 from tests.conftest import ROOT
 from tests.fake_upstream import FakeUpstream
+from tests.outside import Served
 
 MODEL = "gpt-4o-mini"
 LISTENING = re.compile(r"listening on http://\S+ \(pid (\d+)\)")
@@ -55,40 +56,15 @@ def children(pid: int) -> set[int]:
     return out
 
 
-class Fleet:
+class Fleet(Served):
     """A ``ctxproxy serve --workers N`` process (the supervisor) and its log, read line by line."""
 
+    stop_timeout = 30.0
+
     def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
-        self.proc = proc
+        super().__init__(proc)
         self.port = port
-        self.lines: list[str] = []
-        self._new = asyncio.Event()
-        self._reader = asyncio.ensure_future(self._read())
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def _read(self) -> None:
-        assert self.proc.stderr is not None
-        async for raw in self.proc.stderr:
-            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
-            self._new.set()
-
-    async def wait_for(self, pattern: str, after: int = 0, timeout: float = 30) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            for line in self.lines[after:]:
-                match = re.search(pattern, line)
-                if match:
-                    return match
-            if self.proc.returncode is not None and self._reader.done():
-                raise AssertionError(f"exited ({self.proc.returncode}):\n" + "\n".join(self.lines))
-            if time.monotonic() >= deadline:
-                raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(self.lines))
-            self._new.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._new.wait(), 0.2)
+        self.url = f"http://127.0.0.1:{port}"
 
     def listening(self) -> list[int]:
         """The pids of the workers that said they listen, in order."""
@@ -98,14 +74,6 @@ class Fleet:
         deadline = time.monotonic() + timeout
         while len(self.listening()) < n:
             await self.wait_for(LISTENING.pattern, after=len(self.lines), timeout=max(0.1, deadline - time.monotonic()))
-
-    async def stop(self) -> int:
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-        code = await asyncio.wait_for(self.proc.wait(), 30)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._reader, 5)
-        return code
 
 
 @contextlib.asynccontextmanager
