@@ -55,9 +55,9 @@ class Resources:
         tasks = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
         acquired = pooled = 0
         for session in proxy.state.shared.pool._sessions.values():
-            connector = session.connector
-            acquired += len(connector._acquired)
-            pooled += sum(len(v) for v in connector._conns.values())
+            open_, idle = session.connections()
+            acquired += open_ - idle
+            pooled += idle
         return cls(len(tasks), open_fds(), acquired, pooled, upstream.active if upstream else 0)
 
     def settled(self, now: Resources) -> bool:

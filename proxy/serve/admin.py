@@ -6,7 +6,6 @@ import asyncio
 import os
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -37,6 +36,7 @@ from proxy.serve.scope import request_scope
 from proxy.serve.workers import Supervised
 from proxy.settings import Config, Tenant, load_config
 from proxy.upstream.anthropic import anthropic_headers
+from proxy.upstream.client import ClientError
 from proxy.upstream.http import open_request, upstream_headers
 
 WORKERS_RELOAD_WAIT = 10.0  # seconds POST /admin/reload waits for every worker to confirm
@@ -146,7 +146,7 @@ async def _upstream_models(request: web.Request) -> list[Any]:
             if response.status != 200:
                 return []
             payload = orjson.loads(await asyncio.wait_for(response.read(), 3))
-    except (CtxProxyError, asyncio.TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError):
+    except (CtxProxyError, asyncio.TimeoutError, ClientError, orjson.JSONDecodeError):
         return []
     data = payload.get("data") if isinstance(payload, dict) else None
     return data if isinstance(data, list) else []

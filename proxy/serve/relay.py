@@ -20,10 +20,8 @@ from email.parser import BytesParser
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
-import aiohttp
 import orjson
 from aiohttp import web
-from yarl import URL
 
 from proxy.core.deadline import deadline
 from proxy.core.errors import BadRequest, ModelNotFound, NotFound, PermissionDenied
@@ -32,6 +30,7 @@ from proxy.serve.http import ERROR_WIRE, Handler, client_keys, read_body, reques
 from proxy.serve.streaming import relay_answer
 from proxy.settings import Tenant
 from proxy.upstream.anthropic import anthropic_headers
+from proxy.upstream.client import ClientError
 from proxy.upstream.http import HTTPAnswer, open_request, read_error, response_headers, upstream_headers
 from proxy.wire.sse import StreamWatcher
 
@@ -91,7 +90,7 @@ async def _relay(request: web.Request, path: str) -> web.StreamResponse:
     if "Content-Type" in request.headers:
         headers["Content-Type"] = request.headers["Content-Type"]
     server = config.settings.server
-    response = await open_request(st.shared.pool.session(upstream), request.method, URL(url, encoded=True),
+    response = await open_request(st.shared.pool.session(upstream), request.method, url,
                                   data=raw, headers=headers, first_byte_timeout=server.first_byte_timeout)
     if response.status >= 400:
         raise await read_error(response, server.idle_timeout, upstream.api_key)
@@ -105,8 +104,8 @@ async def _relay(request: web.Request, path: str) -> web.StreamResponse:
         while True:
             try:
                 async with deadline(server.idle_timeout):
-                    chunk = await response.content.readany()
-            except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
+                    chunk = await response.readany()
+            except (asyncio.TimeoutError, ClientError, OSError):
                 # the upstream failed after the answer started: cut the client's connection, so the
                 # truncated body can never look complete (and the client is not left waiting for the rest)
                 if request.transport is not None:
@@ -117,7 +116,7 @@ async def _relay(request: web.Request, path: str) -> web.StreamResponse:
             await out.write(chunk)
         await out.write_eof()
     finally:
-        response.close()
+        response.release()  # (its connection kept only when the answer was read to its end)
     return out
 
 

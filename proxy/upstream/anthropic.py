@@ -21,7 +21,7 @@ from plugins.base import Completion
 from proxy.core.errors import UpstreamError
 from proxy.settings import UpstreamSettings
 from proxy.upstream.base import Outgoing
-from proxy.upstream.http import REDACTED, HTTPAnswer, UpstreamPool, open_request, read_error, upstream_headers
+from proxy.upstream.http import HTTPAnswer, UpstreamPool, open_request, read_error, upstream_headers
 
 if TYPE_CHECKING:
     from proxy.policy import ModelRoute
@@ -87,10 +87,8 @@ class AnthropicProvider:
                                       data=orjson.dumps(body), headers=headers, first_byte_timeout=timeout)
         if response.status >= 400:
             raise await read_error(response, timeout, self.upstream.api_key)
-        async with response:
-            raw = await response.read()
-        if self.upstream.api_key:  # an upstream that echoes the key must not put it into a cached summary
-            raw = raw.replace(self.upstream.api_key.encode(), REDACTED)
+        # (an upstream that echoes the key must not put it into a cached summary)
+        raw = await HTTPAnswer(response, self.upstream.api_key).read(timeout)
         try:
             payload = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -1,7 +1,7 @@
 """The one seam to providers: a ``Provider`` sends a managed request and completes a summary.
 
 Implementations: ``proxy.upstream.http.HTTPProvider`` (an OpenAI-compatible HTTP
-API over a pooled aiohttp session), ``proxy.upstream.anthropic.AnthropicProvider``
+API over a pooled HTTP client), ``proxy.upstream.anthropic.AnthropicProvider``
 (Anthropic's Messages API, same pool) and ``proxy.upstream.litellm.LiteLLMProvider``
 (any provider through litellm). A route picks its provider once
 (``Providers.for_route``). Two capabilities outside ``send``/``complete`` are still

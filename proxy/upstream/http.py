@@ -1,6 +1,6 @@
-"""OpenAI-compatible HTTP upstreams: pooled aiohttp sessions, headers, timeouts and error mapping.
+"""OpenAI-compatible HTTP upstreams: pooled clients, headers, timeouts and error mapping.
 
-Upstreams get one pooled ``aiohttp.ClientSession`` per base URL. Every failure
+Upstreams get one pooled ``HTTPClient`` (``proxy.upstream.client``) per base URL. Every failure
 below HTTP becomes an ``UpstreamError`` (502 unreachable, 504 timeout); an
 upstream 4xx/5xx becomes ``UpstreamStatus`` with an OpenAI-shaped body. The
 upstream's own key never reaches a client: it is blanked out of error bodies and
@@ -14,10 +14,8 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
-from yarl import URL
 
 from plugins.base import Completion
 from proxy.core.deadline import deadline, deadline_unless
@@ -30,6 +28,7 @@ from proxy.core.errors import (
 )
 from proxy.settings import ServerSettings, UpstreamSettings
 from proxy.upstream.base import Outgoing
+from proxy.upstream.client import ClientError, ConnectTimeout, HTTPClient, InvalidResponse, Response
 
 if TYPE_CHECKING:
     from proxy.policy import ModelRoute
@@ -48,34 +47,29 @@ RESPONSE_DROP = HOP_BY_HOP | {"date", "server", "set-cookie", "set-cookie2", "x-
 
 
 class UpstreamPool:
-    """One pooled client session per upstream base URL and pool settings (the app owns one pool).
+    """One pooled client per upstream base URL and pool settings (the app owns one pool).
 
     ``server`` is replaced on a reload (``configure``): the timeouts read from it apply to the next request.
-    A session is keyed by the settings it was built with, so a reload that changes an upstream's
-    ``max_connections`` / ``keepalive_seconds`` or ``server.connect_timeout`` opens a new session for new
-    requests; the old one finishes its requests in flight and is closed with the pool.
+    A client is keyed by the settings it was built with, so a reload that changes an upstream's
+    ``max_connections`` / ``keepalive_seconds`` or ``server.connect_timeout`` opens a new client for new
+    requests; the old one finishes its requests in flight and is closed with the pool. A client keeps no
+    cookies: a provider's ``Set-Cookie`` (a CDN's session cookie) answered to one client's request never goes
+    out with another's; the proxy relays no cookies either way (``HOP_BY_HOP``, ``RESPONSE_DROP``).
     """
 
     def __init__(self, server: ServerSettings) -> None:
         self.server = server
-        self._sessions: dict[tuple[str, int, float, float], aiohttp.ClientSession] = {}
+        self._sessions: dict[tuple[str, int, float, float], HTTPClient] = {}
 
     def configure(self, server: ServerSettings) -> None:
         self.server = server
 
-    def session(self, upstream: UpstreamSettings) -> aiohttp.ClientSession:
+    def session(self, upstream: UpstreamSettings) -> HTTPClient:
         key = (upstream.base_url, upstream.max_connections, upstream.keepalive_seconds, self.server.connect_timeout)
         session = self._sessions.get(key)
         if session is None or session.closed:
-            connector = aiohttp.TCPConnector(limit=upstream.max_connections, ttl_dns_cache=300,
-                                             enable_cleanup_closed=True, keepalive_timeout=upstream.keepalive_seconds)
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.server.connect_timeout)
-            # no cookie jar: a provider's Set-Cookie (a CDN's session cookie) answered to one client's request
-            # must never go out with another's; the proxy relays no cookies either way (HOP_BY_HOP, RESPONSE_DROP)
-            session = aiohttp.ClientSession(
-                connector=connector, timeout=timeout, auto_decompress=True, skip_auto_headers=("User-Agent",),
-                json_serialize=lambda obj: orjson.dumps(obj).decode(), cookie_jar=aiohttp.DummyCookieJar(),
-            )
+            session = HTTPClient(limit=upstream.max_connections, keepalive=upstream.keepalive_seconds,
+                                 connect_timeout=self.server.connect_timeout)
             self._sessions[key] = session
         return session
 
@@ -133,29 +127,29 @@ NOTHING_LISTED: frozenset[str] = frozenset()
 
 
 async def open_request(
-    session: aiohttp.ClientSession,
+    session: HTTPClient,
     method: str,
-    url: str | URL,
+    url: str,
     *,
     data: bytes | None,
     headers: Mapping[str, str],
     first_byte_timeout: float,
-) -> aiohttp.ClientResponse:
+) -> Response:
     """Send a request and wait for the response headers, mapping transport failures to 502/504."""
     try:
         async with deadline(first_byte_timeout):
-            return await session.request(method, url, data=data, headers=headers, allow_redirects=False)
-    except aiohttp.ConnectionTimeoutError:  # before TimeoutError, which it is too
+            return await session.request(method, url, data=data, headers=headers)
+    except ConnectTimeout:
         raise UpstreamTimeout("Connecting to the upstream timed out.") from None
     except asyncio.TimeoutError:
         raise UpstreamTimeout("The upstream did not answer in time.") from None
-    except (aiohttp.ClientConnectionError, OSError) as exc:
-        raise UpstreamUnreachable(f"The upstream is unreachable ({type(exc).__name__}).") from None
-    except aiohttp.ClientError as exc:  # not HTTP: a garbage status line, oversized headers, bad chunking
+    except InvalidResponse as exc:  # not HTTP: a garbage status line, oversized headers, bad chunking
         raise UpstreamUnreachable(f"The upstream sent an invalid HTTP response ({type(exc).__name__}).") from None
+    except (ClientError, OSError) as exc:
+        raise UpstreamUnreachable(f"The upstream is unreachable ({type(exc).__name__}).") from None
 
 
-async def read_error(response: aiohttp.ClientResponse, idle_timeout: float,
+async def read_error(response: Response, idle_timeout: float,
                      secret: str | None = None) -> UpstreamError:
     """An upstream 4xx/5xx as an UpstreamStatus with an OpenAI-shaped body (``secret`` blanked out of it).
 
@@ -165,7 +159,7 @@ async def read_error(response: aiohttp.ClientResponse, idle_timeout: float,
     try:
         async with deadline(idle_timeout):
             raw = await response.read()
-    except (asyncio.TimeoutError, aiohttp.ClientError):
+    except (asyncio.TimeoutError, ClientError):
         raw = b""
     finally:
         response.release()
@@ -213,13 +207,12 @@ class Redactor:
 
 
 REDACTED = b"[redacted]"
-BROKEN_CHECK = 0.25  # seconds of silence between two looks at a streaming connection
 
 
 class HTTPAnswer:
-    """An aiohttp response as an ``Answer`` (``proxy.upstream.base``)."""
+    """An upstream's ``Response`` as an ``Answer`` (``proxy.upstream.base``)."""
 
-    def __init__(self, response: aiohttp.ClientResponse, secret: str | None) -> None:
+    def __init__(self, response: Response, secret: str | None) -> None:
         self.response = response
         self.status = response.status
         self.headers = response_headers(response.headers)
@@ -228,28 +221,19 @@ class HTTPAnswer:
 
     async def chunks(self, idle_timeout: float) -> AsyncIterator[bytes]:
         redactor = Redactor(self._secret)
-        loop = asyncio.get_running_loop()
-        content = self.response.content
+        response = self.response
         while True:
-            idle_until = loop.time() + idle_timeout
             try:
                 # what has arrived already is taken without a timer (arming one costs more than relaying a chunk)
-                chunk = content.read_nowait()
-                while not chunk and not content.at_eof():
-                    # wait in short slices: a framing error the C parser recorded on the connection does not
-                    # wake the reader, so between slices the connection is looked at (a broken stream then
-                    # ends at once, not after the idle timeout)
-                    try:
-                        async with deadline(min(BROKEN_CHECK, max(0.0, idle_until - loop.time()))):
-                            chunk = await self.response.content.readany()
-                        break
-                    except asyncio.TimeoutError:
-                        if self._broken():
-                            raise UpstreamUnreachable("The upstream sent a malformed stream.") from None
-                        if loop.time() >= idle_until:
-                            raise UpstreamTimeout(
-                                f"The upstream stream stalled for more than {idle_timeout:g}s.") from None
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError):
+                chunk = response.read_nowait()
+                if not chunk and not response.at_eof():
+                    async with deadline(idle_timeout):
+                        chunk = await response.readany()
+            except asyncio.TimeoutError:
+                raise UpstreamTimeout(f"The upstream stream stalled for more than {idle_timeout:g}s.") from None
+            except InvalidResponse:
+                raise UpstreamUnreachable("The upstream sent a malformed stream.") from None
+            except (ClientError, OSError):
                 raise UpstreamUnreachable("The upstream closed the stream before it was complete.") from None
             if not chunk:
                 tail = redactor.flush()
@@ -260,20 +244,15 @@ class HTTPAnswer:
             if out:
                 yield out
 
-    def _broken(self) -> bool:
-        connection = self.response.connection
-        protocol = connection.protocol if connection is not None else None
-        return protocol is None or protocol.exception() is not None
-
     async def read(self, idle_timeout: float) -> bytes:
         try:
             # (an answer all here already, as a short one is with its headers, cannot stall)
-            async with deadline_unless(self.response.content.is_eof(), idle_timeout):
+            async with deadline_unless(self.response.is_eof(), idle_timeout):
                 raw = await self.response.read()
         except asyncio.TimeoutError:
             self.response.close()
             raise UpstreamTimeout("The upstream stalled while sending its answer.") from None
-        except aiohttp.ClientError:
+        except ClientError:
             self.response.close()
             raise UpstreamUnreachable("The upstream closed the connection before its answer was complete.") from None
         finally:
@@ -323,10 +302,8 @@ class HTTPProvider:
                                       data=orjson.dumps(body), headers=headers, first_byte_timeout=timeout)
         if response.status >= 400:
             raise await read_error(response, timeout, self.upstream.api_key)
-        async with response:
-            raw = await response.read()
-        if self.upstream.api_key:  # an upstream that echoes the key must not put it into a cached summary
-            raw = raw.replace(self.upstream.api_key.encode(), REDACTED)
+        # (an upstream that echoes the key must not put it into a cached summary)
+        raw = await HTTPAnswer(response, self.upstream.api_key).read(timeout)
         try:
             payload = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -435,9 +435,7 @@ async def test_client_disconnect_cancels_upstream(upstream: FakeUpstream, start_
         (upstream.cancelled, upstream.active)
     # and the proxy's pooled connection to the upstream was closed, not returned to the pool
     session = next(s for key, s in proxy.state.shared.pool._sessions.items() if key[0] == upstream.base_url)
-    connector = session.connector
-    assert await eventually(lambda: not connector._acquired, 1.0)
-    assert sum(len(v) for v in connector._conns.values()) == 0
+    assert await eventually(lambda: session.connections() == (0, 0), 1.0)
     # the proxy keeps serving
     upstream.mode = "ok"
     async with client(proxy) as c:

@@ -24,6 +24,7 @@ from proxy.core.errors import UpstreamError, UpstreamStatus, UpstreamTimeout, Up
 from proxy.policy import ModelRoute
 from proxy.settings import ServerSettings, UpstreamSettings
 from proxy.upstream.base import Outgoing
+from proxy.upstream.client import HTTPClient, Response
 from proxy.upstream.http import (
     REDACTED,
     HTTPAnswer,
@@ -300,7 +301,7 @@ async def test_open_request_maps_a_refused_connection_to_502() -> None:
     port = server.sockets[0].getsockname()[1]
     server.close()
     await server.wait_closed()
-    async with aiohttp.ClientSession() as s:
+    async with HTTPClient() as s:
         with pytest.raises(UpstreamUnreachable):
             await open_request(s, "POST", f"http://127.0.0.1:{port}/v1/x", data=b"{}", headers={},
                                first_byte_timeout=2)
@@ -312,7 +313,7 @@ async def test_open_request_maps_a_silent_upstream_to_504(serve: Any) -> None:
         return web.Response()
 
     url = await serve(hang)
-    async with aiohttp.ClientSession() as s:
+    async with HTTPClient() as s:
         with pytest.raises(UpstreamTimeout):
             await open_request(s, "POST", url + "/v1/x", data=b"{}", headers={}, first_byte_timeout=0.1)
 
@@ -321,7 +322,7 @@ async def test_open_request_maps_a_silent_upstream_to_504(serve: Any) -> None:
 async def test_open_request_maps_a_non_http_answer_to_502(reply: bytes) -> None:
     server, url = await raw_server(reply)
     try:
-        async with aiohttp.ClientSession() as s:
+        async with HTTPClient() as s:
             with pytest.raises(UpstreamUnreachable):
                 await open_request(s, "GET", url + "/", data=None, headers={}, first_byte_timeout=2)
     finally:
@@ -329,9 +330,9 @@ async def test_open_request_maps_a_non_http_answer_to_502(reply: bytes) -> None:
         await server.wait_closed()
 
 
-async def response_of(url: str) -> tuple[aiohttp.ClientSession, aiohttp.ClientResponse]:
-    session = aiohttp.ClientSession()
-    return session, await session.get(url)
+async def response_of(url: str) -> tuple[HTTPClient, Response]:
+    session = HTTPClient()
+    return session, await session.request("GET", url)
 
 
 async def test_read_error_redacts_the_key_and_normalises_the_body(serve: Any) -> None:
