@@ -32,7 +32,7 @@ import re
 import ssl
 import zlib
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -43,6 +43,7 @@ HIGH_WATER = 1024 * 1024  # bytes received and not yet read: reading from the so
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "CONNECT"})
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_TOKEN_STR = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _DIGITS = re.compile(r"[0-9]{1,18}")
 
@@ -68,30 +69,52 @@ class InvalidResponse(ClientError):
 
 
 class _Decoder:
-    """gzip or deflate (zlib-wrapped, or raw as some servers send it), decoded as it comes."""
+    """gzip (one member or several) or deflate (zlib-wrapped, or raw as some servers send it), decoded as it is
+    read, at most ``limit`` bytes at a time (a small body that inflates to a huge one is never inflated at once);
+    a body that ends inside its compressed data is refused at its end (``finish``)."""
 
     def __init__(self, coding: str) -> None:
-        self._gzip = coding == "gzip"
+        self._gzip = coding in ("gzip", "x-gzip")
         self._z: Any = zlib.decompressobj(16 + zlib.MAX_WBITS) if self._gzip else None
+        self._held = b""  # deflate: the first byte, until the second says whether it is zlib-wrapped
+        self._tail = b""  # input not decoded yet (what the last limit left)
+        self._fed = False
 
-    def feed(self, data: bytes) -> bytes:
+    @property
+    def pending(self) -> bool:
+        return bool(self._tail)
+
+    def feed(self, data: bytes, limit: int) -> bytes:
         if not data:
             return b""
-        if self._z is None:  # deflate: zlib-wrapped when its first two bytes are a zlib header
-            wrapped = len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+        self._fed = True
+        if self._z is None:
+            data, self._held = self._held + data, b""
+            if len(data) < 2:
+                self._held = data
+                return b""
+            wrapped = data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
             self._z = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
+        self._tail += data
+        return self.more(limit)
+
+    def more(self, limit: int) -> bytes:
+        data, self._tail = self._tail, b""
+        z = self._z
         try:
-            return bytes(self._z.decompress(data))
+            if z.eof:
+                if not self._gzip:
+                    return b""  # (bytes after a deflate stream's end are not part of it)
+                z = self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)  # a further gzip member
+            out: bytes = z.decompress(data, limit)
         except zlib.error:
             raise InvalidResponse(f"The answer's body is not valid {'gzip' if self._gzip else 'deflate'}.") from None
+        self._tail = z.unconsumed_tail or (z.unused_data if z.eof and self._gzip else b"")
+        return out
 
-    def flush(self) -> bytes:
-        if self._z is None:
-            return b""
-        try:
-            return bytes(self._z.flush())
-        except zlib.error:  # pragma: no cover - flush after a good stream does not fail
-            raise InvalidResponse("The answer's body ends inside its compressed data.") from None
+    def finish(self) -> None:
+        if self._fed and (self._z is None or not self._z.eof or self._held):
+            raise InvalidResponse("The answer's body ends inside its compressed data.")
 
 
 class Response:
@@ -112,6 +135,7 @@ class Response:
         self._complete = False  # every byte of the body has arrived
         self._error: ClientError | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._decoder: _Decoder | None = None  # the body's Content-Encoding, decoded as it is read
 
     @property
     def content_type(self) -> str:
@@ -155,29 +179,52 @@ class Response:
 
     def at_eof(self) -> bool:
         """The whole body has arrived and been read."""
-        return self._complete and not self._chunks
+        return self._complete and not self._chunks and (self._decoder is None or not self._decoder.pending)
 
     def read_nowait(self) -> bytes:
         """What has arrived and was not read yet (b"" when nothing); raises the connection's failure."""
-        if self._chunks:
-            return self._take()
-        if self._error is not None:
-            raise self._error
-        return b""
+        return self._next() or b""
 
     async def readany(self) -> bytes:
         """The next bytes of the body, waiting for them; b"" at its end."""
-        while not self._chunks:
-            if self._error is not None:
-                raise self._error
-            if self._complete:
-                return b""
+        while True:
+            data = self._next()
+            if data is not None:
+                return data
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        return self._take()
+
+    def _next(self) -> bytes | None:
+        """The next bytes of the body that are here (decoded): b"" at its end, None when more must arrive."""
+        try:
+            return self._decoded()
+        except InvalidResponse as exc:  # a body that does not decode: nothing more is read from its connection
+            self._error = exc
+            self._chunks.clear()
+            self._decoder = None
+            self.close()
+            raise
+
+    def _decoded(self) -> bytes | None:
+        decoder = self._decoder
+        while True:
+            if decoder is not None and decoder.pending:
+                data = decoder.more(HIGH_WATER)
+            elif self._chunks:
+                data = self._take() if decoder is None else decoder.feed(self._take(), HIGH_WATER)
+            elif self._error is not None:
+                raise self._error
+            elif self._complete:
+                if decoder is not None:
+                    decoder.finish()
+                return b""
+            else:
+                return None
+            if data:
+                return data
 
     def _take(self) -> bytes:
         chunks = self._chunks
@@ -202,7 +249,7 @@ class Response:
         """Done with the answer: its connection goes back to the pool if it can carry another request."""
         connection, self.connection = self.connection, None
         if connection is not None:
-            if self._complete and self._error is None and not self._chunks and self.keep_alive:
+            if self.at_eof() and self._error is None and self.keep_alive:
                 connection.finished()
             else:
                 connection.close()
@@ -236,7 +283,6 @@ class _Connection(asyncio.Protocol):
         self._got_bytes = False
         self._state = 0  # 0 head, 1 body by length, 2 chunk size, 3 chunk data, 4 chunk CRLF, 5 trailers, 6 close
         self._left = 0
-        self._decoder: _Decoder | None = None
 
     # asyncio.Protocol
 
@@ -265,12 +311,6 @@ class _Connection(asyncio.Protocol):
         if response is not None and self._state == 6:  # a body framed by the close has ended
             self._state = 0
             self._response = None
-            try:
-                tail = self._decoder.flush() if self._decoder is not None else b""
-            except ClientError as error:
-                response._fail(error)
-                return
-            response._feed(tail)
             response._end()
             return
         self._failed(Disconnected("The upstream closed the connection before its answer was complete."))
@@ -334,41 +374,41 @@ class _Connection(asyncio.Protocol):
     # parsing
 
     def _parse(self) -> None:
-        while self._buf:
-            state = self._state
-            if state == 0:
-                if not self._parse_head():
-                    return
-            elif state == 1:
-                self._body_by_length()
-            elif state == 6:
-                data, self._buf = self._buf, b""
-                self._deliver(data)
-            else:
-                if not self._chunked():
-                    return
+        buf, pos = self._buf, 0
+        try:
+            while pos < len(buf):
+                state = self._state
+                if state == 0:
+                    after = self._parse_head(buf, pos)
+                elif state == 1 or state == 3:  # a body by its length, or a chunk's data
+                    after = self._take_data(buf, pos)
+                elif state == 6:  # a body framed by the close: all of it
+                    self._deliver(buf[pos:] if pos else buf)
+                    after = len(buf)
+                else:
+                    after = self._chunk_framing(buf, pos)
+                if after < 0:  # the rest must arrive first
+                    break
+                pos = after
+        finally:  # (what was parsed is dropped, also when the parse failed: the connection is closed then)
+            self._buf = buf[pos:] if pos else buf
 
-    def _parse_head(self) -> bool:
-        buf = self._buf
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > HEAD_LIMIT:
+    def _parse_head(self, buf: bytes, pos: int) -> int:
+        end = buf.find(b"\r\n\r\n", pos)
+        if end < 0 or end - pos > HEAD_LIMIT:
+            if len(buf) - pos > HEAD_LIMIT:
                 raise InvalidResponse("The answer's head is too large.")
-            return False
-        if end > HEAD_LIMIT:
-            raise InvalidResponse("The answer's head is too large.")
-        head, self._buf = buf[:end], buf[end + 4:]
+            return -1
+        head = buf[pos:end]
         lines = head.split(b"\r\n")
         if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1 or b"\x00" in head:
             raise InvalidResponse("The answer's head has a stray line break or NUL.")
         parts = lines[0].split(b" ", 2)
         version = parts[0]
         if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(parts) < 2 or len(parts[1]) != 3 \
-                or not parts[1].isdigit():
+                or not parts[1].isdigit() or parts[1][0] == 48:  # (48: "0")
             raise InvalidResponse("The answer's status line is not HTTP/1.1.")
         status = int(parts[1])
-        if status < 100:
-            raise InvalidResponse("The answer's status line is not HTTP/1.1.")
         headers: CIMultiDict[str] = CIMultiDict()
         for line in lines[1:]:
             name, colon, value = line.partition(b":")
@@ -376,105 +416,88 @@ class _Connection(asyncio.Protocol):
                 raise InvalidResponse("The answer's headers are malformed.")
             headers.add(name.decode("ascii"), value.strip(b" \t").decode("utf-8", "surrogateescape"))
         if 100 <= status < 200 and status != 101:
-            return True  # informational (100 Continue, 103 Early Hints): the answer's own head follows
-        head_future, self._head = self._head, None
+            return end + 4  # informational (100 Continue, 103 Early Hints): the answer's own head follows
         response = Response(self, status, parts[2].decode("latin-1") if len(parts) > 2 else "",
                             CIMultiDictProxy(headers), _keep_alive(version, headers))
-        self._frame(response, headers, status)
-        if head_future is not None and not head_future.done():
-            head_future.set_result(response)
-        else:  # the request was given up (timeout, cancelled): nobody reads this answer
+        self._frame(response, headers, status)  # (an invalid framing fails the request waiting for this head)
+        head_future, self._head = self._head, None
+        if head_future is None or head_future.done():  # the request was given up (timeout, cancelled)
             self.close()
-            return False
-        return True
+            return -1
+        head_future.set_result(response)
+        return end + 4
 
     def _frame(self, response: Response, headers: CIMultiDict[str], status: int) -> None:
-        self._response = response
         coding = headers.get("Content-Encoding", "").strip().lower()
-        self._decoder = _Decoder(coding) if coding in ("gzip", "deflate", "x-gzip") else None
+        decoder = _Decoder(coding) if coding in ("gzip", "deflate", "x-gzip") else None
         if self._method == "HEAD" or status in (204, 304) or status == 101:
             self._state = 0
-            self._response = None
+            if status == 101:  # switching protocols, which nothing here asked for: not HTTP from here on
+                response.keep_alive = False
             response._end()
             return
         codings = headers.getall("Transfer-Encoding", ())
+        lengths = headers.getall("Content-Length", ())
         if codings:
             last = ",".join(codings).rsplit(",", 1)[-1].strip().lower()
             if last == "chunked":
-                self._state = 2
-                if "Content-Length" in headers:  # both framings: chunked wins, the connection is not reused
+                state = 2
+                if lengths:  # both framings: chunked wins, the connection is not reused
                     response.keep_alive = False
             else:  # a body framed by the close (RFC 9112 §6.3)
-                self._state, response.keep_alive = 6, False
-            return
-        lengths = headers.getall("Content-Length", ())
-        if lengths:
+                state, response.keep_alive = 6, False
+        elif lengths:
             values = {value.strip() for joined in lengths for value in joined.split(",")}
-            if len(values) != 1 or not _DIGITS.fullmatch(next(iter(values))):
+            value = values.pop() if len(values) == 1 else ""
+            if not _DIGITS.fullmatch(value):
                 raise InvalidResponse("The answer's Content-Length is invalid.")
-            self._left = int(values.pop())
+            self._left = int(value)
             if self._left == 0:
                 self._state = 0
-                self._response = None
                 response._end()
-            else:
-                self._state = 1
-            return
-        self._state, response.keep_alive = 6, False
-
-    def _body_by_length(self) -> None:
-        buf, left = self._buf, self._left
-        if len(buf) <= left:
-            data, self._buf = buf, b""
+                return
+            state = 1
         else:
-            data, self._buf = buf[:left], buf[left:]
-        self._left = left - len(data)
-        self._deliver(data)
-        if self._left == 0:
-            self._done()
+            state, response.keep_alive = 6, False
+        self._state, self._response, response._decoder = state, response, decoder
 
-    def _chunked(self) -> bool:
-        buf, state = self._buf, self._state
-        if state == 2:  # a chunk's size line
-            end = buf.find(b"\r\n")
-            if end < 0:
-                if len(buf) > HEAD_LIMIT:
-                    raise InvalidResponse("The answer's chunk size line is too long.")
-                return False
-            size = buf[:end].split(b";", 1)[0].strip(b" \t")
+    def _take_data(self, buf: bytes, pos: int) -> int:
+        left = self._left
+        end = min(len(buf), pos + left)
+        self._deliver(buf if pos == 0 and end == len(buf) else buf[pos:end])
+        self._left = left - (end - pos)
+        if self._left == 0:
+            if self._state == 1:
+                self._done()
+            else:
+                self._state = 4
+        return end
+
+    def _chunk_framing(self, buf: bytes, pos: int) -> int:
+        state = self._state
+        if state == 4:  # the CRLF after a chunk's data
+            if len(buf) - pos < 2:
+                return -1
+            if buf[pos:pos + 2] != b"\r\n":
+                raise InvalidResponse("The answer's chunked framing is invalid.")
+            self._state = 2
+            return pos + 2
+        end = buf.find(b"\r\n", pos)  # a chunk's size line, or a trailer line
+        if end < 0 or end - pos > HEAD_LIMIT:
+            if len(buf) - pos > HEAD_LIMIT:
+                raise InvalidResponse("The answer's chunked framing is too long.")
+            return -1
+        if state == 2:
+            size = buf[pos:end].split(b";", 1)[0].strip(b" \t")
             if not _HEX.fullmatch(size):
                 raise InvalidResponse("The answer's chunked framing is invalid.")
-            self._buf = buf[end + 2:]
             self._left = int(size, 16)
             self._state = 3 if self._left else 5
-        elif state == 3:  # its data
-            left = self._left
-            data, self._buf = (buf, b"") if len(buf) <= left else (buf[:left], buf[left:])
-            self._left = left - len(data)
-            self._deliver(data)
-            if self._left == 0:
-                self._state = 4
-        elif state == 4:  # the CRLF after it
-            if len(buf) < 2:
-                return False
-            if buf[:2] != b"\r\n":
-                raise InvalidResponse("The answer's chunked framing is invalid.")
-            self._buf = buf[2:]
-            self._state = 2
-        else:  # the trailers, up to an empty line
-            end = buf.find(b"\r\n")
-            if end < 0:
-                if len(buf) > HEAD_LIMIT:
-                    raise InvalidResponse("The answer's trailers are too large.")
-                return False
-            self._buf = buf[end + 2:]
-            if end == 0:
-                self._done()
-        return True
+        elif end == pos:  # the empty line after the trailers
+            self._done()
+        return end + 2
 
     def _deliver(self, data: bytes) -> None:
-        if self._decoder is not None:
-            data = self._decoder.feed(data)
         if self._response is not None:
             self._response._feed(data)
 
@@ -482,8 +505,6 @@ class _Connection(asyncio.Protocol):
         response, self._response = self._response, None
         self._state = 0
         if response is not None:
-            if self._decoder is not None:
-                response._feed(self._decoder.flush())
             response._end()
 
 
@@ -511,10 +532,14 @@ class _Origin:
     async def acquire(self) -> _Connection:
         loop = asyncio.get_running_loop()
         while True:
+            if self.client.closed:
+                raise ConnectFailed("The client is closed.")
             idle = self._idle
             while idle:
                 connection = idle.pop()
-                if not connection.lost and loop.time() - connection.idle_since < self.client.keepalive:
+                transport = connection.transport
+                if not connection.lost and transport is not None and not transport.is_closing() \
+                        and loop.time() - connection.idle_since < self.client.keepalive:
                     return connection
                 connection.close()
             if len(self._open) < self.client.limit:
@@ -544,6 +569,9 @@ class _Origin:
         except BaseException:
             connection.close()
             raise
+        if self.client.closed:  # closed while this one connected
+            connection.close()
+            raise ConnectFailed("The client is closed.")
         return connection
 
     def put(self, connection: _Connection) -> None:
@@ -585,6 +613,10 @@ class _Origin:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        waiters, self._waiters = self._waiters, collections.deque()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(ConnectFailed("The client is closed."))
         for connection in list(self._open):
             connection.close()
 
@@ -620,6 +652,8 @@ class HTTPClient:
         if origin is None:
             origin = self._origins[key] = _Origin(self, scheme, parts.hostname, port)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        if not target.isascii():  # sent as its UTF-8, percent-encoded (what is encoded already stays)
+            target = quote(target, safe="/?&=%:@!$'()*+,;~-._")
         if any(c in target for c in " \r\n\t"):
             raise ValueError(f"not a valid request target: {target[:200]!r}")
         if len(self._targets) >= 1024:
@@ -667,11 +701,13 @@ class HTTPClient:
 
 
 def _head(method: str, target: str, host: str, headers: Any, data: bytes | None) -> bytes:
+    if not _TOKEN_STR.fullmatch(method):
+        raise ValueError(f"not a method: {method[:100]!r}")
     lines = [f"{method} {target} HTTP/1.1"]
     seen = set()
     items = headers.items() if hasattr(headers, "items") else headers
     for name, value in items:
-        if "\n" in value or "\r" in value or "\n" in name or "\r" in name or ":" in name:
+        if "\n" in value or "\r" in value or not _TOKEN_STR.fullmatch(name):
             raise ValueError(f"a header that would break the request: {name[:100]!r}")
         lower = name.lower()
         if lower == "content-length" or lower == "transfer-encoding":
