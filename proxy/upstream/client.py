@@ -327,7 +327,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self._method = method
         self._got_bytes = False
-        self._head = asyncio.get_running_loop().create_future()
+        self._head = self.pool.loop.create_future()
         if body:
             self.transport.writelines((head, body))
         else:
@@ -520,6 +520,7 @@ class _Origin:
 
     def __init__(self, client: HTTPClient, scheme: str, host: str, port: int) -> None:
         self.client = client
+        self.loop = asyncio.get_running_loop()  # (its connections' loop; asked once, not per request)
         self.host, self.port = host, port
         self.ssl: ssl.SSLContext | None = client.ssl_context() if scheme == "https" else None
         default = 443 if scheme == "https" else 80
@@ -530,7 +531,7 @@ class _Origin:
         self._timer: asyncio.TimerHandle | None = None
 
     async def acquire(self) -> _Connection:
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         while True:
             if self.client.closed:
                 raise ConnectFailed("The client is closed.")
@@ -578,7 +579,7 @@ class _Origin:
         if self.client.closed:
             connection.close()
             return
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         connection.idle_since = loop.time()
         connection.used = True
         self._idle.append(connection)
@@ -602,7 +603,7 @@ class _Origin:
 
     def _expire(self) -> None:
         self._timer = None
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         now = loop.time()
         for connection in [c for c in self._idle if now - c.idle_since >= self.client.keepalive]:
             connection.close()
