@@ -27,12 +27,13 @@ a body that does not decode). Timeouts of the answer are the caller's (``proxy.c
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import re
 import ssl
 import zlib
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -46,10 +47,15 @@ _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _TOKEN_STR = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _DIGITS = re.compile(r"[0-9]{1,18}")
+_TARGET = re.compile(r"[!-~]+")  # visible ASCII: a request target as it may be sent
 
 
 class ClientError(Exception):
-    """A request that got no usable answer."""
+    """A request that got no usable answer (``kind``: what failed, as error messages name it)."""
+
+    def __init__(self, message: str, *, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind or type(self).__name__
 
 
 class ConnectTimeout(ClientError):
@@ -109,7 +115,10 @@ class _Decoder:
             out: bytes = z.decompress(data, limit)
         except zlib.error:
             raise InvalidResponse(f"The answer's body is not valid {'gzip' if self._gzip else 'deflate'}.") from None
-        self._tail = z.unconsumed_tail or (z.unused_data if z.eof and self._gzip else b"")
+        tail = z.unconsumed_tail
+        if not tail and z.eof and self._gzip and z.unused_data.startswith(b"\x1f\x8b"):
+            tail = z.unused_data  # a further gzip member (what else follows the last one is not part of it)
+        self._tail = tail
         return out
 
     def finish(self) -> None:
@@ -394,7 +403,11 @@ class _Connection(asyncio.Protocol):
             self._buf = buf[pos:] if pos else buf
 
     def _parse_head(self, buf: bytes, pos: int) -> int:
-        end = buf.find(b"\r\n\r\n", pos)
+        while buf.startswith(b"\n", pos) or buf.startswith(b"\r\n", pos):  # empty lines before a status line
+            pos += 1 if buf[pos] == 10 else 2
+        end, after = buf.find(b"\r\n\r\n", pos), 4
+        if end < 0 or b"\n\n" in buf[pos:end]:  # a head whose lines end in a bare LF (RFC 9112 §2.2 allows it)
+            end, after = _bare_lf_end(buf, pos, end)
         if end < 0 or end - pos > HEAD_LIMIT:
             if len(buf) - pos > HEAD_LIMIT:
                 raise InvalidResponse("The answer's head is too large.")
@@ -402,21 +415,26 @@ class _Connection(asyncio.Protocol):
         head = buf[pos:end]
         lines = head.split(b"\r\n")
         if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1 or b"\x00" in head:
-            raise InvalidResponse("The answer's head has a stray line break or NUL.")
+            lines = _lenient_lines(head)
         parts = lines[0].split(b" ", 2)
         version = parts[0]
         if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(parts) < 2 or len(parts[1]) != 3 \
                 or not parts[1].isdigit() or parts[1][0] == 48:  # (48: "0")
             raise InvalidResponse("The answer's status line is not HTTP/1.1.")
         status = int(parts[1])
-        headers: CIMultiDict[str] = CIMultiDict()
+        fields: list[tuple[bytes, bytes]] = []
         for line in lines[1:]:
             name, colon, value = line.partition(b":")
-            if not colon or not _TOKEN.fullmatch(name):
+            if colon and _TOKEN.fullmatch(name):
+                fields.append((name, value.strip(b" \t")))
+            elif line[:1] in (b" ", b"\t") and fields:  # obs-fold: the previous value goes on (RFC 9112 §5.2)
+                fields[-1] = (fields[-1][0], fields[-1][1] + b" " + line.strip(b" \t"))
+            else:
                 raise InvalidResponse("The answer's headers are malformed.")
-            headers.add(name.decode("ascii"), value.strip(b" \t").decode("utf-8", "surrogateescape"))
+        headers: CIMultiDict[str] = CIMultiDict(
+            [(name.decode("ascii"), value.decode("utf-8", "surrogateescape")) for name, value in fields])
         if 100 <= status < 200 and status != 101:
-            return end + 4  # informational (100 Continue, 103 Early Hints): the answer's own head follows
+            return end + after  # informational (100 Continue, 103 Early Hints): the answer's own head follows
         response = Response(self, status, parts[2].decode("latin-1") if len(parts) > 2 else "",
                             CIMultiDictProxy(headers), _keep_alive(version, headers))
         self._frame(response, headers, status)  # (an invalid framing fails the request waiting for this head)
@@ -425,11 +443,14 @@ class _Connection(asyncio.Protocol):
             self.close()
             return -1
         head_future.set_result(response)
-        return end + 4
+        return end + after
 
     def _frame(self, response: Response, headers: CIMultiDict[str], status: int) -> None:
         coding = headers.get("Content-Encoding", "").strip().lower()
         decoder = _Decoder(coding) if coding in ("gzip", "deflate", "x-gzip") else None
+        if decoder is None and coding not in ("", "identity") and self._method != "HEAD" \
+                and status not in (204, 304):  # (only gzip and deflate are asked for: Accept-Encoding)
+            raise InvalidResponse(f"The answer is in an encoding that was not asked for ({coding[:40]}).")
         if self._method == "HEAD" or status in (204, 304) or status == 101:
             self._state = 0
             if status == 101:  # switching protocols, which nothing here asked for: not HTTP from here on
@@ -508,6 +529,26 @@ class _Connection(asyncio.Protocol):
             response._end()
 
 
+def _bare_lf_end(buf: bytes, pos: int, crlf_end: int) -> tuple[int, int]:
+    """Where a head with bare-LF line ends ends, and the length of its end: the first empty line, however ended."""
+    best, after = -1, 0
+    for mark in (b"\n\n", b"\n\r\n"):
+        at = buf.find(mark, pos)
+        if at >= 0 and (best < 0 or at < best):
+            best, after = at, len(mark)
+    if crlf_end >= 0 and (best < 0 or crlf_end < best):
+        return crlf_end, 4
+    return best, after
+
+
+def _lenient_lines(head: bytes) -> list[bytes]:
+    """A head's lines split at LF, each without the CR before it; any other CR, or a NUL, is refused."""
+    lines = [line[:-1] if line.endswith(b"\r") else line for line in head.split(b"\n")]
+    if any(b"\r" in line or b"\x00" in line for line in lines):
+        raise InvalidResponse("The answer's head has a stray CR or NUL.")
+    return lines
+
+
 def _keep_alive(version: bytes, headers: CIMultiDict[str]) -> bool:
     tokens = {token.strip().lower() for value in headers.getall("Connection", ()) for token in value.split(",")}
     if version == b"HTTP/1.0":
@@ -528,45 +569,68 @@ class _Origin:
         self._idle: list[_Connection] = []
         self._open: set[_Connection] = set()
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._woken = 0  # waiters woken that have not run yet (a request arriving meanwhile queues behind them)
         self._timer: asyncio.TimerHandle | None = None
+        self.basic: str | None = None  # the URL's credentials, as an Authorization header
 
-    async def acquire(self) -> _Connection:
-        loop = self.loop
+    async def acquire(self, fresh: bool = False) -> _Connection:
+        """An idle connection (not when ``fresh``), a new one within the limit, or the next one freed: first come,
+        first served (a request that arrives while others wait queues behind them)."""
+        woken = False
         while True:
             if self.client.closed:
                 raise ConnectFailed("The client is closed.")
-            idle = self._idle
-            while idle:
-                connection = idle.pop()
-                transport = connection.transport
-                if not connection.lost and transport is not None and not transport.is_closing() \
-                        and loop.time() - connection.idle_since < self.client.keepalive:
-                    return connection
-                connection.close()
-            if len(self._open) < self.client.limit:
-                break
-            waiter = loop.create_future()
-            self._waiters.append(waiter)
+            if woken or not (self._waiters or self._woken):
+                if not fresh:
+                    connection = self._idle_connection()
+                    if connection is not None:
+                        return connection
+                elif self._idle and len(self._open) >= self.client.limit:
+                    self._idle[0].close()  # the oldest idle connection makes room (likely stale as well)
+                if len(self._open) < self.client.limit:
+                    return await self._connect()
+            waiter = self.loop.create_future()
+            if woken:
+                self._waiters.appendleft(waiter)  # (woken, and beaten to it: first again)
+            else:
+                self._waiters.append(waiter)
             try:
                 await waiter
             except BaseException:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
-                elif waiter.done() and not waiter.cancelled():
-                    self._wake()  # the slot it was given goes to the next waiter
+                elif waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                    self._woken -= 1
+                    self._wake()  # what it was woken for goes to the next waiter
                 raise
+            self._woken -= 1
+            woken = True
+
+    def _idle_connection(self) -> _Connection | None:
+        idle = self._idle
+        while idle:
+            connection = idle.pop()  # (the newest: the least likely to have been closed by the upstream)
+            transport = connection.transport
+            if not connection.lost and transport is not None and not transport.is_closing() \
+                    and self.loop.time() - connection.idle_since < self.client.keepalive:
+                return connection
+            connection.close()
+        return None
+
+    async def _connect(self) -> _Connection:
         connection = _Connection(self)
         self._open.add(connection)
         try:
             async with deadline(self.client.connect_timeout):
-                await loop.create_connection(lambda: connection, self.host, self.port, ssl=self.ssl,
-                                             server_hostname=self.host if self.ssl is not None else None)
+                await self.loop.create_connection(lambda: connection, self.host, self.port, ssl=self.ssl,
+                                                  server_hostname=self.host if self.ssl is not None else None)
         except asyncio.TimeoutError:
             self.forget(connection)
             raise ConnectTimeout(f"Connecting to {self.host_header} timed out.") from None
         except (OSError, ssl.SSLError) as exc:
             self.forget(connection)
-            raise ConnectFailed(f"Could not connect to {self.host_header} ({type(exc).__name__}).") from None
+            raise ConnectFailed(f"Could not connect to {self.host_header} ({type(exc).__name__}).",
+                                kind=type(exc).__name__) from None
         except BaseException:
             connection.close()
             raise
@@ -599,6 +663,7 @@ class _Origin:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
+                self._woken += 1
                 return
 
     def _expire(self) -> None:
@@ -647,16 +712,20 @@ class HTTPClient:
         scheme = parts.scheme.lower()
         if scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url[:200]!r}")
-        port = parts.port or (443 if scheme == "https" else 80)
+        try:
+            port = parts.port or (443 if scheme == "https" else 80)
+        except ValueError:
+            raise ValueError(f"not a valid port in {url[:200]!r}") from None
         key = (scheme, parts.hostname, port)
         origin = self._origins.get(key)
         if origin is None:
             origin = self._origins[key] = _Origin(self, scheme, parts.hostname, port)
+        if parts.username is not None and origin.basic is None:  # user:password@ in the URL: HTTP basic auth
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+            origin.basic = "Basic " + base64.b64encode(pair).decode("ascii")
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        if not target.isascii():  # sent as its UTF-8, percent-encoded (what is encoded already stays)
-            target = quote(target, safe="/?&=%:@!$'()*+,;~-._")
-        if any(c in target for c in " \r\n\t"):
-            raise ValueError(f"not a valid request target: {target[:200]!r}")
+        if not _TARGET.fullmatch(target):  # sent as its UTF-8, percent-encoded (what is encoded already stays)
+            target = quote(target, safe="/?&=%:@!$'()*+,;~-._[]")
         if len(self._targets) >= 1024:
             self._targets.clear()
         self._targets[url] = (origin, target)
@@ -668,10 +737,10 @@ class HTTPClient:
         if self.closed:
             raise ConnectFailed("The client is closed.")
         origin, target = self._target(str(url))
-        head = _head(method, target, origin.host_header, headers, data)
-        retry = method in IDEMPOTENT
+        head = _head(method, target, origin.host_header, headers, data, origin.basic)
+        retry, fresh = method in IDEMPOTENT, False
         while True:
-            connection = await origin.acquire()
+            connection = await origin.acquire(fresh)
             reused = connection.used
             try:
                 return await connection.send(method, head, data)
@@ -679,6 +748,7 @@ class HTTPClient:
                 if not (retry and reused and not connection._got_bytes):
                     raise
                 retry = False  # once, on a new connection (a reused one the upstream had closed)
+                fresh = True
             except BaseException:
                 connection.close()
                 raise
@@ -701,7 +771,7 @@ class HTTPClient:
         self._targets.clear()
 
 
-def _head(method: str, target: str, host: str, headers: Any, data: bytes | None) -> bytes:
+def _head(method: str, target: str, host: str, headers: Any, data: bytes | None, basic: str | None = None) -> bytes:
     if not _TOKEN_STR.fullmatch(method):
         raise ValueError(f"not a method: {method[:100]!r}")
     lines = [f"{method} {target} HTTP/1.1"]
@@ -717,6 +787,8 @@ def _head(method: str, target: str, host: str, headers: Any, data: bytes | None)
         lines.append(f"{name}: {value}")
     if "host" not in seen:
         lines.append(f"Host: {host}")
+    if basic is not None and "authorization" not in seen:
+        lines.append(f"Authorization: {basic}")
     if "accept" not in seen:
         lines.append("Accept: */*")
     if "accept-encoding" not in seen:

@@ -145,7 +145,9 @@ async def open_request(
         raise UpstreamTimeout("The upstream did not answer in time.") from None
     except InvalidResponse as exc:  # not HTTP: a garbage status line, oversized headers, bad chunking
         raise UpstreamUnreachable(f"The upstream sent an invalid HTTP response ({type(exc).__name__}).") from None
-    except (ClientError, OSError) as exc:
+    except ClientError as exc:
+        raise UpstreamUnreachable(f"The upstream is unreachable ({exc.kind}).") from None
+    except OSError as exc:
         raise UpstreamUnreachable(f"The upstream is unreachable ({type(exc).__name__}).") from None
 
 
@@ -252,6 +254,9 @@ class HTTPAnswer:
         except asyncio.TimeoutError:
             self.response.close()
             raise UpstreamTimeout("The upstream stalled while sending its answer.") from None
+        except InvalidResponse:
+            self.response.close()
+            raise UpstreamUnreachable("The upstream sent an invalid HTTP response (InvalidResponse).") from None
         except ClientError:
             self.response.close()
             raise UpstreamUnreachable("The upstream closed the connection before its answer was complete.") from None

@@ -688,3 +688,104 @@ async def test_a_method_or_header_name_that_breaks_the_request_is_refused(method
     async with Raw(replies(ok())) as server, HTTPClient() as client:
         with pytest.raises(ValueError):
             await get(client, server.url, method, headers=headers)
+
+
+# --------------------------------------------------------------------------- the end-to-end reviewer's findings
+
+
+async def test_a_retry_goes_out_on_a_new_connection_even_at_the_limit() -> None:
+    """An upstream that closes each connection just after its answer, without saying so: a GET that finds its
+    reused connection closed is sent again on a new one, also when every slot is taken (limit 1)."""
+    async def close_after(reader: R, writer: W, n: int) -> None:
+        while await read_request(reader) is not None:
+            await asyncio.sleep(0.002)
+            writer.write(ok(b"done"))
+            await writer.drain()
+            await asyncio.sleep(0.001)
+            return
+
+    async with Raw(close_after) as server, HTTPClient(limit=1) as client:
+        async def loop() -> list[int]:
+            return [(await get(client, server.url))[0] for _ in range(15)]
+        results = await asyncio.gather(*(loop() for _ in range(6)))
+    assert all(status == 200 for statuses in results for status in statuses)
+
+
+async def test_waiters_are_served_in_the_order_they_came() -> None:
+    release = asyncio.Event()
+    order: list[str] = []
+
+    async def slow_first(reader: R, writer: W, n: int) -> None:
+        first = True
+        while await read_request(reader) is not None:
+            if first:
+                await release.wait()
+                first = False
+            writer.write(ok())
+            await writer.drain()
+
+    async with Raw(slow_first) as server, HTTPClient(limit=1) as client:
+        async def one(name: str) -> None:
+            await get(client, server.url)
+            order.append(name)
+
+        first = asyncio.create_task(one("A"))
+        await asyncio.sleep(0.05)
+        waiting = [asyncio.create_task(one(f"W{i}")) for i in range(1, 4)]
+        await asyncio.sleep(0.05)
+        release.set()
+        await first  # its connection is freed now; a request that arrives now queues behind the waiters
+        late = asyncio.create_task(one("R"))
+        await asyncio.gather(*waiting, late)
+    assert order == ["A", "W1", "W2", "W3", "R"]
+
+
+async def test_credentials_in_the_url_are_sent_as_basic_auth() -> None:
+    log: list[Any] = []
+    async with Raw(replies(ok(), log)) as server, HTTPClient() as client:
+        url = server.url.replace("http://", "http://user:p%40ss@")
+        assert (await get(client, url))[0] == 200
+        assert (await get(client, url, headers={"Authorization": "Bearer mine"}))[0] == 200
+    assert b"\r\nAuthorization: Basic dXNlcjpwQHNz\r\n" in log[0][1]
+    assert b"Bearer mine" in log[1][1] and b"Basic" not in log[1][1]
+
+
+@pytest.mark.parametrize("wire", [
+    b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok",  # bare LF line ends (RFC 9112 section 2.2)
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\n\r\nok",
+    b"\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",  # an empty line before the status line
+    b"HTTP/1.1 200 OK\r\nX-A: one\r\n  two\r\nContent-Length: 2\r\n\r\nok",  # obs-fold
+], ids=["bare LF", "mixed", "leading CRLF", "obs-fold"])
+async def test_lenient_heads_a_recipient_may_accept(wire: bytes) -> None:
+    async with Raw(replies(wire)) as server, HTTPClient() as client:
+        for _ in range(2):  # (and the connection is reused)
+            response = await client.request("GET", server.url)
+            assert (response.status, await response.read()) == (200, b"ok")
+            response.release()
+        assert len(server.peers) == 1
+        if b"X-A" in wire:
+            assert response.headers["X-A"] == "one two"
+
+
+async def test_bytes_after_the_last_gzip_member_are_ignored() -> None:
+    async with Raw(replies(ok(gzip.compress(b"hello") + b"\n", "Content-Encoding: gzip"))) as server, \
+            HTTPClient() as client:
+        assert await get(client, server.url) == (200, b"hello")
+
+
+@pytest.mark.parametrize("coding", ["zstd", "br", "compress"])
+async def test_an_encoding_not_asked_for_is_refused(coding: str) -> None:
+    async with Raw(replies(ok(b"\x28\xb5\x2f\xfd garbage", f"Content-Encoding: {coding}"))) as server, \
+            HTTPClient() as client:
+        with pytest.raises(InvalidResponse):
+            await client.request("GET", server.url)
+
+
+async def test_a_target_with_a_space_or_non_ascii_is_percent_encoded() -> None:
+    log: list[Any] = []
+    async with Raw(replies(ok(), log)) as server, HTTPClient() as client:
+        base = server.url.rsplit("/v1/x", 1)[0]
+        assert (await get(client, base + "/my prefix/v1/x?q=%41")) == (200, b"ok")
+        assert (await get(client, base + "/é/v1")) == (200, b"ok")
+    assert log[0][1].startswith(b"GET /my%20prefix/v1/x?q=%41 HTTP/1.1\r\n")
+    assert log[1][1].startswith(b"GET /%C3%A9/v1 HTTP/1.1\r\n")
