@@ -30,11 +30,13 @@ import asyncio
 import base64
 import collections
 import re
+import socket
 import ssl
 import zlib
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
+import aiohappyeyeballs
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.core.deadline import deadline
@@ -622,8 +624,17 @@ class _Origin:
         self._open.add(connection)
         try:
             async with deadline(self.client.connect_timeout):
-                await self.loop.create_connection(lambda: connection, self.host, self.port, ssl=self.ssl,
-                                                  server_hostname=self.host if self.ssl is not None else None)
+                # the host's addresses tried as RFC 8305 says (an unreachable IPv6 one does not hold up the IPv4
+                # one for the whole timeout), as aiohttp did; aiohappyeyeballs is aiohttp's own dependency
+                infos = await self.loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+                sock = await aiohappyeyeballs.start_connection(infos, happy_eyeballs_delay=0.25, interleave=1,
+                                                               loop=self.loop)
+                try:
+                    await self.loop.create_connection(lambda: connection, sock=sock, ssl=self.ssl,
+                                                      server_hostname=self.host if self.ssl is not None else None)
+                except BaseException:
+                    sock.close()
+                    raise
         except asyncio.TimeoutError:
             self.forget(connection)
             raise ConnectTimeout(f"Connecting to {self.host_header} timed out.") from None

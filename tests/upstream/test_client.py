@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import random
+import socket
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -418,14 +419,14 @@ async def test_the_request_head() -> None:
             ("0", "text/event-stream", "identity", False)
         assert (e["content-length"], "content-type" in e) == ("1", False)  # (a GET's body is not typed)
 
-        loop = asyncio.get_running_loop()  # any host and port reaches this server: the Host header is what is seen
-        connect = loop.create_connection
-        loop.create_connection = lambda f, host, port, **kw: connect(f, "127.0.0.1", server.port, **kw)  # type: ignore
+        loop = asyncio.get_running_loop()  # any host and port resolves to this server: the Host header is what is seen
+        resolve = loop.getaddrinfo
+        loop.getaddrinfo = lambda host, port, **kw: resolve("127.0.0.1", server.port, **kw)  # type: ignore
         try:
             await get(client, "http://Upstream.Example/x")
             await get(client, "http://[::1]:8080/y")
         finally:
-            del loop.create_connection
+            del loop.getaddrinfo
         assert [h["host"] for h in request_heads(log[5:])] == ["upstream.example", "[::1]:8080"]
 
         for bad in [{"X-A": "a\r\nX-Injected: 1"}, {"X-A": "a\nb"}, {"X-A\r\nB": "c"}]:
@@ -789,3 +790,24 @@ async def test_a_target_with_a_space_or_non_ascii_is_percent_encoded() -> None:
         assert (await get(client, base + "/é/v1")) == (200, b"ok")
     assert log[0][1].startswith(b"GET /my%20prefix/v1/x?q=%41 HTTP/1.1\r\n")
     assert log[1][1].startswith(b"GET /%C3%A9/v1 HTTP/1.1\r\n")
+
+
+async def test_an_unreachable_address_does_not_hold_up_the_next_one() -> None:
+    """Happy Eyeballs (RFC 8305): a host whose first address never answers is reached on its second at once, not
+    after the connect timeout (a blackholed IPv6 address in front of a working IPv4 one)."""
+    async with Raw(replies(ok())) as server, HTTPClient(connect_timeout=5) as client:
+        loop = asyncio.get_running_loop()
+        # 192.0.2.1 (TEST-NET-1) is never answered; the second address is the server
+        blackhole = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.0.2.1", server.port))
+        good = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", server.port))
+
+        async def resolve(host: str, port: int, **kw: Any) -> list[Any]:
+            return [blackhole, good]
+
+        loop.getaddrinfo = resolve  # type: ignore[method-assign,assignment]
+        try:
+            started = time.monotonic()
+            assert await get(client, f"http://two-addresses.test:{server.port}/x") == (200, b"ok")
+        finally:
+            del loop.getaddrinfo
+        assert time.monotonic() - started < 2
