@@ -34,13 +34,14 @@ import socket
 import ssl
 import zlib
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote, unquote_to_bytes, urlsplit
 
 import aiohappyeyeballs
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.core.deadline import deadline
 
+MAX_LEADING_LINES = 4  # empty lines accepted before an answer's status line
 HEAD_LIMIT = 64 * 1024  # an answer's head (status line and headers), and a chunk's size line with its extensions
 HIGH_WATER = 1024 * 1024  # bytes received and not yet read: reading from the socket pauses above this
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
@@ -87,6 +88,8 @@ class _Decoder:
         self._held = b""  # deflate: the first byte, until the second says whether it is zlib-wrapped
         self._tail = b""  # input not decoded yet (what the last limit left)
         self._fed = False
+        self._between = b""  # gzip: bytes after a member's end, until two say whether another member follows
+        self._ignoring = False  # gzip: what follows the last member is not part of the body
 
     @property
     def pending(self) -> bool:
@@ -103,23 +106,37 @@ class _Decoder:
                 return b""
             wrapped = data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
             self._z = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
+        if self._ignoring or (self._z.eof and not self._gzip):
+            return b""  # (bytes after the compressed data are not part of the body)
+        if self._z.eof:  # between two gzip members, or after the last
+            data = self._between + data
+            self._between = b""
+            if not self._next_member(data):
+                return b""
         self._tail += data
         return self.more(limit)
+
+    def _next_member(self, data: bytes) -> bool:
+        """After a gzip member: whether ``data`` starts another (else it is held, or ignored from here on)."""
+        if data.startswith(b"\x1f\x8b"):
+            self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            return True
+        if data == b"\x1f":
+            self._between = data  # (the next byte decides)
+        else:
+            self._ignoring = True
+        return False
 
     def more(self, limit: int) -> bytes:
         data, self._tail = self._tail, b""
         z = self._z
         try:
-            if z.eof:
-                if not self._gzip:
-                    return b""  # (bytes after a deflate stream's end are not part of it)
-                z = self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)  # a further gzip member
             out: bytes = z.decompress(data, limit)
         except zlib.error:
             raise InvalidResponse(f"The answer's body is not valid {'gzip' if self._gzip else 'deflate'}.") from None
         tail = z.unconsumed_tail
-        if not tail and z.eof and self._gzip and z.unused_data.startswith(b"\x1f\x8b"):
-            tail = z.unused_data  # a further gzip member (what else follows the last one is not part of it)
+        if not tail and z.eof and self._gzip and z.unused_data and self._next_member(z.unused_data):
+            tail = z.unused_data
         self._tail = tail
         return out
 
@@ -405,11 +422,17 @@ class _Connection(asyncio.Protocol):
             self._buf = buf[pos:] if pos else buf
 
     def _parse_head(self, buf: bytes, pos: int) -> int:
-        while buf.startswith(b"\n", pos) or buf.startswith(b"\r\n", pos):  # empty lines before a status line
-            pos += 1 if buf[pos] == 10 else 2
-        end, after = buf.find(b"\r\n\r\n", pos), 4
-        if end < 0 or b"\n\n" in buf[pos:end]:  # a head whose lines end in a bare LF (RFC 9112 §2.2 allows it)
-            end, after = _bare_lf_end(buf, pos, end)
+        for _ in range(MAX_LEADING_LINES):  # empty lines before a status line (RFC 9112 §2.2), a few
+            if buf.startswith(b"\r\n", pos):
+                pos += 2
+            elif buf.startswith(b"\n", pos):
+                pos += 1
+            else:
+                break
+        else:
+            if buf.startswith(b"\n", pos) or buf.startswith(b"\r", pos):
+                raise InvalidResponse("The answer starts with empty lines.")
+        end, after = _head_end(buf, pos)
         if end < 0 or end - pos > HEAD_LIMIT:
             if len(buf) - pos > HEAD_LIMIT:
                 raise InvalidResponse("The answer's head is too large.")
@@ -531,16 +554,20 @@ class _Connection(asyncio.Protocol):
             response._end()
 
 
-def _bare_lf_end(buf: bytes, pos: int, crlf_end: int) -> tuple[int, int]:
-    """Where a head with bare-LF line ends ends, and the length of its end: the first empty line, however ended."""
-    best, after = -1, 0
-    for mark in (b"\n\n", b"\n\r\n"):
-        at = buf.find(mark, pos)
-        if at >= 0 and (best < 0 or at < best):
-            best, after = at, len(mark)
-    if crlf_end >= 0 and (best < 0 or crlf_end < best):
-        return crlf_end, 4
-    return best, after
+def _head_end(buf: bytes, pos: int) -> tuple[int, int]:
+    """Where the head starting at ``pos`` ends (its last line's CR or LF) and how long its end is: at the first empty
+    line, however its lines end (CRLF, or a bare LF as RFC 9112 §2.2 lets a recipient accept); (-1, 0): not yet."""
+    crlf = buf.find(b"\n\r\n", pos)  # (an LF, then an empty line ended by CRLF)
+    lf = buf.find(b"\n\n", pos, crlf + 1 if crlf >= 0 else len(buf))
+    if lf >= 0:
+        at, after = lf, 2
+    elif crlf >= 0:
+        at, after = crlf, 3
+    else:
+        return -1, 0
+    if at > pos and buf[at - 1] == 13:  # the last line's CR
+        return at - 1, after + 1
+    return at, after
 
 
 def _lenient_lines(head: bytes) -> list[bytes]:
@@ -573,7 +600,6 @@ class _Origin:
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._woken = 0  # waiters woken that have not run yet (a request arriving meanwhile queues behind them)
         self._timer: asyncio.TimerHandle | None = None
-        self.basic: str | None = None  # the URL's credentials, as an Authorization header
 
     async def acquire(self, fresh: bool = False) -> _Connection:
         """An idle connection (not when ``fresh``), a new one within the limit, or the next one freed: first come,
@@ -586,11 +612,14 @@ class _Origin:
                 if not fresh:
                     connection = self._idle_connection()
                     if connection is not None:
+                        self._pass_on()
                         return connection
                 elif self._idle and len(self._open) >= self.client.limit:
                     self._idle[0].close()  # the oldest idle connection makes room (likely stale as well)
                 if len(self._open) < self.client.limit:
-                    return await self._connect()
+                    connection = await self._connect()
+                    self._pass_on()
+                    return connection
             waiter = self.loop.create_future()
             if woken:
                 self._waiters.appendleft(waiter)  # (woken, and beaten to it: first again)
@@ -607,6 +636,12 @@ class _Origin:
                 raise
             self._woken -= 1
             woken = True
+
+    def _pass_on(self) -> None:
+        """A request served while others wait: what is still free goes to the next of them (two connections
+        freed in one tick wake one waiter each only if the second finds one queued)."""
+        if self._waiters and not self._woken and (self._idle or len(self._open) < self.client.limit):
+            self._wake()
 
     def _idle_connection(self) -> _Connection | None:
         idle = self._idle
@@ -707,7 +742,7 @@ class HTTPClient:
         self.connect_timeout = connect_timeout
         self.closed = False
         self._origins: dict[tuple[str, str, int], _Origin] = {}
-        self._targets: dict[str, tuple[_Origin, str]] = {}
+        self._targets: dict[str, tuple[_Origin, str, str | None]] = {}
         self._ssl: ssl.SSLContext | None = None
 
     def ssl_context(self) -> ssl.SSLContext:
@@ -715,7 +750,7 @@ class HTTPClient:
             self._ssl = ssl.create_default_context()
         return self._ssl
 
-    def _target(self, url: str) -> tuple[_Origin, str]:
+    def _target(self, url: str) -> tuple[_Origin, str, str | None]:
         known = self._targets.get(url)
         if known is not None:
             return known
@@ -731,24 +766,25 @@ class HTTPClient:
         origin = self._origins.get(key)
         if origin is None:
             origin = self._origins[key] = _Origin(self, scheme, parts.hostname, port)
-        if parts.username is not None and origin.basic is None:  # user:password@ in the URL: HTTP basic auth
-            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
-            origin.basic = "Basic " + base64.b64encode(pair).decode("ascii")
+        basic = None
+        if parts.username or parts.password:  # user:password@ in the URL: HTTP basic auth, for this URL
+            pair = unquote_to_bytes(parts.username or "") + b":" + unquote_to_bytes(parts.password or "")
+            basic = "Basic " + base64.b64encode(pair).decode("ascii")
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         if not _TARGET.fullmatch(target):  # sent as its UTF-8, percent-encoded (what is encoded already stays)
             target = quote(target, safe="/?&=%:@!$'()*+,;~-._[]")
         if len(self._targets) >= 1024:
             self._targets.clear()
-        self._targets[url] = (origin, target)
-        return origin, target
+        self._targets[url] = (origin, target, basic)
+        return origin, target, basic
 
     async def request(self, method: str, url: str, *, data: bytes | None = None,
                       headers: Any = ()) -> Response:
         """Send a request and wait for its answer's head; its body is read from the ``Response``."""
         if self.closed:
             raise ConnectFailed("The client is closed.")
-        origin, target = self._target(str(url))
-        head = _head(method, target, origin.host_header, headers, data, origin.basic)
+        origin, target, basic = self._target(str(url))
+        head = _head(method, target, origin.host_header, headers, data, basic)
         retry, fresh = method in IDEMPOTENT, False
         while True:
             connection = await origin.acquire(fresh)

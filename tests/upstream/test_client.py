@@ -811,3 +811,76 @@ async def test_an_unreachable_address_does_not_hold_up_the_next_one() -> None:
         finally:
             del loop.getaddrinfo
         assert time.monotonic() - started < 2
+
+
+# --------------------------------------------------------------------------- the second end-to-end review
+
+
+def test_empty_lines_before_an_answer_are_bounded() -> None:
+    with pytest.raises(InvalidResponse):
+        parse_in_pieces(b"\r\n" * 5000 + ok(), [], close=False)
+    assert parse_in_pieces(b"\r\n\n" + ok(b"hi"), [], close=False)[2] == b"hi"
+
+
+@pytest.mark.parametrize("wire", [
+    b"HTTP/1.1 200 OK\nContent-Length: 12\n\r\nab\r\n\r\ncdefgh",  # a bare-LF head ended by CRLF, CRLFCRLF in its body
+    b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\nab\r\n\r\ncdefgh",
+], ids=["LF then CRLF", "CRLF then LF"])
+def test_a_head_ends_at_its_first_empty_line_however_the_bytes_arrive(wire: bytes) -> None:
+    whole = parse_in_pieces(wire, [], close=False)
+    assert whole[0] == 200 and whole[2] == b"ab\r\n\r\ncdefgh"
+    for cut in range(1, len(wire)):
+        assert parse_in_pieces(wire, [cut], close=False) == whole
+
+
+@pytest.mark.parametrize("tail", [b"", b"\x00" * 8, b"\n"], ids=["two members", "zeros after", "newline after"])
+def test_gzip_members_and_what_follows_them_however_the_bytes_arrive(tail: bytes) -> None:
+    wire = gzip.compress(b"hello ") + (tail or gzip.compress(b"world"))
+    answer = b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(wire) + wire
+    expected = b"hello world" if not tail else b"hello "
+    for cut in range(len(answer) - len(wire), len(answer)):
+        assert parse_in_pieces(answer, [cut], close=False)[2] == expected
+
+
+async def test_a_free_connection_is_not_left_idle_while_a_request_waits() -> None:
+    """Two connections freed in one tick while one request waits, and a second request arriving before the first
+    waiter runs: both are served at once (the second release must not be lost)."""
+    gate = asyncio.Event()
+
+    async def handler(reader: R, writer: W, n: int) -> None:
+        while (request := await read_request(reader)) is not None:
+            if b"/slow" in request[0]:
+                await asyncio.sleep(3)
+            elif b"/gate" in request[0]:
+                await gate.wait()
+            writer.write(ok())
+            await writer.drain()
+
+    async with Raw(handler) as server, HTTPClient(limit=2) as client:
+        base = server.url.rsplit("/", 1)[0]
+        holders = [asyncio.create_task(client.request("GET", base + "/gate")) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        waiter = asyncio.create_task(get(client, base + "/slow"))  # W: queued, then slow once served
+        await asyncio.sleep(0.05)
+        gate.set()
+        responses = await asyncio.gather(*holders)
+        for response in responses:  # both freed in one tick
+            await response.read()
+            response.release()
+        started = time.monotonic()
+        assert await get(client, base + "/fast") == (200, b"ok")  # N: arrives before W has run
+        assert time.monotonic() - started < 1
+        await waiter
+
+
+async def test_credentials_belong_to_their_url() -> None:
+    log: list[Any] = []
+    async with Raw(replies(ok(), log)) as server, HTTPClient() as client:
+        base = server.url.split("//", 1)[1]
+        for url in (f"http://alice:a@{base}", f"http://bob:b@{base}", f"http://{base}", f"http://@{base}",
+                    f"http://u:%FF@{base}"):
+            await get(client, url)
+    auth = [next((line for line in head.split(b"\r\n") if line.startswith(b"Authorization")), None)
+            for _, head, _ in log]
+    assert auth == [b"Authorization: Basic YWxpY2U6YQ==", b"Authorization: Basic Ym9iOmI=", None, None,
+                    b"Authorization: Basic dTr/"]
