@@ -69,7 +69,9 @@ async def test_count_tokens_without_max_tokens_agrees_with_messages_and_calls_no
     assert sent_headers["x-ctxproxy-summary"] == "none" and forwarded > 12_000  # sent whole: under its threshold
     assert counted["input_tokens"] == forwarded
     assert upstream.messages[-1].body["messages"] == messages
-    assert upstream.summaries == []
+    # (no summary for it either; the look-ahead may prepare one in the background after the answer, near the
+    # threshold, which this test used to race: an assertion here on upstream.summaries passed only while the
+    # upstream client was slower than that background call)
     assert headers["x-ctxproxy-summary"] == "none"
 
 
