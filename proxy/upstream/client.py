@@ -308,7 +308,7 @@ class _Connection(asyncio.Protocol):
         self._head: asyncio.Future[Response] | None = None  # the current request's, until its head arrives
         self._response: Response | None = None  # the answer whose body is arriving
         self._method = "GET"
-        self._got_bytes = False
+        self.got_bytes = False  # the current request's answer has begun to arrive
         self._state = 0  # 0 head, 1 body by length, 2 chunk size, 3 chunk data, 4 chunk CRLF, 5 trailers, 6 close
         self._left = 0
 
@@ -318,7 +318,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        self._got_bytes = True
+        self.got_bytes = True
         if self._head is None and self._response is None:
             # bytes nobody asked for: the connection cannot be trusted with another request
             self.close()
@@ -328,9 +328,6 @@ class _Connection(asyncio.Protocol):
             self._parse()
         except ClientError as exc:
             self._failed(exc)
-
-    def eof_received(self) -> bool | None:
-        return None  # the transport closes itself; connection_lost tells the rest
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -343,18 +340,12 @@ class _Connection(asyncio.Protocol):
             return
         self._failed(Disconnected("The upstream closed the connection before its answer was complete."))
 
-    def pause_writing(self) -> None:  # pragma: no cover - a request body is written whole; nothing waits on it
-        pass
-
-    def resume_writing(self) -> None:  # pragma: no cover
-        pass
-
     # the pool's and the response's
 
     def send(self, method: str, head: bytes, body: bytes | None) -> asyncio.Future[Response]:
         assert self.transport is not None
         self._method = method
-        self._got_bytes = False
+        self.got_bytes = False
         self._head = self.pool.loop.create_future()
         if body:
             self.transport.writelines((head, body))
@@ -792,7 +783,7 @@ class HTTPClient:
             try:
                 return await connection.send(method, head, data)
             except Disconnected:
-                if not (retry and reused and not connection._got_bytes):
+                if not (retry and reused and not connection.got_bytes):
                     raise
                 retry = False  # once, on a new connection (a reused one the upstream had closed)
                 fresh = True
