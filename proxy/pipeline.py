@@ -50,6 +50,7 @@ SUMMARY_STATUSES = frozenset({"none", "reused", "created", "failed", "pending", 
 WM_CAP_STEP_SHARE = 4
 REMOVED_HOW = frozenset({"masked", "summarised", "windowed", "trimmed", "wm_capped"})
 MODES = ("enforce", "observe")
+BUDGETS_KEPT = 64  # budgets a policy remembers (``_budget``; max_tokens comes from clients: bounded)
 
 
 @dataclass
@@ -262,14 +263,15 @@ def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter, tena
         else wire.parse(body, counter)
     items = conversation.items
     if conversation.paired or conversation.unmanaged is not None:
-        repaired, repairs = items, Counter[str]()
+        repaired, repairs = items, Counter()
     else:
         repaired, repairs = repair(items, wire, wire.merge_call_runs, wire.field)
         check(repaired, wire.merge_call_runs, wire.field)  # what no repair can fix is refused here
         for item in repaired:
             if item.key == 0:  # a placeholder or an edited call: count it
                 wire.count(item, counter)
-    repairs.update(conversation.repairs)  # what the wire already repaired while parsing
+    if conversation.repairs:
+        repairs.update(conversation.repairs)  # what the wire already repaired while parsing
     if not repaired and repairs:
         # every item was an unpaired call, a stray result or a dangling reasoning item: an empty
         # conversation is not a request any provider answers, so it is refused here, not forwarded
@@ -598,6 +600,19 @@ def check_visible(visible: int, policy: Policy, calibration: float, param: str, 
 
 def _budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibration: float,
             provider_window: int | None = None) -> Budget:
+    """The request's budget: a function of the route, the policy and these figures alone, so remembered with the
+    policy (a request of a known conversation has the same ones as the one before it)."""
+    key = (route.window, route.max_output, max_tokens, calibration, provider_window)
+    known = policy.budgets.get(key)
+    if known is None:
+        if len(policy.budgets) >= BUDGETS_KEPT:
+            policy.budgets.clear()
+        known = policy.budgets[key] = _new_budget(route, policy, max_tokens, calibration, provider_window)
+    return known
+
+
+def _new_budget(route: ModelRoute, policy: Policy, max_tokens: int | None, calibration: float,
+                provider_window: int | None) -> Budget:
     manager = policy.manager
     cap = policy.max_context_tokens
     if policy.budget_cap is not None:

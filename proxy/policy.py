@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from plugins.base import ContextManager
 from plugins.registry import Binding
-from proxy.core.budget import DEFAULT_WINDOW, TrimmerParams
+from proxy.core.budget import DEFAULT_WINDOW, Budget, TrimmerParams
 from proxy.core.errors import BindingError, ModelNotFound, OverrideRejected
 from proxy.core.modelinfo import ModelMap
 from proxy.core.tokens import encoding_for
@@ -75,6 +75,9 @@ class Policy:
     # effective summary threshold never rises above the one the policy gives
     base_threshold: tuple[int, float] | None = None
     warnings: list[str] = field(default_factory=list)
+    # the budgets computed for this policy (``proxy.pipeline``), by route window and output cap, request cap,
+    # calibration and provider window
+    budgets: dict[tuple[Any, ...], Budget] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def describe(self) -> dict[str, Any]:
         """What GET /v1/ctxproxy/policy shows (never keys)."""

@@ -101,6 +101,8 @@ def assign_groups(items: list[Item], merge_call_runs: bool, start: int = 0) -> N
     alone); the numbering resumes from the first item of the group ``start - 1`` belongs to, where the
     state below is what it was when that group began.
     """
+    if start >= len(items):  # all numbered already (a request that repeats a known one)
+        return
     group = 0
     open_call = False  # the current group is a call group still taking results (or further calls)
     previous_was_call = False

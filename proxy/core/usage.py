@@ -50,7 +50,7 @@ def _at(usage: Mapping[str, Any], path: tuple[str, ...]) -> Any:
     """The value at ``path`` inside ``usage`` (None when any step is missing or not an object)."""
     value: Any = usage
     for key in path:
-        if not isinstance(value, Mapping):
+        if type(value) is not dict and not isinstance(value, Mapping):  # (a dict: no ABC check)
             return None
         value = value.get(key)
     return value
@@ -75,7 +75,7 @@ class UsageForm:
 
 def normalise_usage(usage: Any, form: UsageForm) -> Usage | None:
     """``usage`` read in ``form`` as a ``Usage``, or None when it carries no usable input count."""
-    if not isinstance(usage, Mapping):
+    if type(usage) is not dict and not isinstance(usage, Mapping):  # (a dict: no ABC check)
         return None
     consistent = True
 

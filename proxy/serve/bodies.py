@@ -94,7 +94,7 @@ GUARDED_NAMES = tuple(f'"{key}"'.encode() for key in GUARDED_FIELDS)  # as they 
 def check_repeated_fields(raw: bytes, body: dict[str, Any]) -> bool:
     """Refuse a body whose top level repeats a guarded field. A byte count rules nearly every body out at once
     (True: it did); only a body that names a guarded field more than once anywhere is decoded again, key by key."""
-    suspects = [key for key in GUARDED_FIELDS if key in body and raw.count(f'"{key}"'.encode()) > 1]
+    suspects = [key for key, name in zip(GUARDED_FIELDS, GUARDED_NAMES) if key in body and raw.count(name) > 1]
     if not suspects:
         return True
     outermost: list[list[tuple[str, Any]]] = []

@@ -55,6 +55,8 @@ class RequestCost:
 
 def removed_tokens(report: Report) -> int:
     """Tokens removed from one request, as the provider counts them."""
+    if not report.removed:
+        return 0
     removed = sum(n for n in report.removed.values() if n > 0)
     factor = report.calibration if 0 < report.calibration < 100 else 1.0
     return round(removed * factor)
@@ -62,7 +64,9 @@ def removed_tokens(report: Report) -> int:
 
 def summarizer_call(report: Report) -> tuple[str, int, int] | None:
     """(priced model, prompt tokens, completion tokens) of the summary this request made, if it made one."""
-    made = report.summary_detail.get("summarizer") if report.summary == "created" else None
+    if report.summary != "created":
+        return None
+    made = report.summary_detail.get("summarizer")
     if not isinstance(made, Mapping):
         return None
     model, prompt, completion = made.get("priced_model"), made.get("prompt_tokens"), made.get("completion_tokens")

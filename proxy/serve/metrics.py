@@ -37,6 +37,7 @@ series, so a process keeps one instance and calls ``set_labels`` on reload.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import re
@@ -182,6 +183,7 @@ class Metrics:
             "(counted by the replica that served both requests).", (*TM, "how"))
         self.overhead = histogram(
             "ctxproxy_overhead_seconds", "Time the proxy adds before forwarding.", (), OVERHEAD_BUCKETS)
+        self._overhead = _series(self.overhead)
         self.upstream = histogram(
             "ctxproxy_upstream_seconds", "Upstream response time (whole response).", TM, UPSTREAM_BUCKETS)
         self.ttft = histogram("ctxproxy_upstream_ttft_seconds", "Upstream time to first token.", TM, TTFT_BUCKETS)
@@ -228,11 +230,12 @@ class Metrics:
     # -- labels ---------------------------------------------------------------------------------------
 
     def _child(self, metric: Any, *labels: str) -> Any:
-        """``metric.labels(*labels)``, remembered: the after-answer metrics are updated on every answer."""
-        key = (id(metric), *labels)
+        """``metric.labels(*labels)``, remembered, as a series that counts without the library's per-call checks
+        (``_series``): the after-answer metrics are updated on every answer."""
+        key = (metric, *labels)  # (a metric hashes by identity)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = metric.labels(*labels)
+            child = self._children[key] = _series(metric.labels(*labels))
         return child
 
     def _ledger(self, tenant: str, model: str, **amounts: float) -> None:
@@ -290,7 +293,7 @@ class Metrics:
     def background_summary(self, tenant: str, result: str) -> None:
         """What became of a background summary (``proxy.store.background``)."""
         label = result if result in BACKGROUND_RESULTS else OTHER
-        self._child(self.background_summaries, self.tenant_label(tenant), label).inc()
+        self._child(self.background_summaries, self.tenant_label(tenant), label).inc(1)
 
     def background_summary_made(self, tenant: str, model: str, made: Completion | None) -> None:
         """A summary made in the background: created for the request that started it (its tenant and model).
@@ -327,7 +330,7 @@ class Metrics:
     def overflow(self, tenant: str, model: str, recovered: bool) -> None:
         """One refusal for length, recovered or not (``proxy.serve.overflow``)."""
         metric = self.overflow_recovered if recovered else self.overflow_failed
-        self._child(metric, self.tenant_label(tenant), self.model_label(model)).inc()
+        self._child(metric, self.tenant_label(tenant), self.model_label(model)).inc(1)
 
     def assembled(self, tenant: str, model: str, report: Report, upstream_model: str | None = None) -> None:
         """What the pipeline did to one request; savings priced on the model the route sends upstream.
@@ -340,7 +343,7 @@ class Metrics:
         mode = report.mode if report.mode in MODES else OTHER
         if observed and report.would_refuse is not None:
             code = self._error_code(report.would_refuse)
-            self._child(self.observed_refusals, t, code).inc()
+            self._child(self.observed_refusals, t, code).inc(1)
             self._ledger(t, m, observed_requests=1, observed_refusals=1)
             return
         self._child(self.tokens_received, t, m, mode).inc(max(0, report.tokens_before))
@@ -357,7 +360,7 @@ class Metrics:
                          observed_tokens_forwarded=max(0, report.tokens_after), observed_tokens_removed=removed)
             return
         if report.summary != "none":
-            self._child(self.summaries, t, report.summary if report.summary in SUMMARY_RESULTS else OTHER).inc()
+            self._child(self.summaries, t, report.summary if report.summary in SUMMARY_RESULTS else OTHER).inc(1)
         if report.summary_wait is not None:
             self._child(self.summary_wait, t).observe(max(0.0, report.summary_wait))
         for kind, n in report.repairs.items():
@@ -416,7 +419,7 @@ class Metrics:
                            factor: float) -> None:
         """One answer considered for calibration; a used one adds to the accuracy histogram."""
         m = self.model_label(model)
-        self._child(self.calibration_samples, m, sample.result if sample.result in SAMPLE_RESULTS else OTHER).inc()
+        self._child(self.calibration_samples, m, sample.result if sample.result in SAMPLE_RESULTS else OTHER).inc(1)
         if sample.result != "used" or usage is None or usage.input_tokens <= 0:
             return
         provider = usage.input_tokens
@@ -440,10 +443,10 @@ class Metrics:
         block already read in the wire's form, as the request's scope reads it once for this and ``settle``)."""
         t, m = self.tenant_label(tenant), self.model_label(model)
         self._child(self.requests, t, m, wire if wire in self.wires.names else OTHER,
-                    str(status) if 100 <= status <= 599 else OTHER).inc()
+                    str(status) if 100 <= status <= 599 else OTHER).inc(1)
         self._ledger(t, m, requests=1)
         if overhead is not None:
-            self.overhead.observe(max(0.0, overhead))
+            self._overhead.observe(max(0.0, overhead))
         if upstream is not None:
             self._child(self.upstream, t, m).observe(max(0.0, upstream))
         if ttft is not None:
@@ -466,7 +469,7 @@ class Metrics:
     def prefix(self, tenant: str, model: str, stable: bool) -> None:
         """Whether the forwarded prefix was unchanged since this conversation's previous request."""
         self._child(self.prefix_stable, self.tenant_label(tenant), self.model_label(model),
-                    "stable" if stable else "shifted").inc()
+                    "stable" if stable else "shifted").inc(1)
 
     def refetched(self, tenant: str, model: str, counts: dict[str, int]) -> None:
         """Calls of one request that repeat a call whose output an earlier request removed, by how
@@ -501,6 +504,44 @@ class Metrics:
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
         return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+class _CounterSeries:
+    """One counter series: ``inc`` is its value's own (the library's ``Counter.inc`` checks, on every call, that
+    the series is labelled and the amount not negative; both hold for every caller here)."""
+
+    __slots__ = ("inc",)
+
+    def __init__(self, value: Any) -> None:
+        self.inc = value.inc
+
+
+class _HistogramSeries:
+    """One histogram series, observed as the library's ``Histogram.observe`` does it (the sum, then the first
+    bucket whose bound is at least the amount), with a bisection and without the per-call checks."""
+
+    __slots__ = ("_sum", "_bounds", "_buckets")
+
+    def __init__(self, child: Any) -> None:
+        self._sum = child._sum.inc
+        self._bounds = list(child._upper_bounds)
+        self._buckets = [bucket.inc for bucket in child._buckets]
+
+    def observe(self, amount: float) -> None:
+        self._sum(amount)
+        if amount == amount:  # (NaN is in no bucket)
+            self._buckets[bisect.bisect_left(self._bounds, amount)](1)
+
+
+def _series(child: Any) -> Any:
+    """A labelled series of a counter or histogram as a ``_CounterSeries`` / ``_HistogramSeries`` (the child itself
+    for any other kind, or a library whose internals differ)."""
+    if isinstance(child, Counter) and hasattr(getattr(child, "_value", None), "inc"):
+        return _CounterSeries(child._value)
+    if isinstance(child, Histogram) and all(hasattr(child, name) for name in ("_sum", "_upper_bounds", "_buckets")) \
+            and len(child._upper_bounds) == len(child._buckets):
+        return _HistogramSeries(child)
+    return child
 
 
 def _factor(value: float) -> float:

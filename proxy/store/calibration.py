@@ -170,7 +170,7 @@ def hidden_input(body: Mapping[str, Any] | None) -> str | None:
     not a plain function: web search, file search, code execution, computer use, ...: the provider adds
     their definitions and results itself). Such a request is not a calibration sample.
     """
-    if not isinstance(body, Mapping):
+    if type(body) is not dict and not isinstance(body, Mapping):  # (a dict: no ABC check)
         return None
     for key in HIDDEN_FIELDS:
         if body.get(key):
@@ -178,7 +178,7 @@ def hidden_input(body: Mapping[str, Any] | None) -> str | None:
     tools = body.get("tools")
     if isinstance(tools, list):
         for tool in tools:
-            kind = tool.get("type") if isinstance(tool, Mapping) else None
+            kind = tool.get("type") if type(tool) is dict or isinstance(tool, Mapping) else None
             if isinstance(kind, str) and kind not in CLIENT_TOOL_TYPES:
                 return "server_tools"
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -9,6 +10,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import values as prom_values
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -16,7 +20,7 @@ from plugins.base import Completion
 from proxy.core.modelinfo import ModelMap
 from proxy.pipeline import Report
 from proxy.serve.costs import request_cost
-from proxy.serve.metrics import MAX_ERROR_CODES, Metrics
+from proxy.serve.metrics import MAX_ERROR_CODES, Metrics, _series
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "gpt-4o-mini"
@@ -333,3 +337,35 @@ def test_after_answer_metrics_keep_labels_bounded(metrics: Metrics) -> None:
     # (1000 - 1300) / 1300 raw; 1000 x 1.3 calibrated is exact
     assert value(metrics, "ctxproxy_token_count_error_ratio_bucket", model=MODEL, count="raw", le="-0.2") == 1
     assert value(metrics, "ctxproxy_token_count_error_ratio_bucket", model=MODEL, count="calibrated", le="0.0") == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.floats(min_value=0, max_value=1e6, allow_nan=False),
+                          st.sampled_from([0.0, 0.005, 0.01, 0.25, 1.0, 10.0, math.inf]),
+                          st.floats(min_value=-2, max_value=2, allow_nan=False)), max_size=30))
+def test_series_count_exactly_as_the_library_does(amounts: list[float]) -> None:
+    """The remembered series (``_child``) skip the library's per-call checks, not its arithmetic: every counter
+    and histogram figure equals the library's own ``inc`` / ``observe`` on the same amounts."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    made = {}
+    for name, registry in (("ours", ours), ("theirs", theirs)):
+        made[name] = (Counter("c", "c", ("k",), registry=registry),
+                      Histogram("h", "h", ("k",), buckets=(0.01, 0.25, 1.0, 5.0), registry=registry))
+    series = {(kind, label): _series(metric.labels(label))
+              for kind, metric in zip(("c", "h"), made["ours"]) for label in ("a", "b")}
+    plain = {(kind, label): metric.labels(label) for kind, metric in zip(("c", "h"), made["theirs"]) for label in "ab"}
+    for i, amount in enumerate(amounts):
+        label = "ab"[i % 2]
+        if amount >= 0:
+            series[("c", label)].inc(amount)
+            plain[("c", label)].inc(amount)
+        series[("h", label)].observe(amount)
+        plain[("h", label)].observe(amount)
+
+    def figures(registry: CollectorRegistry) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
+        return sorted((s.name, tuple(sorted(s.labels.items())), s.value)
+                      for family in text_string_to_metric_families(generate_latest(registry).decode())
+                      for s in family.samples if not s.name.endswith("_created"))
+
+    assert figures(ours) == figures(theirs)
+    assert all(not isinstance(s, (Counter, Histogram)) for s in series.values())  # the fast series were made
