@@ -262,6 +262,7 @@ def prepare(body: dict[str, Any], wire: WireAdapter, counter: TokenCounter, tena
     conversation = resume(body, counter, tenant) if resume is not None and tenant is not None \
         else wire.parse(body, counter)
     items = conversation.items
+    repairs: Counter[str]
     if conversation.paired or conversation.unmanaged is not None:
         repaired, repairs = items, Counter()
     else:

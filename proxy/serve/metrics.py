@@ -520,7 +520,7 @@ class _HistogramSeries:
     """One histogram series, observed as the library's ``Histogram.observe`` does it (the sum, then the first
     bucket whose bound is at least the amount), with a bisection and without the per-call checks."""
 
-    __slots__ = ("_sum", "_bounds", "_buckets")
+    __slots__ = ("_bounds", "_buckets", "_sum")
 
     def __init__(self, child: Any) -> None:
         self._sum = child._sum.inc
