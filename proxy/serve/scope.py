@@ -14,10 +14,8 @@ keeps only what differs: what it does with the body, and the answer.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,9 +104,8 @@ class Scope:
         return response
 
 
-@contextlib.asynccontextmanager
-async def request_scope(request: web.Request, wire: Wire, *, event: str = "request", counted: bool = True,
-                        key_headers: tuple[str, ...] | None = None) -> AsyncIterator[Scope]:
+def request_scope(request: web.Request, wire: Wire, *, event: str = "request", counted: bool = True,
+                  key_headers: tuple[str, ...] | None = None) -> RequestScope:
     """The scope of one request of ``wire`` (``event`` names it in the log: request, compact, count_tokens …).
 
     ``counted``: the request is one of the wire's requests in the metrics and the cost ledger (explain, which
@@ -120,20 +117,44 @@ async def request_scope(request: web.Request, wire: Wire, *, event: str = "reque
     request[RESPONSE_HEADERS] = headers
     request[ERROR_WIRE] = wire
     record = RequestRecord(request_id=rid, started=time.perf_counter(), wire=wire.name, event=event)
-    scope = Scope(request, st, st.served, wire, record, headers, counted=counted)
+    return RequestScope(Scope(request, st, st.served, wire, record, headers, counted=counted),
+                        key_headers or wire.key_headers)
+
+
+class RequestScope:
+    """``request_scope``'s context: authenticates on entry; on exit, whatever ended the request, finishes it
+    (``_finish``). A class, not a generator's context: every request enters one."""
+
+    __slots__ = ("_key_headers", "_scope")
+
+    def __init__(self, scope: Scope, key_headers: tuple[str, ...]) -> None:
+        self._scope = scope
+        self._key_headers = key_headers
+
+    async def __aenter__(self) -> Scope:
+        scope = self._scope
+        try:
+            scope.tenant = scope.runtime.authenticate(client_keys(scope.request, self._key_headers))
+        except BaseException as exc:
+            _ended(scope, exc)
+            raise
+        scope.record.tenant = scope.tenant.name if scope.tenant else "default"
+        return scope
+
+    async def __aexit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        _ended(self._scope, exc)  # (an exception goes on)
+
+
+def _ended(scope: Scope, exc: BaseException | None) -> None:
+    """The request ended (``exc``: what ended it, if anything): its status and error, then ``_finish``."""
     try:
-        scope.tenant = scope.runtime.authenticate(client_keys(request, key_headers or wire.key_headers))
-        record.tenant = scope.tenant.name if scope.tenant else "default"
-        yield scope
-    except CtxProxyError as exc:
-        scope.status = exc.status
-        if counted and (isinstance(exc, PayloadError) or exc.code == "context_length_exceeded"):
-            st.metrics.payload_error(exc.code or "invalid_payload")
-        record.error = exc.code
-        raise
-    except (asyncio.CancelledError, ConnectionResetError):
-        scope.status = 499  # the client went away
-        raise
+        if isinstance(exc, CtxProxyError):
+            scope.status = exc.status
+            if scope.counted and (isinstance(exc, PayloadError) or exc.code == "context_length_exceeded"):
+                scope.state.metrics.payload_error(exc.code or "invalid_payload")
+            scope.record.error = exc.code
+        elif isinstance(exc, (asyncio.CancelledError, ConnectionResetError)):
+            scope.status = 499  # the client went away
     finally:
         _finish(scope)
 

@@ -29,14 +29,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any
 
 from proxy.core.deadline import deadline
 from proxy.core.errors import CacheBackendError
 
-__all__ = ["FREE_SECONDS", "Guard", "RequestBudget", "cache_budget", "own_budget"]
+__all__ = ["FREE_SECONDS", "CacheBudget", "Guard", "RequestBudget", "cache_budget", "own_budget"]
 
 log = logging.getLogger("ctxproxy.cache")
 
@@ -57,18 +57,31 @@ class RequestBudget:
 _BUDGET: ContextVar[RequestBudget | None] = ContextVar("ctxproxy_cache_budget", default=None)
 
 
-@contextlib.contextmanager
-def cache_budget(seconds: float | None) -> Iterator[RequestBudget | None]:
+def cache_budget(seconds: float | None) -> CacheBudget:
     """The cache-time budget of the request running in this context (and of the tasks it starts); None: none."""
-    if seconds is None:
-        yield None
-        return
-    budget = RequestBudget(seconds)
-    token = _BUDGET.set(budget)
-    try:
-        yield budget
-    finally:
-        _BUDGET.reset(token)
+    return CacheBudget(seconds)
+
+
+class CacheBudget:
+    """``cache_budget``'s context (a class: every request enters one, and a generator's context costs more)."""
+
+    __slots__ = ("_seconds", "_token")
+
+    def __init__(self, seconds: float | None) -> None:
+        self._seconds = seconds
+        self._token: Token[RequestBudget | None] | None = None
+
+    def __enter__(self) -> RequestBudget | None:
+        if self._seconds is None:
+            return None
+        budget = RequestBudget(self._seconds)
+        self._token = _BUDGET.set(budget)
+        return budget
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _BUDGET.reset(self._token)
+            self._token = None
 
 
 @contextlib.contextmanager
