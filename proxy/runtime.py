@@ -115,7 +115,9 @@ class Runtime:
         learned = self.calibration.window(route) if self.calibration is not None else None
         return min(route.window, learned) if learned is not None else route.window
 
-    def services(self, route: ModelRoute, policy: Policy, *, request_id: str = "", dry_run: bool = False) -> Services:
+    def services(self, route: ModelRoute, policy: Policy, *, request_id: str = "", dry_run: bool = False,
+                 window: int | None = None) -> Services:
+        """``window``: the route's, as ``window(route)`` gives it, when the caller has it already."""
         s = self.config.settings
         return Services(
             engine=self.engine,
@@ -127,7 +129,7 @@ class Runtime:
             summary_tokens=s.summarizer.max_summary_tokens,
             values_tokens=s.summarizer.max_values_tokens,
             summarizer_timeout=s.summarizer.timeout_seconds,
-            summarizer_window=self.window(route),
+            summarizer_window=self.window(route) if window is None else window,
             window_of=self.window_of,
             summarizer_max_calls=s.summarizer.max_calls_per_summary,
             counter=self.tokenizers.get(route.encoding),
@@ -169,16 +171,17 @@ class Runtime:
         counter = await self.tokenizers.counter(route.encoding)
         calibration = await self.calibration_factor(route, policy.tenant)
         provider_window = self.calibration.window(route) if self.calibration is not None else None
+        window = min(route.window, provider_window) if provider_window is not None else route.window  # (``window``)
         if (mode or policy.mode) == "observe":
             assembly = await observe(
                 body, wire=wire, route=route, policy=policy, counter=counter,
-                services=self.services(route, policy, request_id=request_id, dry_run=True),
+                services=self.services(route, policy, request_id=request_id, dry_run=True, window=window),
                 offload=offload, calibration=calibration, provider_window=provider_window,
             )
             return assembly, route, policy
         assembly = await assemble(
             body, wire=wire, route=route, policy=policy, counter=counter,
-            services=self.services(route, policy, request_id=request_id, dry_run=dry_run),
+            services=self.services(route, policy, request_id=request_id, dry_run=dry_run, window=window),
             offload=offload, calibration=calibration, provider_window=provider_window,
         )
         if assembly.report.summary == "failed" and policy.on_summarizer_error == "fail":

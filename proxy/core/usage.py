@@ -37,6 +37,8 @@ class Usage:
 
 def count(value: Any) -> int | None:
     """A token count, or None when ``value`` is not one (bool, negative, fractional, text, absurd)."""
+    if type(value) is int:  # (the usual case; a bool is not of type int)
+        return value if 0 <= value <= MAX_COUNT else None
     if isinstance(value, bool):
         return None
     if isinstance(value, float) and value.is_integer():
@@ -77,25 +79,12 @@ def normalise_usage(usage: Any, form: UsageForm) -> Usage | None:
     """``usage`` read in ``form`` as a ``Usage``, or None when it carries no usable input count."""
     if type(usage) is not dict and not isinstance(usage, Mapping):  # (a dict: no ABC check)
         return None
-    consistent = True
-
-    def part(path: tuple[str, ...]) -> int:
-        nonlocal consistent
-        value = _at(usage, path) if path else None
-        if value is None:
-            return 0
-        n = count(value)
-        if n is None:
-            consistent = False
-            return 0
-        return n
-
     base = count(usage.get(form.input))
     if base is None:
         return None
-    cached = part(form.cached)
-    writes = part(form.writes)
-    output = part((form.output,))
+    cached, writes, output = _part(usage, form.cached), _part(usage, form.writes), _part(usage, (form.output,))
+    consistent = cached >= 0 and writes >= 0 and output >= 0
+    cached, writes, output = max(0, cached), max(0, writes), max(0, output)
     if form.additive:
         return Usage(base + cached + writes, cached, writes, output, consistent)
     total = base
@@ -104,6 +93,15 @@ def normalise_usage(usage: Any, form: UsageForm) -> Usage | None:
     if writes > total - cached:
         writes, consistent = total - cached, False
     return Usage(total, cached, writes, output, consistent)
+
+
+def _part(usage: Mapping[str, Any], path: tuple[str, ...]) -> int:
+    """The count at ``path`` inside ``usage``: 0 when it is missing, -1 when what is there is not a count."""
+    value = _at(usage, path) if path else None
+    if value is None:
+        return 0
+    n = count(value)
+    return -1 if n is None else n
 
 
 def guess_form(usage: Any, forms: Sequence[UsageForm]) -> UsageForm:
