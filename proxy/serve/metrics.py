@@ -41,7 +41,8 @@ import bisect
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -444,7 +445,8 @@ class Metrics:
         t, m = self.tenant_label(tenant), self.model_label(model)
         self._child(self.requests, t, m, wire if wire in self.wires.names else OTHER,
                     str(status) if 100 <= status <= 599 else OTHER).inc(1)
-        self._ledger(t, m, requests=1)
+        if self.ledger is not None:
+            self.ledger.add_all(t, m, ONE_REQUEST)
         if overhead is not None:
             self._overhead.observe(max(0.0, overhead))
         if upstream is not None:
@@ -542,6 +544,9 @@ def _series(child: Any) -> Any:
             and len(child._upper_bounds) == len(child._buckets):
         return _HistogramSeries(child)
     return child
+
+
+ONE_REQUEST: Mapping[str, float] = MappingProxyType({"requests": 1})  # a finished request's amount in the ledger
 
 
 def _factor(value: float) -> float:
