@@ -22,11 +22,18 @@ if sys.version_info >= (3, 11):
     def deadline(seconds: float) -> AbstractAsyncContextManager[Any]:
         return asyncio.timeout(seconds)
 
+    def deadline_at(when: float) -> AbstractAsyncContextManager[Any]:
+        """``deadline`` at the loop's time ``when``."""
+        return asyncio.timeout_at(when)
+
 else:  # pragma: no cover - Python 3.10
     import async_timeout
 
     def deadline(seconds: float) -> AbstractAsyncContextManager[Any]:
         return async_timeout.timeout(seconds)  # type: ignore[no-any-return]
+
+    def deadline_at(when: float) -> AbstractAsyncContextManager[Any]:
+        return async_timeout.timeout_at(when)  # type: ignore[no-any-return]
 
 
 def deadline_unless(done: bool, seconds: float) -> AbstractAsyncContextManager[Any]:

@@ -39,7 +39,7 @@ from urllib.parse import quote, unquote_to_bytes, urlsplit
 import aiohappyeyeballs
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.core.deadline import deadline
+from proxy.core.deadline import deadline, deadline_at
 
 MAX_LEADING_LINES = 4  # empty lines accepted before an answer's status line
 HEAD_LIMIT = 64 * 1024  # an answer's head (status line and headers), and a chunk's size line with its extensions
@@ -628,6 +628,15 @@ class _Origin:
             self._woken -= 1
             woken = True
 
+    def ready(self) -> _Connection | None:
+        """``acquire``'s idle connection, at once, when no request waits before this one (None: ``acquire``)."""
+        if self._waiters or self._woken or self.client.closed:
+            return None
+        connection = self._idle_connection()
+        if connection is not None:
+            self._pass_on()
+        return connection
+
     def _pass_on(self) -> None:
         """A request served while others wait: what is still free goes to the next of them (two connections
         freed in one tick wake one waiter each only if the second finds one queued)."""
@@ -770,18 +779,37 @@ class HTTPClient:
         return origin, target, basic
 
     async def request(self, method: str, url: str, *, data: bytes | None = None,
-                      headers: Any = ()) -> Response:
-        """Send a request and wait for its answer's head; its body is read from the ``Response``."""
+                      headers: Any = (), timeout: float | None = None) -> Response:
+        """Send a request and wait for its answer's head; its body is read from the ``Response``.
+
+        ``timeout``: the seconds it may take until the head has arrived, waiting for a connection included
+        (``TimeoutError`` then). A connection idle in the pool is taken, and the head awaited, under a timer of
+        the loop's that fails the head's future: no ``asyncio.timeout`` (a cancellation scope) on every request."""
         if self.closed:
             raise ConnectFailed("The client is closed.")
         origin, target, basic = self._target(str(url))
         head = _head(method, target, origin.host_header, headers, data, basic)
         retry, fresh = method in IDEMPOTENT, False
+        loop = origin.loop
+        until = None if timeout is None else loop.time() + timeout
         while True:
-            connection = await origin.acquire(fresh)
+            connection = None if fresh else origin.ready()
+            if connection is None:
+                if until is None:
+                    connection = await origin.acquire(fresh)
+                else:
+                    async with deadline_at(until):
+                        connection = await origin.acquire(fresh)
             reused = connection.used
             try:
-                return await connection.send(method, head, data)
+                answer = connection.send(method, head, data)
+                if until is None:
+                    return await answer
+                timer = loop.call_at(until, _expire, answer)
+                try:
+                    return await answer
+                finally:
+                    timer.cancel()
             except Disconnected:
                 if not (retry and reused and not connection.got_bytes):
                     raise
@@ -807,6 +835,11 @@ class HTTPClient:
             origin.close()
         self._origins.clear()
         self._targets.clear()
+
+
+def _expire(answer: asyncio.Future[Response]) -> None:
+    if not answer.done():
+        answer.set_exception(asyncio.TimeoutError())  # (TimeoutError on Python 3.11+)
 
 
 def _head(method: str, target: str, host: str, headers: Any, data: bytes | None, basic: str | None = None) -> bytes:

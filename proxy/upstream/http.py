@@ -137,8 +137,7 @@ async def open_request(
 ) -> Response:
     """Send a request and wait for the response headers, mapping transport failures to 502/504."""
     try:
-        async with deadline(first_byte_timeout):
-            return await session.request(method, url, data=data, headers=headers)
+        return await session.request(method, url, data=data, headers=headers, timeout=first_byte_timeout)
     except ConnectTimeout:
         raise UpstreamTimeout("Connecting to the upstream timed out.") from None
     except asyncio.TimeoutError:

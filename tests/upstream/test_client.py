@@ -884,3 +884,65 @@ async def test_credentials_belong_to_their_url() -> None:
             for _, head, _ in log]
     assert auth == [b"Authorization: Basic YWxpY2U6YQ==", b"Authorization: Basic Ym9iOmI=", None, None,
                     b"Authorization: Basic dTr/"]
+
+
+# --------------------------------------------------------------------------- the head's timeout
+
+
+async def test_the_timeout_covers_a_pooled_connection_and_closes_it() -> None:
+    """A request on an idle pooled connection (no ``asyncio.timeout`` on that way) still times out when the head is
+    late; the connection is closed, not handed to the next request, and a head arriving later is not taken for the
+    next request's."""
+    async def late_second(reader: R, writer: W, n: int) -> None:
+        assert await read_request(reader) is not None
+        writer.write(ok(b"first"))
+        assert await read_request(reader) is not None  # the second request on the same connection: late
+        await asyncio.sleep(0.3)
+        writer.write(ok(b"late"))
+        await reader.read()
+
+    async with Raw(late_second) as server, HTTPClient() as client:
+        assert await get(client, server.url) == (200, b"first")
+        assert client.connections() == (1, 1)
+        started = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await client.request("GET", server.url, timeout=0.05)
+        assert time.monotonic() - started < 0.25
+        assert client.connections() == (0, 0)
+        assert await get(client, server.url, timeout=2) == (200, b"first")  # a new connection, its own answer
+        assert len(server.peers) == 2
+
+
+async def test_the_timeout_covers_the_wait_for_a_connection() -> None:
+    release = asyncio.Event()
+
+    async def slow(reader: R, writer: W, n: int) -> None:
+        while await read_request(reader) is not None:
+            await release.wait()
+            writer.write(ok())
+
+    async with Raw(slow) as server, HTTPClient(limit=1) as client:
+        first = asyncio.ensure_future(get(client, server.url))
+        await asyncio.sleep(0.05)
+        with pytest.raises(asyncio.TimeoutError):  # queued behind the first, the only connection
+            await client.request("GET", server.url, timeout=0.05)
+        release.set()
+        assert await first == (200, b"ok")
+        assert await get(client, server.url, timeout=2) == (200, b"ok")
+        assert server.max_open == 1
+
+
+async def test_a_head_in_time_disarms_the_timeout() -> None:
+    """The timer ends with the head: reading the body for longer than the timeout is not a timeout, and the
+    connection goes back to the pool."""
+    async def slow_body(reader: R, writer: W, n: int) -> None:
+        while await read_request(reader) is not None:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.write(b"cd")
+
+    async with Raw(slow_body) as server, HTTPClient() as client:
+        for _ in range(2):
+            assert await get(client, server.url, timeout=0.05) == (200, b"abcd")
+        assert len(server.peers) == 1
