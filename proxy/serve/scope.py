@@ -116,6 +116,7 @@ def request_scope(request: web.Request, wire: Wire, *, event: str = "request", c
     headers: CIMultiDict[str] = CIMultiDict({"x-request-id": rid})
     request[RESPONSE_HEADERS] = headers
     request[ERROR_WIRE] = wire
+    request[STREAM_ERROR] = ""  # none yet (set, so that reading it raises no KeyError: ``in`` on a request does)
     record = RequestRecord(request_id=rid, started=time.perf_counter(), wire=wire.name, event=event)
     return RequestScope(Scope(request, st, st.served, wire, record, headers, counted=counted),
                         key_headers or wire.key_headers)
@@ -165,8 +166,9 @@ def _finish(scope: Scope) -> None:
     overhead = record.overhead  # the time before forwarding (a managed request's)
     if record.event != "request" and overhead is None:
         record.overhead = time.perf_counter() - record.started  # the log says how long the proxy's own answer took
-    if STREAM_ERROR in scope.request:
-        record.error = scope.request[STREAM_ERROR]
+    stream_error = scope.request[STREAM_ERROR]
+    if stream_error:
+        record.error = stream_error
     # the provider's usage, read once in the wire's form (the metrics and the feedback after the answer need it)
     answered = normalise_usage(record.usage, scope.wire.usage_form) if record.usage is not None else None
     if scope.counted:

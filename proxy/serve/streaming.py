@@ -21,7 +21,7 @@ from proxy.core.errors import CtxProxyError, UpstreamUnreachable
 from proxy.upstream.base import Answer
 from proxy.wire.sse import SSE_HEADERS, StreamWatcher
 
-# set when a stream failed after it started (the response status is already sent)
+# set when a stream failed after it started (the response status is already sent); "" in a request scope until then
 STREAM_ERROR = web.RequestKey("stream_error", str)
 
 
