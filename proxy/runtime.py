@@ -168,8 +168,14 @@ class Runtime:
         model = model_of(wire, body, params)
         route = self.route(model)
         policy = self.policy(tenant, model, override)
-        counter = await self.tokenizers.counter(route.encoding)
-        calibration = await self.calibration_factor(route, policy.tenant)
+        # (each awaited only when it must wait: a coroutine a request costs more than the lookup)
+        counter = self.tokenizers.loaded(route.encoding) or await self.tokenizers.counter(route.encoding)
+        calibration = 1.0  # (``calibration_factor``, inline)
+        if self.calibration is not None:
+            loading = self.calibration.prime(route, policy.tenant)
+            if loading is not None:
+                await loading
+            calibration = self.calibration.factor(route, policy.tenant)
         provider_window = self.calibration.window(route) if self.calibration is not None else None
         window = min(route.window, provider_window) if provider_window is not None else route.window  # (``window``)
         if (mode or policy.mode) == "observe":

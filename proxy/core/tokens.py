@@ -284,6 +284,10 @@ class Tokenizers:
             counter = self._counters[encoding] = TokenCounter(encoding, self._cache_size)
         return counter
 
+    def loaded(self, encoding: str) -> TokenCounter | None:
+        """The counter of ``encoding`` when it is loaded already (None: ``counter`` loads it)."""
+        return self._counters.get(encoding)
+
     async def counter(self, encoding: str) -> TokenCounter:
         """``get`` for a request: an encoding not loaded yet is loaded in a worker thread (reading and checking
         its ranks takes 0.15-0.25 s, which on the event loop would hold up every other request)."""

@@ -57,7 +57,7 @@ NOT_SERVED = frozenset({404, 405, 501})  # what an upstream without the endpoint
 
 
 async def compact_handler(request: web.Request, wire: Wire) -> web.StreamResponse:
-    async with request_scope(request, wire, event="compact") as scope:
+    with request_scope(request, wire, event="compact") as scope:
         runtime, headers = scope.runtime, scope.headers
         body = await scope.body()
         model = scope.model(body)

@@ -15,7 +15,7 @@ from aiohttp.http_exceptions import PayloadEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
-from proxy.core.deadline import deadline_unless
+from proxy.core.deadline import deadline
 from proxy.core.errors import (
     BadRequest,
     BodyTooLarge,
@@ -169,12 +169,18 @@ async def read_body(request: web.Request) -> bytes:
     size = 0
     content = request.content
     try:
-        async with deadline_unless(content.is_eof(), server.body_timeout):  # (a body all here already cannot wait)
-            while chunk := await content.readany():
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge(f"The request body is larger than the limit of {limit} bytes.")
+        if content.is_eof():  # a body all here already (a small one arrives with its head): taken as it is
+            chunks.append(content.read_nowait())
+            size = len(chunks[0])
+        else:
+            async with deadline(server.body_timeout):
+                while chunk := await content.readany():
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > limit:
+                        break
+        if size > limit:
+            raise BodyTooLarge(f"The request body is larger than the limit of {limit} bytes.")
     except asyncio.TimeoutError:  # (also a chunked body whose framing broke, under aiohttp's compiled parser)
         raise RequestTimeout(f"The request body did not arrive whole within {server.body_timeout:g}s.") from None
     except (RequestPayloadError, PayloadEncodingError):  # its framing broke (a chunk size that is not one ...)

@@ -104,7 +104,7 @@ def make_handler(wire: Wire, hook: RequestHook | None = None) -> Handler:
 
 
 async def _handle(request: web.Request, wire: Wire, hook: RequestHook | None) -> web.StreamResponse:
-    async with request_scope(request, wire) as scope:
+    with request_scope(request, wire) as scope:
         st, runtime, record, rid = scope.state, scope.runtime, scope.record, scope.request_id
         idle = st.config.settings.server.idle_timeout
         body = await scope.body()

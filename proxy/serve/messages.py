@@ -51,7 +51,7 @@ COUNT_RESERVE = 1
 
 
 async def count_tokens_handler(request: web.Request, wire: Wire) -> web.StreamResponse:
-    async with request_scope(request, wire, event="count_tokens") as scope:
+    with request_scope(request, wire, event="count_tokens") as scope:
         st, served, runtime, rid, tenant = scope.state, scope.served, scope.runtime, scope.request_id, scope.tenant
         started = scope.record.started
         body = await scope.body()

@@ -124,7 +124,8 @@ def request_scope(request: web.Request, wire: Wire, *, event: str = "request", c
 
 class RequestScope:
     """``request_scope``'s context: authenticates on entry; on exit, whatever ended the request, finishes it
-    (``_finish``). A class, not a generator's context: every request enters one."""
+    (``_finish``). A plain context, not an asynchronous one or a generator's: neither awaits anything, and every
+    request enters one."""
 
     __slots__ = ("_key_headers", "_scope")
 
@@ -132,7 +133,7 @@ class RequestScope:
         self._scope = scope
         self._key_headers = key_headers
 
-    async def __aenter__(self) -> Scope:
+    def __enter__(self) -> Scope:
         scope = self._scope
         try:
             scope.tenant = scope.runtime.authenticate(client_keys(scope.request, self._key_headers))
@@ -142,7 +143,7 @@ class RequestScope:
         scope.record.tenant = scope.tenant.name if scope.tenant else "default"
         return scope
 
-    async def __aexit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         _ended(self._scope, exc)  # (an exception goes on)
 
 

@@ -273,6 +273,15 @@ class Response:
             parts.append(data)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def read_arrived(self) -> bytes:
+        """``read`` of a body that has arrived whole (``is_eof``), without waiting."""
+        if not self._complete:
+            raise RuntimeError("read_arrived() before the whole body has arrived")
+        parts = []
+        while data := self._next():  # (never None once complete: b"" at the end)
+            parts.append(data)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
     def release(self) -> None:
         """Done with the answer: its connection goes back to the pool if it can carry another request."""
         connection, self.connection = self.connection, None

@@ -18,7 +18,7 @@ import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from plugins.base import Completion
-from proxy.core.deadline import deadline, deadline_unless
+from proxy.core.deadline import deadline
 from proxy.core.errors import (
     UpstreamError,
     UpstreamStatus,
@@ -247,9 +247,11 @@ class HTTPAnswer:
 
     async def read(self, idle_timeout: float) -> bytes:
         try:
-            # (an answer all here already, as a short one is with its headers, cannot stall)
-            async with deadline_unless(self.response.is_eof(), idle_timeout):
-                raw = await self.response.read()
+            if self.response.is_eof():  # all here already, as a short answer is with its head: nothing to wait for
+                raw = self.response.read_arrived()
+            else:
+                async with deadline(idle_timeout):
+                    raw = await self.response.read()
         except asyncio.TimeoutError:
             self.response.close()
             raise UpstreamTimeout("The upstream stalled while sending its answer.") from None
