@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -353,7 +354,8 @@ def test_series_count_exactly_as_the_library_does(amounts: list[float]) -> None:
                       Histogram("h", "h", ("k",), buckets=(0.01, 0.25, 1.0, 5.0), registry=registry))
     series = {(kind, label): _series(metric.labels(label))
               for kind, metric in zip(("c", "h"), made["ours"]) for label in ("a", "b")}
-    plain = {(kind, label): metric.labels(label) for kind, metric in zip(("c", "h"), made["theirs"]) for label in "ab"}
+    plain: dict[tuple[str, str], Any] = {(kind, label): metric.labels(label)
+                                         for kind, metric in zip(("c", "h"), made["theirs"]) for label in "ab"}
     for i, amount in enumerate(amounts):
         label = "ab"[i % 2]
         if amount >= 0:
