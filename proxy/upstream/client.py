@@ -49,8 +49,6 @@ NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "CONNECT"})
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _TOKEN_STR = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _TOKENS = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+(?::[!#$%&'*+\-.^_`|~0-9A-Za-z]+)*")  # names, a colon between
-_PLAIN_FIELDS = re.compile(r"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\r\n]*\r\n)*")  # lines ``name:value``, CRLF ended
-_PLAIN_FIELD = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\r\n]*?)[ \t]*\r\n")  # one: name, bare value
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _DIGITS = re.compile(r"[0-9]{1,18}")
 _TARGET = re.compile(r"[!-~]+")  # visible ASCII: a request target as it may be sent
@@ -442,8 +440,7 @@ class _Connection(asyncio.Protocol):
             return -1
         head = buf[pos:end]
         lines = head.split(b"\r\n")
-        strict = head.count(b"\n") == len(lines) - 1 and head.count(b"\r") == len(lines) - 1 and b"\x00" not in head
-        if not strict:
+        if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1 or b"\x00" in head:
             lines = _lenient_lines(head)
         parts = lines[0].split(b" ", 2)
         version = parts[0]
@@ -451,8 +448,7 @@ class _Connection(asyncio.Protocol):
                 or not parts[1].isdigit() or parts[1][0] == 48:  # (48: "0")
             raise InvalidResponse("The answer's status line is not HTTP/1.1.")
         status = int(parts[1])
-        known = _plain_fields(head[len(lines[0]) + 2:]) if strict and len(lines) > 1 else None
-        headers: CIMultiDict[str] = CIMultiDict(known if known is not None else _fields(lines))
+        headers: CIMultiDict[str] = CIMultiDict(_fields(lines))
         if 100 <= status < 200 and status != 101:
             return end + after  # informational (100 Continue, 103 Early Hints): the answer's own head follows
         response = Response(self, status, parts[2].decode("latin-1") if len(parts) > 2 else "",
@@ -563,17 +559,6 @@ def _head_end(buf: bytes, pos: int) -> tuple[int, int]:
     if at > pos and buf[at - 1] == 13:  # the last line's CR
         return at - 1, after + 1
     return at, after
-
-
-def _plain_fields(block: bytes) -> list[tuple[str, str]] | None:
-    """The header fields of a head's lines after the status line (``block``, CRLF between them, no CR, LF or NUL
-    inside one), each ``name: value``: read by two regular expressions (None: a line is not of that form, an
-    obs-fold, a name that is not a token ...; ``_fields`` then reads each line, or refuses it). The same fields as
-    ``_fields``: the value without the spaces and tabs around it, its bytes as UTF-8 (surrogate escapes)."""
-    text = block.decode("utf-8", "surrogateescape") + "\r\n"
-    if not _PLAIN_FIELDS.fullmatch(text):
-        return None
-    return _PLAIN_FIELD.findall(text)
 
 
 def _fields(lines: list[bytes]) -> list[tuple[str, str]]:

@@ -29,11 +29,9 @@ from proxy.upstream.client import (
     HTTPClient,
     InvalidResponse,
     _Connection,
-    _fields,
     _head,
     _head_each,
     _Origin,
-    _plain_fields,
 )
 
 R: TypeAlias = asyncio.StreamReader
@@ -950,32 +948,6 @@ async def test_a_head_in_time_disarms_the_timeout() -> None:
         for _ in range(2):
             assert await get(client, server.url, timeout=0.05) == (200, b"abcd")
         assert len(server.peers) == 1
-
-
-LINE_BYTES = st.binary(max_size=12).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"").replace(b"\x00", b""))
-HEADER_LINES = st.lists(st.one_of(
-    st.tuples(st.sampled_from([b"X-A", b"content-type", b"Set-Cookie", b"x!#$%&'*+-.^_`|~9", b"", b"Bad Name",
-                               b"\xc3\xa9"]),
-              st.sampled_from([b":", b": ", b":\t ", b" :"]),
-              LINE_BYTES,
-              st.sampled_from([b"", b" ", b"\t \t", b"\xe2\x82"])).map(b"".join),
-    st.sampled_from([b" folded", b"\tfolded", b"no colon"]),
-    LINE_BYTES), min_size=1, max_size=6)
-
-
-@settings(max_examples=300, deadline=None)
-@given(HEADER_LINES)
-def test_plain_header_lines_read_as_line_by_line(lines: list[bytes]) -> None:
-    """The regular expressions' reading of a plain head is the line-by-line reading's, or defers to it."""
-    plain = _plain_fields(b"\r\n".join(lines))
-    try:
-        each = _fields([b"HTTP/1.1 200 OK", *lines])
-    except InvalidResponse:
-        assert plain is None
-        return
-    assert plain is None or plain == each
-    if all(line[:1] not in (b" ", b"\t") for line in lines):
-        assert plain == each  # only an obs-fold is left to the line-by-line reading
 
 
 HEAD_NAMES = st.one_of(st.sampled_from(["Content-Type", "host", "Accept", "accept-encoding", "Authorization",
