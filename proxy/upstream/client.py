@@ -48,7 +48,6 @@ IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "CONNECT"})
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _TOKEN_STR = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_TOKENS = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+(?::[!#$%&'*+\-.^_`|~0-9A-Za-z]+)*")  # names, a colon between
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _DIGITS = re.compile(r"[0-9]{1,18}")
 _TARGET = re.compile(r"[!-~]+")  # visible ASCII: a request target as it may be sent
@@ -448,7 +447,17 @@ class _Connection(asyncio.Protocol):
                 or not parts[1].isdigit() or parts[1][0] == 48:  # (48: "0")
             raise InvalidResponse("The answer's status line is not HTTP/1.1.")
         status = int(parts[1])
-        headers: CIMultiDict[str] = CIMultiDict(_fields(lines))
+        fields: list[tuple[bytes, bytes]] = []
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if colon and _TOKEN.fullmatch(name):
+                fields.append((name, value.strip(b" \t")))
+            elif line[:1] in (b" ", b"\t") and fields:  # obs-fold: the previous value goes on (RFC 9112 §5.2)
+                fields[-1] = (fields[-1][0], fields[-1][1] + b" " + line.strip(b" \t"))
+            else:
+                raise InvalidResponse("The answer's headers are malformed.")
+        headers: CIMultiDict[str] = CIMultiDict(
+            [(name.decode("ascii"), value.decode("utf-8", "surrogateescape")) for name, value in fields])
         if 100 <= status < 200 and status != 101:
             return end + after  # informational (100 Continue, 103 Early Hints): the answer's own head follows
         response = Response(self, status, parts[2].decode("latin-1") if len(parts) > 2 else "",
@@ -559,21 +568,6 @@ def _head_end(buf: bytes, pos: int) -> tuple[int, int]:
     if at > pos and buf[at - 1] == 13:  # the last line's CR
         return at - 1, after + 1
     return at, after
-
-
-def _fields(lines: list[bytes]) -> list[tuple[str, str]]:
-    """The header fields of a head's ``lines`` (the status line first), one line at a time: an obs-fold line goes
-    on with the previous value (RFC 9112 §5.2); anything else that is not ``name: value`` is refused."""
-    fields: list[tuple[bytes, bytes]] = []
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if colon and _TOKEN.fullmatch(name):
-            fields.append((name, value.strip(b" \t")))
-        elif line[:1] in (b" ", b"\t") and fields:
-            fields[-1] = (fields[-1][0], fields[-1][1] + b" " + line.strip(b" \t"))
-        else:
-            raise InvalidResponse("The answer's headers are malformed.")
-    return [(name.decode("ascii"), value.decode("utf-8", "surrogateescape")) for name, value in fields]
 
 
 def _lenient_lines(head: bytes) -> list[bytes]:
@@ -858,43 +852,11 @@ def _expire(answer: asyncio.Future[Response]) -> None:
 
 
 def _head(method: str, target: str, host: str, headers: Any, data: bytes | None, basic: str | None = None) -> bytes:
-    """A request's head: the caller's headers as they are (none with a CR or LF, every name a token), then what
-    they lack of Host, Authorization (``basic``), Accept, Accept-Encoding, Content-Length and Content-Type. The
-    headers are checked and looked in all at once (``_head_each``, one at a time, the same head: it says which
-    header is refused, and drops a Content-Length or Transfer-Encoding given)."""
     if not _TOKEN_STR.fullmatch(method):
         raise ValueError(f"not a method: {method[:100]!r}")
-    pairs = list(headers.items() if hasattr(headers, "items") else headers)
-    block = "".join([f"{name}: {value}\r\n" for name, value in pairs])
-    low = "\r\n" + block.lower()  # (each name after a CRLF: no value holds one)
-    names = ":".join([name for name, _ in pairs])  # (a colon is no token's: one more is a name that holds one)
-    if (pairs and (not _TOKENS.fullmatch(names) or names.count(":") != len(pairs) - 1)) \
-            or block.count("\n") != len(pairs) or block.count("\r") != len(pairs) \
-            or "\r\ncontent-length:" in low or "\r\ntransfer-encoding:" in low:
-        return _head_each(method, target, host, pairs, data, basic)
-    out = [f"{method} {target} HTTP/1.1\r\n", block]
-    if "\r\nhost:" not in low:
-        out.append(f"Host: {host}\r\n")
-    if basic is not None and "\r\nauthorization:" not in low:
-        out.append(f"Authorization: {basic}\r\n")
-    if "\r\naccept:" not in low:
-        out.append("Accept: */*\r\n")
-    if "\r\naccept-encoding:" not in low:
-        out.append("Accept-Encoding: gzip, deflate\r\n")
-    if data is not None:
-        out.append(f"Content-Length: {len(data)}\r\n")
-        if "\r\ncontent-type:" not in low and method not in NO_BODY_METHODS:
-            out.append("Content-Type: application/octet-stream\r\n")
-    elif method not in NO_BODY_METHODS:
-        out.append("Content-Length: 0\r\n")
-    out.append("\r\n")
-    return "".join(out).encode("utf-8", "surrogateescape")
-
-
-def _head_each(method: str, target: str, host: str, items: list[tuple[str, str]], data: bytes | None,
-               basic: str | None) -> bytes:
     lines = [f"{method} {target} HTTP/1.1"]
     seen = set()
+    items = headers.items() if hasattr(headers, "items") else headers
     for name, value in items:
         if "\n" in value or "\r" in value or not _TOKEN_STR.fullmatch(name):
             raise ValueError(f"a header that would break the request: {name[:100]!r}")

@@ -29,8 +29,6 @@ from proxy.upstream.client import (
     HTTPClient,
     InvalidResponse,
     _Connection,
-    _head,
-    _head_each,
     _Origin,
 )
 
@@ -948,24 +946,3 @@ async def test_a_head_in_time_disarms_the_timeout() -> None:
         for _ in range(2):
             assert await get(client, server.url, timeout=0.05) == (200, b"abcd")
         assert len(server.peers) == 1
-
-
-HEAD_NAMES = st.one_of(st.sampled_from(["Content-Type", "host", "Accept", "accept-encoding", "Authorization",
-                                        "Content-Length", "transfer-encoding", "X-A", "x-a"]),
-                       st.text("aZ09-_!:\r\n é", max_size=6))
-HEAD_VALUES = st.text("aZ09 :\t\r\né\udc80", max_size=8)
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.sampled_from(["GET", "POST", "HEAD"]), st.lists(st.tuples(HEAD_NAMES, HEAD_VALUES), max_size=5),
-       st.one_of(st.none(), st.binary(max_size=3)), st.one_of(st.none(), st.just("Basic dTpw")))
-def test_the_request_head_made_at_once_is_the_one_made_header_by_header(
-        method: str, headers: list[tuple[str, str]], data: bytes | None, basic: str | None) -> None:
-    def made(make: Callable[..., bytes], *args: Any) -> bytes | str:
-        try:
-            return make(*args)
-        except ValueError:
-            return "refused"
-
-    assert made(_head, method, "/v1/x", "h:1", headers, data, basic) \
-        == made(_head_each, method, "/v1/x", "h:1", headers, data, basic)
