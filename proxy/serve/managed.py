@@ -9,6 +9,7 @@ A refusal for length that comes before the answer is recovered once (``proxy.ser
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -96,10 +97,10 @@ def report_headers(assembly: Assembly, overhead: float) -> dict[str, str]:
 
 
 def make_handler(wire: Wire, hook: RequestHook | None = None) -> Handler:
-    async def handle(request: web.Request) -> web.StreamResponse:
-        return await _handle(request, wire, hook)
-
-    handle.__name__ = f"{wire.name}_handler"
+    """``_handle`` for ``wire``: a partial, not a coroutine that awaits it (one coroutine less a request; aiohttp
+    takes a partial of a coroutine function as one)."""
+    handle = functools.partial(_handle, wire=wire, hook=hook)
+    handle.__name__ = f"{wire.name}_handler"  # type: ignore[attr-defined]  # (a partial has a __dict__)
     return handle
 
 
