@@ -168,19 +168,24 @@ def measure(args: argparse.Namespace) -> float:
     return total / args.requests
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def server_arguments(ap: argparse.ArgumentParser, payload: str, requests: int) -> None:
+    """The arguments that say which server runs and what it is sent (this script's and ``server_opcodes.py``'s)."""
     ap.add_argument("--config", default="under_budget.yaml", help="a file in bench/configs")
-    ap.add_argument("--payload", default="agent_long.json", help="a file in bench/payloads")
-    ap.add_argument("--requests", type=int, default=20, help="requests counted")
+    ap.add_argument("--payload", default=payload, help="a file in bench/payloads")
+    ap.add_argument("--requests", type=int, default=requests, help="requests counted")
     ap.add_argument("--warm", type=int, default=30, help="requests sent before counting")
     ap.add_argument("--grow", action="store_true", help="a growing conversation instead of the same body again")
     ap.add_argument("--floor", action="store_true", help="the floor relay (bench/floor_relay.py) instead of ctxproxy")
+    ap.add_argument("--wire", choices=tuple(WIRE_PATHS), default="chat",
+                    help="the conversation on this wire, sent to its path")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    server_arguments(ap, "agent_long.json", 20)
     ap.add_argument("--patch", help="Python run in the server before it starts (switch a part off)")
     ap.add_argument("--counted-usage", action="store_true",
                     help="the fake upstream counts the prompt as a provider would (calibration samples every answer)")
-    ap.add_argument("--wire", choices=tuple(WIRE_PATHS), default="chat",
-                    help="the conversation on this wire, sent to its path")
     ap.add_argument("--path", help="where to send it (default: the wire's path)")
     ap.add_argument("--keep", help="copy callgrind's dump here (callgrind_annotate reads it)")
     ap.add_argument("--pad-to", type=int, default=0, metavar="BYTES",

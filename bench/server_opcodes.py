@@ -35,7 +35,16 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.server_instructions import FLOOR, SERVE, WIRE_PATHS, bodies, free_port, send, wait_ready  # noqa: E402
+from bench.server_instructions import (  # noqa: E402
+    FLOOR,
+    SERVE,
+    WIRE_PATHS,
+    bodies,
+    free_port,
+    send,
+    server_arguments,
+    wait_ready,
+)
 
 # Run in the server before it starts: SIGUSR1 switches the trace on, the next one off and writes the counts
 # (tab-separated: kind, count, calls, where) to $CTXPROXY_OPCODES_OUT.
@@ -162,13 +171,7 @@ def _short(where: str) -> str:
 
 def main(argv: list[str] | None = None) -> Any:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="under_budget.yaml", help="a file in bench/configs")
-    ap.add_argument("--payload", default="small.json", help="a file in bench/payloads")
-    ap.add_argument("--requests", type=int, default=300, help="requests counted")
-    ap.add_argument("--warm", type=int, default=30, help="requests sent before counting")
-    ap.add_argument("--grow", action="store_true", help="a growing conversation instead of the same body again")
-    ap.add_argument("--floor", action="store_true", help="the floor relay (bench/floor_relay.py) instead of ctxproxy")
-    ap.add_argument("--wire", choices=tuple(WIRE_PATHS), default="chat", help="the conversation on this wire")
+    server_arguments(ap, "small.json", 300)
     ap.add_argument("--top", type=int, default=40, help="rows of each table")
     args = ap.parse_args(argv)
     if args.requests <= 0 or args.warm < 0:
