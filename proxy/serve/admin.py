@@ -57,7 +57,7 @@ async def explain_handler(request: web.Request) -> web.StreamResponse:
         raise NotFound(f"No wire {name[:40]!r}; known: {', '.join(sorted(wires))}.")
     # a wire picked from the body answers errors in the shape of the first registered (OpenAI's) until it is known
     with request_scope(request, wire or next(iter(wires.values())), event="explain", counted=False,
-                             key_headers=None if wire is not None else wires.key_headers) as scope:
+                       key_headers=None if wire is not None else wires.key_headers) as scope:
         body = await scope.body()
         if wire is None:
             scope.speak(wires.sniff(body))
