@@ -58,7 +58,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from proxy.core.conversation import UNMANAGED_REASONS
 from proxy.core.pairing import REPAIR_KINDS
-from proxy.core.usage import normalise_usage
+from proxy.core.usage import count, normalise_usage
 from proxy.pipeline import MODES, REMOVED_HOW, SUMMARY_STATUSES
 from proxy.store.background import BACKGROUND_RESULTS
 from proxy.store.calibration import SAMPLE_RESULTS
@@ -495,7 +495,7 @@ class Metrics:
             return normalised.cached_tokens
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
         value = details.get("cached_tokens") if isinstance(details, dict) else None
-        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+        return count(value) or 0  # (a count as normalise_usage reads one: no bool, nothing absurd)
 
     # -- exposition -----------------------------------------------------------------------------------
 

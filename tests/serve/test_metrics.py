@@ -184,7 +184,10 @@ def test_cached_tokens_and_timings(metrics: Metrics) -> None:
     usage = {"prompt_tokens": 5000, "prompt_tokens_details": {"cached_tokens": 4096}}
     metrics.finished("acme", MODEL, 200, overhead=0.0003, upstream=2.0, ttft=0.4, usage=usage)
     for bad in [None, {}, {"prompt_tokens_details": None}, {"prompt_tokens_details": {"cached_tokens": "7"}},
-                {"prompt_tokens_details": {"cached_tokens": True}}]:
+                {"prompt_tokens_details": {"cached_tokens": True}},
+                # no usable input count: the cached count read alone, and an absurd one is no count
+                {"prompt_tokens": 2**63, "prompt_tokens_details": {"cached_tokens": 2**63}},
+                {"prompt_tokens_details": {"cached_tokens": 10**30}}, {"prompt_tokens_details": {"cached_tokens": -4}}]:
         metrics.finished("acme", MODEL, 200, overhead=None, upstream=None, ttft=None, usage=bad)
     assert value(metrics, "ctxproxy_provider_cached_tokens_total", **t) == 4096
     assert value(metrics, "ctxproxy_overhead_seconds_count") == 1
@@ -192,7 +195,7 @@ def test_cached_tokens_and_timings(metrics: Metrics) -> None:
     assert value(metrics, "ctxproxy_overhead_seconds_bucket", le="0.0001") == 0
     assert value(metrics, "ctxproxy_upstream_seconds_sum", **t) == 2.0
     assert value(metrics, "ctxproxy_upstream_ttft_seconds_count", **t) == 1
-    assert value(metrics, "ctxproxy_requests_total", **t, wire="chat", status="200") == 6
+    assert value(metrics, "ctxproxy_requests_total", **t, wire="chat", status="200") == 9
 
 
 def test_prefix_stability(metrics: Metrics) -> None:
