@@ -129,7 +129,10 @@ def measure(args: argparse.Namespace) -> Path:
     finally:
         for process in (server, upstream):
             process.terminate()
-            process.wait(30)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
     return out
 
 

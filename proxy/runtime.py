@@ -169,7 +169,9 @@ class Runtime:
         route = self.route(model)
         policy = self.policy(tenant, model, override)
         # (each awaited only when it must wait: a coroutine a request costs more than the lookup)
-        counter = self.tokenizers.loaded(route.encoding) or await self.tokenizers.counter(route.encoding)
+        counter = self.tokenizers.loaded(route.encoding)
+        if counter is None:
+            counter = await self.tokenizers.counter(route.encoding)
         calibration = 1.0  # (``calibration_factor``, inline)
         if self.calibration is not None:
             loading = self.calibration.prime(route, policy.tenant)

@@ -291,7 +291,5 @@ class Tokenizers:
     async def counter(self, encoding: str) -> TokenCounter:
         """``get`` for a request: an encoding not loaded yet is loaded in a worker thread (reading and checking
         its ranks takes 0.15-0.25 s, which on the event loop would hold up every other request)."""
-        counter = self._counters.get(encoding)
-        if counter is None:
-            counter = await asyncio.to_thread(self.get, encoding)
-        return counter
+        counter = self.loaded(encoding)
+        return counter if counter is not None else await asyncio.to_thread(self.get, encoding)
